@@ -1,0 +1,16 @@
+//! Plumbing every bounded context uses: the [`Context`] trait the controller's
+//! router calls, the inbox (at-most-once effect of at-least-once delivery), the
+//! outbox (declarations and record events written in the handler's transaction),
+//! the migrations runner, and problem+json API errors.
+//!
+//! This crate knows PostgreSQL and axum, never AMQP: publishing what the outbox
+//! holds is the controller's relay. It knows no particular context.
+
+pub mod api;
+mod context;
+pub mod inbox;
+mod migrate;
+pub mod outbox;
+
+pub use context::{Context, HandlerError, OutboxSignal};
+pub use migrate::{MigrateError, migrate};

@@ -1,0 +1,96 @@
+//! The transactional outbox: declarations and record events are rows written in
+//! the same transaction as the state change that caused them. The controller's
+//! relay publishes them with publisher confirms and only then marks them sent.
+
+use mesh_protocol::topology::{DECLARATIONS_EXCHANGE, RECORD_EXCHANGE};
+use mesh_protocol::{Declaration, Envelope, NodeId, RecordEvent};
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+/// One message waiting to be published.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OutboxRow {
+    pub id: i64,
+    pub message_id: Uuid,
+    pub exchange: String,
+    pub routing_key: String,
+    pub kind: String,
+    /// Target node of a declaration; none for record events.
+    pub node: Option<String>,
+    pub payload: Vec<u8>,
+}
+
+async fn insert(
+    tx: &mut PgConnection,
+    schema: &str,
+    message_id: Uuid,
+    exchange: &str,
+    routing_key: &str,
+    kind: &str,
+    node: Option<&str>,
+    payload: Vec<u8>,
+) -> Result<(), sqlx::Error> {
+    let sql = format!(
+        "INSERT INTO {schema}.outbox (message_id, exchange, routing_key, kind, node, payload) \
+         VALUES ($1, $2, $3, $4, $5, $6)"
+    );
+    sqlx::query(&sql)
+        .bind(message_id)
+        .bind(exchange)
+        .bind(routing_key)
+        .bind(kind)
+        .bind(node)
+        .bind(payload)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
+/// Queue a declaration for `node` in `schema`'s outbox.
+pub async fn declare(
+    tx: &mut PgConnection,
+    schema: &str,
+    node: &NodeId,
+    declaration: Declaration,
+) -> Result<Uuid, sqlx::Error> {
+    let generation = declaration.generation;
+    let envelope = Envelope::new(node.clone(), generation, declaration);
+    let id = envelope.id;
+    insert(tx, schema, id, DECLARATIONS_EXCHANGE, node.as_str(), Declaration::KIND, Some(node.as_str()), envelope.encode())
+        .await?;
+    Ok(id)
+}
+
+/// Queue a record event in `schema`'s outbox.
+pub async fn record(tx: &mut PgConnection, schema: &str, event: &RecordEvent) -> Result<(), sqlx::Error> {
+    insert(tx, schema, event.id, RECORD_EXCHANGE, &event.routing_key(), &event.event, None, event.encode()).await
+}
+
+/// The oldest unsent rows, at most `limit`.
+pub async fn pending(pool: &PgPool, schema: &str, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
+    let sql = format!(
+        "SELECT id, message_id, exchange, routing_key, kind, node, payload FROM {schema}.outbox \
+         WHERE sent_at IS NULL ORDER BY id LIMIT $1"
+    );
+    sqlx::query_as(&sql).bind(limit).fetch_all(pool).await
+}
+
+/// Mark rows as confirmed by the broker.
+pub async fn mark_sent(pool: &PgPool, schema: &str, ids: &[i64]) -> Result<(), sqlx::Error> {
+    let sql = format!("UPDATE {schema}.outbox SET sent_at = now() WHERE id = ANY($1)");
+    sqlx::query(&sql).bind(ids).execute(pool).await?;
+    Ok(())
+}
+
+/// Number of rows not yet sent (a gauge for metrics).
+pub async fn backlog(pool: &PgPool, schema: &str) -> Result<i64, sqlx::Error> {
+    let sql = format!("SELECT count(*) FROM {schema}.outbox WHERE sent_at IS NULL");
+    sqlx::query_scalar(&sql).fetch_one(pool).await
+}
+
+/// Delete sent rows older than `keep`.
+pub async fn prune(pool: &PgPool, schema: &str, keep: std::time::Duration) -> Result<u64, sqlx::Error> {
+    let sql = format!("DELETE FROM {schema}.outbox WHERE sent_at < now() - make_interval(secs => $1)");
+    let done = sqlx::query(&sql).bind(keep.as_secs_f64()).execute(pool).await?;
+    Ok(done.rows_affected())
+}

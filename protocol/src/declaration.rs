@@ -1,0 +1,208 @@
+use std::collections::BTreeSet;
+use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::envelope::{Body, parse_body};
+use crate::{DecodeError, MAX_FILE_BYTES, MAX_ITEMS};
+
+/// A part of a node's desired state owned by exactly one context. Each section has
+/// its own generation counter; a declaration always carries a whole section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Section {
+    Inventory,
+    Config,
+    Connectivity,
+    Delivery,
+    Provisioning,
+}
+
+impl Section {
+    pub const ALL: [Section; 5] = [
+        Section::Inventory,
+        Section::Config,
+        Section::Connectivity,
+        Section::Delivery,
+        Section::Provisioning,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Section::Inventory => "inventory",
+            Section::Config => "config",
+            Section::Connectivity => "connectivity",
+            Section::Delivery => "delivery",
+            Section::Provisioning => "provisioning",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Section> {
+        Section::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+}
+
+impl fmt::Display for Section {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A file mode: permission bits only (at most 0o7777).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(transparent)]
+pub struct FileMode(u32);
+
+impl FileMode {
+    pub fn new(mode: u32) -> Result<Self, DecodeError> {
+        if mode > 0o7777 {
+            return Err(DecodeError::invalid("mode", format!("{mode:#o} is outside 0o0000..=0o7777")));
+        }
+        Ok(FileMode(mode))
+    }
+
+    /// Parse an octal string such as `"0644"` or `"644"`.
+    pub fn parse_octal(s: &str) -> Result<Self, DecodeError> {
+        let digits = s.strip_prefix("0o").unwrap_or(s);
+        let mode = u32::from_str_radix(digits, 8)
+            .map_err(|_| DecodeError::invalid("mode", format!("`{s}` is not an octal mode")))?;
+        FileMode::new(mode)
+    }
+
+    pub fn bits(self) -> u32 {
+        self.0
+    }
+}
+
+impl fmt::Display for FileMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:04o}", self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for FileMode {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        FileMode::new(u32::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A file a node must have: an absolute, normalized path (applied under the agent's
+/// root), its whole content, and its mode.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileItem {
+    pub path: String,
+    pub content: String,
+    pub mode: FileMode,
+}
+
+/// Check a declared path: absolute, at most 4096 bytes, no empty, `.` or `..`
+/// component, no NUL. Returns the path's components.
+pub fn validate_path(field: &str, path: &str) -> Result<Vec<String>, DecodeError> {
+    let bad = |reason: &str| DecodeError::invalid(field, format!("`{}`: {reason}", path.chars().take(120).collect::<String>()));
+    if path.len() > 4096 {
+        return Err(bad("longer than 4096 bytes"));
+    }
+    if path.contains('\0') {
+        return Err(bad("contains NUL"));
+    }
+    let Some(rest) = path.strip_prefix('/') else {
+        return Err(bad("must be absolute"));
+    };
+    let parts: Vec<&str> = rest.split('/').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(bad("has an empty component or a trailing slash"));
+    }
+    if parts.iter().any(|p| *p == "." || *p == "..") {
+        return Err(bad("must not contain `.` or `..`"));
+    }
+    Ok(parts.into_iter().map(str::to_owned).collect())
+}
+
+impl FileItem {
+    pub fn validate(&self, field: &str) -> Result<(), DecodeError> {
+        validate_path(&format!("{field}.path"), &self.path)?;
+        if self.content.len() > MAX_FILE_BYTES {
+            return Err(DecodeError::invalid(
+                format!("{field}.content"),
+                format!("{} bytes, limit {MAX_FILE_BYTES}", self.content.len()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The items of one section.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeclarationItems {
+    #[serde(default)]
+    pub files: Vec<FileItem>,
+}
+
+impl DeclarationItems {
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        if self.files.len() > MAX_ITEMS {
+            return Err(DecodeError::invalid("body.items.files", format!("more than {MAX_ITEMS} files")));
+        }
+        let mut seen = BTreeSet::new();
+        for (i, f) in self.files.iter().enumerate() {
+            let field = format!("body.items.files[{i}]");
+            f.validate(&field)?;
+            if !seen.insert(f.path.as_str()) {
+                return Err(DecodeError::invalid(format!("{field}.path"), format!("`{}` is declared twice", f.path)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The digest of a set of items: hex SHA-256 of their canonical JSON (files sorted
+/// by path). Equal items give equal digests, whatever order they were built in.
+pub fn digest_items(items: &DeclarationItems) -> String {
+    let mut sorted = items.clone();
+    sorted.files.sort_by(|a, b| a.path.cmp(&b.path));
+    let bytes = serde_json::to_vec(&sorted).unwrap_or_default();
+    hex::encode(Sha256::digest(&bytes))
+}
+
+/// What a node is told: the whole of one section at one generation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Declaration {
+    pub section: Section,
+    /// Monotonic per node and section, starting at 1.
+    pub generation: u64,
+    pub items: DeclarationItems,
+}
+
+impl Declaration {
+    pub const KIND: &'static str = "declaration";
+
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        if self.generation == 0 {
+            return Err(DecodeError::invalid("body.generation", "generations start at 1"));
+        }
+        self.items.validate()
+    }
+}
+
+impl Body for Declaration {
+    fn kind(&self) -> &'static str {
+        Declaration::KIND
+    }
+
+    fn to_value(&self) -> serde_json::Value {
+        serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
+    }
+
+    fn from_parts(kind: &str, body: serde_json::Value) -> Result<Self, DecodeError> {
+        if kind != Declaration::KIND {
+            return Err(DecodeError::UnknownKind(kind.chars().take(64).collect()));
+        }
+        let d: Declaration = parse_body(kind, body)?;
+        d.validate()?;
+        Ok(d)
+    }
+}

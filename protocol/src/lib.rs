@@ -1,0 +1,47 @@
+//! The wire vocabulary of the mesh: what a host agent states (reports), what it is
+//! told (declarations), what contexts tell each other (record events), and the
+//! names of the exchanges and queues they travel through.
+//!
+//! This crate is pure: no I/O, no broker, no database. It is the one parse point
+//! for everything that crosses the wire. Decoding is strict: an unknown kind, a
+//! missing or unknown field, an oversized message or an invalid value is a typed
+//! [`DecodeError`], never a panic and never a silently defaulted value.
+//!
+//! docs/protocol.md is the contract this crate implements.
+
+mod declaration;
+mod envelope;
+mod error;
+mod node;
+mod record;
+mod report;
+pub mod topology;
+
+pub use declaration::{
+    Declaration, DeclarationItems, FileItem, FileMode, Section, digest_items, validate_path,
+};
+pub use envelope::Body;
+pub use envelope::{Envelope, PROTOCOL_VERSION, RawEnvelope};
+pub use error::DecodeError;
+pub use node::{Labels, NodeId, validate_labels};
+pub use record::{NodeLabelsChanged, RecordEvent, RecordKind};
+pub use report::{
+    Applied, AppliedGenerations, Heartbeat, Hello, ItemOutcome, Outcome, Report, ReportKind,
+};
+
+/// Largest report (hello, heartbeat, applied) the controller accepts, in bytes of
+/// encoded JSON. A hello with a few hundred labels fits with room to spare.
+pub const MAX_REPORT_BYTES: usize = 64 * 1024;
+
+/// Largest declaration an agent accepts, in bytes of encoded JSON. A declaration is
+/// a whole section; files larger than this belong in an artifact (delivery context).
+pub const MAX_DECLARATION_BYTES: usize = 1024 * 1024;
+
+/// Largest single file content inside a declaration, in bytes.
+pub const MAX_FILE_BYTES: usize = 256 * 1024;
+
+/// Largest number of items of one kind in one declaration.
+pub const MAX_ITEMS: usize = 1024;
+
+/// Largest record event, in bytes of encoded JSON.
+pub const MAX_EVENT_BYTES: usize = 256 * 1024;

@@ -1,0 +1,184 @@
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::envelope::{Body, parse_body};
+use crate::{DecodeError, Labels, Section, validate_labels};
+
+/// Newest generation a node has applied, per section.
+pub type AppliedGenerations = BTreeMap<Section, u64>;
+
+/// The kinds of report a node sends. The controller's router matches on this
+/// exhaustively: a new kind does not compile until it is routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ReportKind {
+    Hello,
+    Heartbeat,
+    Applied,
+}
+
+impl ReportKind {
+    pub const ALL: [ReportKind; 3] = [ReportKind::Hello, ReportKind::Heartbeat, ReportKind::Applied];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReportKind::Hello => "hello",
+            ReportKind::Heartbeat => "heartbeat",
+            ReportKind::Applied => "applied",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, DecodeError> {
+        ReportKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| DecodeError::UnknownKind(s.chars().take(64).collect()))
+    }
+}
+
+/// What a node states about itself.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Report {
+    Hello(Hello),
+    Heartbeat(Heartbeat),
+    Applied(Applied),
+}
+
+impl Report {
+    pub fn report_kind(&self) -> ReportKind {
+        match self {
+            Report::Hello(_) => ReportKind::Hello,
+            Report::Heartbeat(_) => ReportKind::Heartbeat,
+            Report::Applied(_) => ReportKind::Applied,
+        }
+    }
+}
+
+impl Body for Report {
+    fn kind(&self) -> &'static str {
+        self.report_kind().as_str()
+    }
+
+    fn to_value(&self) -> serde_json::Value {
+        let v = match self {
+            Report::Hello(b) => serde_json::to_value(b),
+            Report::Heartbeat(b) => serde_json::to_value(b),
+            Report::Applied(b) => serde_json::to_value(b),
+        };
+        v.unwrap_or(serde_json::Value::Null)
+    }
+
+    fn from_parts(kind: &str, body: serde_json::Value) -> Result<Self, DecodeError> {
+        let report = match ReportKind::parse(kind)? {
+            ReportKind::Hello => Report::Hello(parse_body(kind, body)?),
+            ReportKind::Heartbeat => Report::Heartbeat(parse_body(kind, body)?),
+            ReportKind::Applied => Report::Applied(parse_body(kind, body)?),
+        };
+        report.validate()?;
+        Ok(report)
+    }
+}
+
+impl Report {
+    fn validate(&self) -> Result<(), DecodeError> {
+        match self {
+            Report::Hello(h) => h.validate(),
+            Report::Heartbeat(_) => Ok(()),
+            Report::Applied(a) => a.validate(),
+        }
+    }
+}
+
+/// Sent on every (re)connect: the node's facts, and what it has applied, so the
+/// controller can re-send any section the node is behind on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hello {
+    pub hostname: String,
+    pub arch: String,
+    pub cpus: u32,
+    pub memory_bytes: u64,
+    /// Labels the node's own configuration gives it; operator labels override these.
+    pub labels: Labels,
+    pub agent_version: String,
+    /// The node's public key, once it has enrolled (identity issue).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key: Option<String>,
+    pub applied: AppliedGenerations,
+}
+
+impl Hello {
+    fn validate(&self) -> Result<(), DecodeError> {
+        for (field, value, max) in [
+            ("body.hostname", &self.hostname, 255),
+            ("body.arch", &self.arch, 64),
+            ("body.agent_version", &self.agent_version, 64),
+        ] {
+            if value.is_empty() || value.len() > max || value.chars().any(char::is_control) {
+                return Err(DecodeError::invalid(
+                    field,
+                    format!("must be 1 to {max} characters without control characters"),
+                ));
+            }
+        }
+        validate_labels("body.labels", &self.labels)
+    }
+}
+
+/// Sent on an interval: cheap, idempotent, carries the applied generations.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Heartbeat {
+    pub applied: AppliedGenerations,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Every item applied; the generation is now the node's applied generation.
+    Applied,
+    /// Some items failed; the generation is not recorded as applied.
+    Failed,
+    /// The declaration could not be read or validated; nothing on disk changed.
+    Rejected,
+}
+
+/// The outcome of one item of a declaration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ItemOutcome {
+    /// The item's path (files) or name (units).
+    pub item: String,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Sent after a declaration was handled, whatever the outcome.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Applied {
+    /// Absent only when a rejected declaration could not be read far enough to know.
+    pub section: Option<Section>,
+    pub generation: Option<u64>,
+    pub outcome: Outcome,
+    #[serde(default)]
+    pub items: Vec<ItemOutcome>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Applied {
+    fn validate(&self) -> Result<(), DecodeError> {
+        if self.outcome != Outcome::Rejected && (self.section.is_none() || self.generation.is_none()) {
+            return Err(DecodeError::invalid(
+                "body.section",
+                "section and generation are required unless the outcome is rejected",
+            ));
+        }
+        if self.items.len() > crate::MAX_ITEMS {
+            return Err(DecodeError::invalid("body.items", "too many items"));
+        }
+        Ok(())
+    }
+}
