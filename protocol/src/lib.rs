@@ -15,6 +15,7 @@ mod error;
 mod node;
 mod record;
 mod report;
+mod secret;
 pub mod topology;
 
 pub use declaration::{
@@ -25,6 +26,7 @@ pub use envelope::{Envelope, PROTOCOL_VERSION, RawEnvelope};
 pub use error::DecodeError;
 pub use node::{Labels, NodeId, validate_labels};
 pub use record::{NodeLabelsChanged, RecordEvent, RecordKind};
+pub use secret::{Secret, redact_url};
 pub use report::{
     Applied, AppliedGenerations, Heartbeat, Hello, ItemOutcome, Outcome, Report, ReportKind,
 };

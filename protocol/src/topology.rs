@@ -24,6 +24,9 @@ pub const REASON_CODE_HEADER: &str = "x-mesh-reason-code";
 /// Header a dead-lettered message carries: the queue it was taken from.
 pub const ORIGIN_QUEUE_HEADER: &str = "x-mesh-origin-queue";
 
+/// Header a dead-lettered message carries: the broker user that sent it, if any.
+pub const ORIGIN_USER_HEADER: &str = "x-mesh-origin-user";
+
 /// Bound of the heartbeat queue (messages); overflow drops the oldest heartbeat,
 /// which the next one from the same node supersedes anyway.
 pub const HEARTBEAT_QUEUE_MAX_LEN: i64 = 200_000;

@@ -23,7 +23,7 @@ pub async fn migrate(url: &str, schema: &str, mut runner: Runner) -> Result<Vec<
             tracing::warn!(error = %e, "migration connection ended");
         }
     });
-    runner = runner.set_migration_table_name(format!("{schema}.refinery_schema_history"));
+    runner.set_migration_table_name(format!("{schema}.refinery_schema_history"));
     let report = runner
         .run_async(&mut client)
         .await

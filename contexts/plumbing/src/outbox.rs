@@ -4,7 +4,7 @@
 
 use mesh_protocol::topology::{DECLARATIONS_EXCHANGE, RECORD_EXCHANGE};
 use mesh_protocol::{Declaration, Envelope, NodeId, RecordEvent};
-use sqlx::{PgConnection, PgPool};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use uuid::Uuid;
 
 /// One message waiting to be published.
@@ -34,7 +34,7 @@ async fn insert(
         "INSERT INTO {schema}.outbox (message_id, exchange, routing_key, kind, node, payload) \
          VALUES ($1, $2, $3, $4, $5, $6)"
     );
-    sqlx::query(&sql)
+    sqlx::query(AssertSqlSafe(sql))
         .bind(message_id)
         .bind(exchange)
         .bind(routing_key)
@@ -61,6 +61,43 @@ pub async fn declare(
     Ok(id)
 }
 
+/// Queue many declarations in `schema`'s outbox with one statement per chunk of
+/// rows, for reconciles that touch thousands of nodes in one transaction. Each
+/// row is exactly what [`declare`] writes.
+pub async fn declare_many(
+    tx: &mut PgConnection,
+    schema: &str,
+    declarations: Vec<(NodeId, Declaration)>,
+) -> Result<Vec<Uuid>, sqlx::Error> {
+    const CHUNK: usize = 500;
+    let sql = format!(
+        "INSERT INTO {schema}.outbox (message_id, exchange, routing_key, kind, node, payload) \
+         SELECT u.id, $2, u.node, $3, u.node, u.payload FROM UNNEST($1::uuid[], $4::text[], $5::bytea[]) AS u(id, node, payload)"
+    );
+    let mut all = Vec::with_capacity(declarations.len());
+    let mut rows = declarations.into_iter().peekable();
+    while rows.peek().is_some() {
+        let (mut ids, mut nodes, mut payloads) = (Vec::new(), Vec::new(), Vec::new());
+        for (node, declaration) in rows.by_ref().take(CHUNK) {
+            let generation = declaration.generation;
+            let envelope = Envelope::new(node.clone(), generation, declaration);
+            ids.push(envelope.id);
+            payloads.push(envelope.encode());
+            nodes.push(node.as_str().to_owned());
+        }
+        sqlx::query(AssertSqlSafe(sql.clone()))
+            .bind(&ids)
+            .bind(DECLARATIONS_EXCHANGE)
+            .bind(Declaration::KIND)
+            .bind(&nodes)
+            .bind(&payloads)
+            .execute(&mut *tx)
+            .await?;
+        all.extend(ids);
+    }
+    Ok(all)
+}
+
 /// Queue a record event in `schema`'s outbox.
 pub async fn record(tx: &mut PgConnection, schema: &str, event: &RecordEvent) -> Result<(), sqlx::Error> {
     insert(tx, schema, event.id, RECORD_EXCHANGE, &event.routing_key(), &event.event, None, event.encode()).await
@@ -72,25 +109,25 @@ pub async fn pending(pool: &PgPool, schema: &str, limit: i64) -> Result<Vec<Outb
         "SELECT id, message_id, exchange, routing_key, kind, node, payload FROM {schema}.outbox \
          WHERE sent_at IS NULL ORDER BY id LIMIT $1"
     );
-    sqlx::query_as(&sql).bind(limit).fetch_all(pool).await
+    sqlx::query_as(AssertSqlSafe(sql)).bind(limit).fetch_all(pool).await
 }
 
 /// Mark rows as confirmed by the broker.
 pub async fn mark_sent(pool: &PgPool, schema: &str, ids: &[i64]) -> Result<(), sqlx::Error> {
     let sql = format!("UPDATE {schema}.outbox SET sent_at = now() WHERE id = ANY($1)");
-    sqlx::query(&sql).bind(ids).execute(pool).await?;
+    sqlx::query(AssertSqlSafe(sql)).bind(ids).execute(pool).await?;
     Ok(())
 }
 
 /// Number of rows not yet sent (a gauge for metrics).
 pub async fn backlog(pool: &PgPool, schema: &str) -> Result<i64, sqlx::Error> {
     let sql = format!("SELECT count(*) FROM {schema}.outbox WHERE sent_at IS NULL");
-    sqlx::query_scalar(&sql).fetch_one(pool).await
+    sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(pool).await
 }
 
 /// Delete sent rows older than `keep`.
 pub async fn prune(pool: &PgPool, schema: &str, keep: std::time::Duration) -> Result<u64, sqlx::Error> {
     let sql = format!("DELETE FROM {schema}.outbox WHERE sent_at < now() - make_interval(secs => $1)");
-    let done = sqlx::query(&sql).bind(keep.as_secs_f64()).execute(pool).await?;
+    let done = sqlx::query(AssertSqlSafe(sql)).bind(keep.as_secs_f64()).execute(pool).await?;
     Ok(done.rows_affected())
 }

@@ -1,0 +1,186 @@
+//! `mesh-bench heartbeats`: many simulated nodes (each its own broker user and
+//! connection, since `user_id` must equal the connection's user) publish
+//! heartbeats as fast as the broker confirms them, against a real controller
+//! process in an isolated environment. Prints reports/s committed and the
+//! controller's CPU and memory. A benchmark, not a test: it exits non-zero only
+//! when the harness itself fails, never on a slow figure.
+//!
+//! Build first: `cargo build --release --workspace --bins`, then run
+//! `target/release/mesh-bench heartbeats --nodes 200 --seconds 20`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+use futures_util::StreamExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Connection};
+use mesh_e2e::{Mesh, hello, wait_for};
+use mesh_protocol::{Envelope, Heartbeat, NodeId, Report};
+
+#[derive(Parser)]
+#[command(name = "mesh-bench")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Heartbeat ingest: reports/s committed, controller CPU and RSS.
+    Heartbeats {
+        /// Simulated nodes (broker users and connections).
+        #[arg(long, default_value_t = 200)]
+        nodes: usize,
+        /// How long the nodes publish.
+        #[arg(long, default_value_t = 20)]
+        seconds: u64,
+        /// Unconfirmed publishes in flight per node.
+        #[arg(long, default_value_t = 32)]
+        window: usize,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Cmd::Heartbeats { nodes, seconds, window } => heartbeats(nodes, seconds, window).await,
+    }
+}
+
+/// utime + stime of a process, in seconds, and its RSS in bytes.
+fn cpu_and_rss(pid: u32) -> anyhow::Result<(f64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let after = stat.rsplit_once(')').map(|(_, r)| r).context("odd /proc stat")?;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // Fields after the command: state is [0]; utime is field 14 → [11], stime [12], rss [21].
+    let ticks = 100.0; // USER_HZ on Linux
+    let utime: f64 = fields.get(11).context("utime")?.parse()?;
+    let stime: f64 = fields.get(12).context("stime")?.parse()?;
+    let rss_pages: u64 = fields.get(21).context("rss")?.parse()?;
+    Ok(((utime + stime) / ticks, rss_pages * 4096))
+}
+
+async fn handled(mesh: &Mesh) -> anyhow::Result<u64> {
+    let text = reqwest::get(format!("{}/metrics", mesh.api)).await?.text().await?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with("mesh_messages_handled_total{") && l.contains("reports.heartbeat"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64)
+}
+
+async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result<()> {
+    let mut mesh = Mesh::start().await?;
+    let pid = mesh.controller().context("controller running")?.pid();
+    eprintln!("creating {nodes} node users…");
+    let creds: Vec<_> = futures_util::stream::iter(0..nodes)
+        .map(|i| {
+            let env = &mesh.env;
+            async move { env.add_node(&format!("sim-{i}")).await }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    eprintln!("connecting and saying hello…");
+    let mut conns = Vec::with_capacity(nodes);
+    for c in &creds {
+        let conn = Connection::connect(&c.broker_url, Default::default()).await?;
+        let ch = conn.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let props = BasicProperties::default().with_user_id(c.node.as_str().into()).with_delivery_mode(2);
+        ch.basic_publish(
+            "reports".into(),
+            format!("{}.hello", c.node).as_str().into(),
+            BasicPublishOptions::default(),
+            &hello(c.node.as_str(), &[]).encode(),
+            props,
+        )
+        .await?
+        .await?;
+        conns.push((conn, ch, c.node.clone()));
+    }
+    let listed = || async {
+        let (_, list) = mesh.get("/v1/nodes").await?;
+        Ok((list.as_array().map(Vec::len) == Some(nodes)).then_some(()))
+    };
+    wait_for("every simulated node to be listed", Duration::from_secs(120), listed).await?;
+
+    let before = handled(&mesh).await?;
+    let (cpu0, _) = cpu_and_rss(pid)?;
+    let published = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let stop_at = start + Duration::from_secs(seconds);
+    let mut tasks = Vec::new();
+    for (_conn, ch, node) in &conns {
+        let ch = ch.clone();
+        let node: NodeId = node.clone();
+        let published = published.clone();
+        tasks.push(tokio::spawn(async move {
+            let key = format!("{node}.heartbeat");
+            let mut seq = 2;
+            let mut inflight = std::collections::VecDeque::new();
+            while Instant::now() < stop_at {
+                let env = Envelope::new(node.clone(), seq, Report::Heartbeat(Heartbeat { applied: Default::default() }));
+                seq += 1;
+                let props = BasicProperties::default()
+                    .with_user_id(node.as_str().into())
+                    .with_message_id(env.id.to_string().as_str().into())
+                    .with_delivery_mode(2);
+                let confirm = ch
+                    .basic_publish("reports".into(), key.as_str().into(), BasicPublishOptions::default(), &env.encode(), props)
+                    .await?;
+                inflight.push_back(confirm);
+                if inflight.len() >= window {
+                    if let Some(c) = inflight.pop_front() {
+                        if c.await?.is_ack() {
+                            published.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+            for c in inflight {
+                if c.await?.is_ack() {
+                    published.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok::<(), lapin::Error>(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let publish_secs = start.elapsed().as_secs_f64();
+    let total = published.load(Ordering::Relaxed);
+    let target = before + total;
+    let drained = wait_for("the controller to commit every heartbeat", Duration::from_secs(300), || async {
+        let now = handled(&mesh).await?;
+        Ok((now >= target).then_some(Instant::now()))
+    })
+    .await?;
+    let (cpu1, rss) = cpu_and_rss(pid)?;
+    let ingest_secs = drained.duration_since(start).as_secs_f64();
+    if total == 0 {
+        bail!("nothing was published");
+    }
+    let rate = total as f64 / ingest_secs;
+    let cpu_share = (cpu1 - cpu0) / ingest_secs;
+    println!("| figure | value |");
+    println!("|---|---:|");
+    println!("| simulated nodes | {nodes} |");
+    println!("| heartbeats published (confirmed) | {total} |");
+    println!("| publish phase | {publish_secs:.1} s |");
+    println!("| until all committed | {ingest_secs:.1} s |");
+    println!("| reports/s committed | {rate:.0} |");
+    println!("| controller CPU (share of one core) | {:.0}% |", cpu_share * 100.0);
+    println!("| controller CPU per 1,000 reports | {:.1} ms |", (cpu1 - cpu0) * 1000.0 / total as f64 * 1000.0);
+    println!("| controller RSS at the end | {:.0} MB |", rss as f64 / 1e6);
+    for (conn, _, _) in conns {
+        let _ = conn.close(200, "bench done".into()).await;
+    }
+    mesh.teardown().await
+}

@@ -1,0 +1,176 @@
+//! The broker side of the controller: connecting, declaring the topology that
+//! docs/protocol.md describes (every queue bounded), and dead-lettering.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use mesh_protocol::topology::{self, *};
+use mesh_protocol::{NodeId, ReportKind};
+
+pub type AmqpResult<T> = Result<T, lapin::Error>;
+
+pub async fn connect(url: &str) -> AmqpResult<Connection> {
+    let props = ConnectionProperties::default().with_connection_name("mesh-controller".into());
+    Connection::connect(url, props).await
+}
+
+/// A channel in confirm mode, for publishing.
+pub async fn confirm_channel(conn: &Connection) -> AmqpResult<Channel> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    Ok(ch)
+}
+
+/// Queue arguments: a bound, what happens at the bound, and nothing else.
+/// Strings are LongString: a ShortString in queue arguments crashes the broker's
+/// connection handler (../shared/facts.md).
+fn bounded(max_len: i64, overflow: &str) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(max_len));
+    args.insert("x-overflow".into(), AMQPValue::LongString(LongString::from(overflow)));
+    args
+}
+
+fn durable() -> QueueDeclareOptions {
+    QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() }
+}
+
+/// Declare the queue of one kind of report with its bound.
+fn report_queue_args(kind: ReportKind) -> FieldTable {
+    match kind {
+        // The newest heartbeat of a node supersedes the older ones: drop the oldest.
+        ReportKind::Heartbeat => bounded(HEARTBEAT_QUEUE_MAX_LEN, "drop-head"),
+        // Losing a hello or an applied report is not acceptable: refuse the publish,
+        // the agent keeps it buffered and retries.
+        ReportKind::Hello | ReportKind::Applied => bounded(REPORT_QUEUE_MAX_LEN, "reject-publish"),
+    }
+}
+
+/// Declare every exchange and queue the controller uses; `record_subscriptions`
+/// lists, per context, the record routing-key patterns it consumes.
+pub async fn declare_topology(ch: &Channel, record_subscriptions: &[(&str, &[&str])]) -> AmqpResult<()> {
+    let durable_ex = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+    for (name, kind) in [
+        (REPORTS_EXCHANGE, ExchangeKind::Topic),
+        (DECLARATIONS_EXCHANGE, ExchangeKind::Direct),
+        (RECORD_EXCHANGE, ExchangeKind::Topic),
+        (DEAD_LETTER_EXCHANGE, ExchangeKind::Fanout),
+    ] {
+        ch.exchange_declare(name.into(), kind, durable_ex, FieldTable::default()).await?;
+    }
+    ch.queue_declare(DEAD_LETTER_QUEUE.into(), durable(), bounded(DEAD_LETTER_QUEUE_MAX_LEN, "drop-head"))
+        .await?;
+    ch.queue_bind(DEAD_LETTER_QUEUE.into(), DEAD_LETTER_EXCHANGE.into(), "".into(), QueueBindOptions::default(), FieldTable::default())
+        .await?;
+    for kind in ReportKind::ALL {
+        let queue = topology::report_queue(kind);
+        ch.queue_declare(queue.as_str().into(), durable(), report_queue_args(kind)).await?;
+        let key = format!("*.{}", kind.as_str());
+        ch.queue_bind(queue.as_str().into(), REPORTS_EXCHANGE.into(), key.as_str().into(), QueueBindOptions::default(), FieldTable::default())
+            .await?;
+    }
+    for (context, patterns) in record_subscriptions {
+        if patterns.is_empty() {
+            continue;
+        }
+        let queue = topology::record_queue(context);
+        ch.queue_declare(queue.as_str().into(), durable(), bounded(RECORD_QUEUE_MAX_LEN, "reject-publish"))
+            .await?;
+        for pattern in *patterns {
+            ch.queue_bind(queue.as_str().into(), RECORD_EXCHANGE.into(), (*pattern).into(), QueueBindOptions::default(), FieldTable::default())
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Declares each node's declaration queue once per connection.
+#[derive(Default)]
+pub struct DeclarationQueues {
+    known: Mutex<HashSet<NodeId>>,
+}
+
+impl DeclarationQueues {
+    /// Make sure `decl.<node>` exists and is bound, declaring it at most once per
+    /// connection (the set is cleared on reconnect).
+    pub async fn ensure(&self, ch: &Channel, node: &NodeId) -> AmqpResult<()> {
+        if self.known.lock().map(|k| k.contains(node)).unwrap_or(false) {
+            return Ok(());
+        }
+        let queue = topology::declaration_queue(node);
+        ch.queue_declare(queue.as_str().into(), durable(), bounded(DECLARATION_QUEUE_MAX_LEN, "drop-head"))
+            .await?;
+        ch.queue_bind(queue.as_str().into(), DECLARATIONS_EXCHANGE.into(), node.as_str().into(), QueueBindOptions::default(), FieldTable::default())
+            .await?;
+        if let Ok(mut k) = self.known.lock() {
+            k.insert(node.clone());
+        }
+        Ok(())
+    }
+
+    pub fn forget(&self, node: &NodeId) {
+        if let Ok(mut k) = self.known.lock() {
+            k.remove(node);
+        }
+    }
+
+    pub fn clear(&self) {
+        if let Ok(mut k) = self.known.lock() {
+            k.clear();
+        }
+    }
+}
+
+/// Why a message is refused, for the dead-letter headers.
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    /// Short stable label (metrics, `x-mesh-reason-code`).
+    pub code: &'static str,
+    /// Words for an operator (`x-mesh-reason`).
+    pub reason: String,
+}
+
+impl Refusal {
+    pub fn new(code: &'static str, reason: impl Into<String>) -> Self {
+        Refusal { code, reason: reason.into() }
+    }
+}
+
+/// Publish a copy of a refused message to the dead-letter exchange with the reason
+/// in its headers, keeping its original properties. Returns the confirm future so
+/// callers can pipeline; the original may be acknowledged only once it is an Ack.
+pub async fn dead_letter(
+    ch: &Channel,
+    origin_queue: &str,
+    data: &[u8],
+    properties: &BasicProperties,
+    refusal: &Refusal,
+) -> AmqpResult<lapin::publisher_confirm::PublisherConfirm> {
+    let mut headers = properties.headers().clone().unwrap_or_default();
+    let text = |v: &str| AMQPValue::LongString(LongString::from(v));
+    headers.insert(REASON_HEADER.into(), text(&refusal.reason));
+    headers.insert(REASON_CODE_HEADER.into(), text(refusal.code));
+    headers.insert(ORIGIN_QUEUE_HEADER.into(), text(origin_queue));
+    // The sender's user_id cannot travel as a property (the broker refuses a publish
+    // whose user_id is not the publisher's own user): it travels as a header.
+    if let Some(user) = properties.user_id() {
+        headers.insert(ORIGIN_USER_HEADER.into(), text(user.as_str()));
+    }
+    let mut props = BasicProperties::default().with_headers(headers).with_delivery_mode(2);
+    if let Some(id) = properties.message_id() {
+        props = props.with_message_id(id.clone());
+    }
+    if let Some(kind) = properties.kind() {
+        props = props.with_type(kind.clone());
+    }
+    if let Some(ct) = properties.content_type() {
+        props = props.with_content_type(ct.clone());
+    }
+    ch.basic_publish(DEAD_LETTER_EXCHANGE.into(), origin_queue.into(), BasicPublishOptions::default(), data, props)
+        .await
+}

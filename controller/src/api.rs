@@ -1,0 +1,89 @@
+//! The HTTP API: one interface in front of every context. Each route is served
+//! by the context that owns the resource; this module adds what belongs to no
+//! context: health, metrics, and views composed from several contexts.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::http::header::CONTENT_TYPE;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use mesh_plumbing::api::Problem;
+use mesh_protocol::NodeId;
+use prometheus_client::registry::Registry;
+use serde_json::json;
+
+use crate::router::Contexts;
+
+#[derive(Clone)]
+pub struct ApiState {
+    pub contexts: Arc<Contexts>,
+    pub registry: Arc<Registry>,
+    pub broker_up: Arc<AtomicBool>,
+}
+
+pub fn router(state: ApiState) -> Router {
+    let own = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/v1/nodes/{id}", get(node))
+        .with_state(state.clone());
+    own.merge(state.contexts.inventory.clone().routes())
+        .merge(state.contexts.config.clone().routes())
+        .fallback(|| async { Problem::not_found("no such route") })
+}
+
+/// 200 when the broker connection is up and every context's database answers.
+async fn healthz(State(state): State<ApiState>) -> Response {
+    let mut checks = serde_json::Map::new();
+    let broker = state.broker_up.load(Ordering::Relaxed);
+    checks.insert("broker".into(), json!(if broker { "ok" } else { "down" }));
+    let mut ok = broker;
+    for (schema, pool) in state.contexts.schemas() {
+        let up = sqlx::query("SELECT 1").execute(pool).await.is_ok();
+        ok &= up;
+        checks.insert(schema.into(), json!(if up { "ok" } else { "down" }));
+    }
+    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({ "status": if ok { "ok" } else { "degraded" }, "checks": checks }))).into_response()
+}
+
+async fn metrics(State(state): State<ApiState>) -> Response {
+    let mut text = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &state.registry) {
+        return Problem::internal(e).into_response();
+    }
+    ([(CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
+}
+
+/// A node as inventory knows it, with each section's declared generation from the
+/// context that owns the section, next to the generation the node applied.
+async fn node(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Response, Problem> {
+    let id = NodeId::parse(&id).map_err(|e| Problem::unprocessable("id", e.to_string()))?;
+    let view = state
+        .contexts
+        .inventory
+        .node(&id)
+        .await
+        .map_err(Problem::internal)?
+        .ok_or_else(|| Problem::not_found(format!("no node `{id}`")))?;
+    let config = state.contexts.config.section(&id).await.map_err(Problem::internal)?;
+    let mut body = serde_json::to_value(&view).map_err(Problem::internal)?;
+    let applied = |section: &str| view_applied(&body, section);
+    let sections = json!({
+        "config": {
+            "declared": config.as_ref().map(|c| c.generation),
+            "applied": applied("config"),
+            "status": config,
+        }
+    });
+    body["sections"] = sections;
+    Ok(Json(body).into_response())
+}
+
+fn view_applied(view: &serde_json::Value, section: &str) -> Option<u64> {
+    view.get("applied")?.get(section)?.as_u64().or_else(|| view.get("applied")?.get(section)?.get("generation")?.as_u64())
+}

@@ -1,0 +1,236 @@
+//! Startup and the life of the controller: migrate, connect the contexts, serve
+//! the API, and keep a broker session (consumers + relay) alive across broker
+//! restarts. One shutdown token fans out to every task; each is joined.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use lapin::Connection;
+use mesh_plumbing::OutboxSignal;
+use mesh_protocol::{ReportKind, redact_url};
+use prometheus_client::registry::Registry;
+use rand::Rng;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::{self, DeclarationQueues};
+use crate::api::{self, ApiState};
+use crate::config::{ConfigError, Credentials, Settings};
+use crate::metrics::Metrics;
+use crate::pipeline::{FAILPOINT_ENV, Pipeline, PipelineError, Source};
+use crate::relay::Relay;
+use crate::router::{Contexts, ContextsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Contexts(#[from] ContextsError),
+    #[error("binding the API on {addr}: {source}")]
+    Bind { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("serving the API: {0}")]
+    Serve(std::io::Error),
+}
+
+/// Apply every context's migrations and return what was applied.
+pub async fn migrate(settings: &Settings) -> Result<Vec<(&'static str, Vec<String>)>, AppError> {
+    let creds = Credentials::load(&settings.credentials)?;
+    Ok(Contexts::migrate(&creds).await?)
+}
+
+/// Run the controller until `shutdown` is cancelled.
+pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), AppError> {
+    let creds = Credentials::load(&settings.credentials)?;
+    for (context, applied) in Contexts::migrate(&creds).await? {
+        if !applied.is_empty() {
+            tracing::info!(context, ?applied, "migrations applied");
+        }
+    }
+    let signal = OutboxSignal::default();
+    let contexts = Arc::new(Contexts::connect(&creds, &settings, signal.clone()).await?);
+    let mut registry = Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let broker_up = Arc::new(AtomicBool::new(false));
+
+    let listener = tokio::net::TcpListener::bind(settings.api_listen)
+        .await
+        .map_err(|source| AppError::Bind { addr: settings.api_listen, source })?;
+    let addr = listener.local_addr().map_err(AppError::Serve)?;
+    tracing::info!(%addr, "API listening");
+    let app = api::router(ApiState { contexts: contexts.clone(), registry: Arc::new(registry), broker_up: broker_up.clone() });
+
+    let mut tasks = JoinSet::new();
+    let api_shutdown = shutdown.clone();
+    tasks.spawn(async move {
+        let served = axum::serve(listener, app).with_graceful_shutdown(api_shutdown.cancelled_owned()).await;
+        ("api", served.map_err(|e| e.to_string()))
+    });
+    let session = Session {
+        contexts: contexts.clone(),
+        metrics,
+        settings: settings.clone(),
+        signal,
+        broker_url: creds.broker_url.expose().clone(),
+        broker_up,
+    };
+    let broker_shutdown = shutdown.clone();
+    tasks.spawn(async move {
+        session.run(broker_shutdown).await;
+        ("broker", Ok(()))
+    });
+    let housekeeping_shutdown = shutdown.clone();
+    let housekeeping_contexts = contexts.clone();
+    tasks.spawn(async move {
+        housekeeping(housekeeping_contexts, housekeeping_shutdown).await;
+        ("housekeeping", Ok(()))
+    });
+
+    // The first task to end (normally because of shutdown) ends them all.
+    let mut outcome = Ok(());
+    if let Some(Ok((name, result))) = tasks.join_next().await {
+        log_exit(name, &result);
+        if let Err(e) = result {
+            outcome = Err(AppError::Serve(std::io::Error::other(e)));
+        }
+    }
+    shutdown.cancel();
+    let deadline = Duration::from_secs(settings.shutdown_deadline_secs);
+    let joined = tokio::time::timeout(deadline, async {
+        while let Some(done) = tasks.join_next().await {
+            if let Ok((name, result)) = done {
+                log_exit(name, &result);
+            }
+        }
+    })
+    .await;
+    if joined.is_err() {
+        tracing::warn!(?deadline, "tasks did not stop before the deadline; abandoning them");
+    }
+    outcome
+}
+
+fn log_exit(name: &str, result: &Result<(), String>) {
+    match result {
+        Ok(()) => tracing::info!(task = name, "stopped"),
+        Err(e) => tracing::error!(task = name, error = %e, "failed"),
+    }
+}
+
+/// Forget inbox and outbox rows that can no longer matter, once an hour.
+async fn housekeeping(contexts: Arc<Contexts>, shutdown: CancellationToken) {
+    let keep = Duration::from_secs(7 * 24 * 3600);
+    loop {
+        for (schema, pool) in contexts.schemas() {
+            if let Err(e) = mesh_plumbing::inbox::prune(pool, schema, keep).await {
+                tracing::warn!(context = schema, error = %e, "pruning the inbox failed");
+            }
+            if let Err(e) = mesh_plumbing::outbox::prune(pool, schema, keep).await {
+                tracing::warn!(context = schema, error = %e, "pruning the outbox failed");
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(3600)) => {}
+        }
+    }
+}
+
+/// The broker side: connect, declare, consume and relay; on any broker failure,
+/// drop everything (unacked deliveries return to their queues) and reconnect
+/// with capped, jittered backoff.
+struct Session {
+    contexts: Arc<Contexts>,
+    metrics: Metrics,
+    settings: Settings,
+    signal: OutboxSignal,
+    broker_url: String,
+    broker_up: Arc<AtomicBool>,
+}
+
+impl Session {
+    async fn run(self, shutdown: CancellationToken) {
+        let declaration_queues = Arc::new(DeclarationQueues::default());
+        let failpoint = std::env::var(FAILPOINT_ENV).ok();
+        let mut attempt: u32 = 0;
+        while !shutdown.is_cancelled() {
+            match self.once(&declaration_queues, failpoint.clone(), &shutdown).await {
+                Ok(()) => attempt = 0,
+                Err(e) => {
+                    tracing::warn!(broker = %redact_url(&self.broker_url), error = %e, "broker session ended");
+                    attempt = attempt.saturating_add(1);
+                }
+            }
+            self.broker_up.store(false, Ordering::Relaxed);
+            if shutdown.is_cancelled() {
+                break;
+            }
+            let cap = Duration::from_millis(self.settings.reconnect_max_ms.max(200));
+            let ceiling = Duration::from_millis(200).saturating_mul(1 << attempt.min(16)).min(cap);
+            let wait = rand::rng().random_range(Duration::ZERO..=ceiling);
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    async fn once(
+        &self,
+        declaration_queues: &Arc<DeclarationQueues>,
+        failpoint: Option<String>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), PipelineError> {
+        let conn = Arc::new(amqp::connect(&self.broker_url).await?);
+        self.metrics.broker_connects.inc();
+        let ch = conn.create_channel().await?;
+        amqp::declare_topology(&ch, &self.contexts.record_subscriptions()).await?;
+        declaration_queues.clear();
+        tracing::info!(broker = %redact_url(&self.broker_url), "broker session started");
+        self.broker_up.store(true, Ordering::Relaxed);
+
+        let session_end = shutdown.child_token();
+        let pipeline = Arc::new(Pipeline {
+            contexts: self.contexts.clone(),
+            metrics: self.metrics.clone(),
+            settings: self.settings.clone(),
+            declaration_queues: declaration_queues.clone(),
+            signal: self.signal.clone(),
+            failpoint,
+        });
+        let mut tasks: JoinSet<Result<(), PipelineError>> = JoinSet::new();
+        for kind in ReportKind::ALL {
+            tasks.spawn(pipeline.clone().consume(conn.clone(), Source::Reports(kind), session_end.clone()));
+        }
+        for (context, patterns) in self.contexts.record_subscriptions() {
+            if !patterns.is_empty() {
+                tasks.spawn(pipeline.clone().consume(conn.clone(), Source::Record(context), session_end.clone()));
+            }
+        }
+        let relay = Arc::new(Relay {
+            contexts: self.contexts.clone(),
+            metrics: self.metrics.clone(),
+            declaration_queues: declaration_queues.clone(),
+            signal: self.signal.clone(),
+            batch: self.settings.relay_batch,
+            poll: self.settings.relay_poll(),
+        });
+        let relay_end = session_end.clone();
+        let relay_conn = conn.clone();
+        tasks.spawn(async move { Ok(relay.run(relay_conn, relay_end).await?) });
+
+        let first = tasks.join_next().await;
+        session_end.cancel();
+        while tasks.join_next().await.is_some() {}
+        let _ = conn.close(200, "controller session ending".into()).await;
+        match first {
+            Some(Ok(result)) => result,
+            Some(Err(join)) => Err(PipelineError::Cancelled(format!("a session task panicked: {join}"))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Keep `Connection` in the public surface used by tests.
+pub type BrokerConnection = Connection;

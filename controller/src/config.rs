@@ -1,0 +1,156 @@
+//! Typed configuration: a TOML file (every field optional, with the default
+//! documented here), then `MESH_CONTROLLER_*` environment variables, then flags.
+//! Credentials live in a separate file written by the bundle (mode 0600).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use mesh_protocol::Secret;
+use serde::Deserialize;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{path}: credentials for context `{context}` are missing (expected databases.{context})")]
+    MissingContext { path: PathBuf, context: String },
+    #[error("environment variable {name}: {message}")]
+    Env { name: String, message: String },
+}
+
+/// The controller's settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// File with the broker URL and one database URL per context, written by
+    /// `bundle/up`. Default `/etc/mesh/controller-credentials.toml`.
+    pub credentials: PathBuf,
+    /// Address the HTTP API listens on. Default `127.0.0.1:7700`.
+    pub api_listen: SocketAddr,
+    /// Unacknowledged deliveries the broker may push per report queue (AMQP
+    /// prefetch). Bounds the controller's memory. Default 1000.
+    pub prefetch: u16,
+    /// Most reports handled in one transaction per context. Default 200.
+    pub batch_max: usize,
+    /// How long to wait for a batch to fill once its first report arrived, in
+    /// milliseconds. Bounds the latency batching adds. Default 20.
+    pub batch_wait_ms: u64,
+    /// Most outbox rows the relay publishes per round and context. Default 500.
+    pub relay_batch: i64,
+    /// The relay's poll interval when nothing woke it, in milliseconds. Default 500.
+    pub relay_poll_ms: u64,
+    /// A node behind on a section is re-sent that section on a heartbeat only if
+    /// the last send is older than this, in seconds. Default 30.
+    pub resend_after_secs: u64,
+    /// Connections per context pool. Default 4.
+    pub pool_size: u32,
+    /// Longest wait between reconnect attempts to the broker, in milliseconds
+    /// (full jitter, doubling from 200 ms). Default 10000.
+    pub reconnect_max_ms: u64,
+    /// How long graceful shutdown may take before tasks are abandoned, in
+    /// seconds. Default 10.
+    pub shutdown_deadline_secs: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            credentials: PathBuf::from("/etc/mesh/controller-credentials.toml"),
+            api_listen: SocketAddr::from(([127, 0, 0, 1], 7700)),
+            prefetch: 1000,
+            batch_max: 200,
+            batch_wait_ms: 20,
+            relay_batch: 500,
+            relay_poll_ms: 500,
+            resend_after_secs: 30,
+            pool_size: 4,
+            reconnect_max_ms: 10_000,
+            shutdown_deadline_secs: 10,
+        }
+    }
+}
+
+impl Settings {
+    /// Read `path` if given (a missing file is an error), then apply environment
+    /// overrides `MESH_CONTROLLER_CREDENTIALS` and `MESH_CONTROLLER_API_LISTEN`.
+    pub fn load(path: Option<&Path>) -> Result<Settings, ConfigError> {
+        let mut settings = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: p.into(), source })?;
+                toml::from_str(&text).map_err(|e| ConfigError::Parse { path: p.into(), message: e.to_string() })?
+            }
+            None => Settings::default(),
+        };
+        if let Ok(v) = std::env::var("MESH_CONTROLLER_CREDENTIALS") {
+            settings.credentials = PathBuf::from(v);
+        }
+        if let Ok(v) = std::env::var("MESH_CONTROLLER_API_LISTEN") {
+            settings.api_listen = v.parse().map_err(|e| ConfigError::Env {
+                name: "MESH_CONTROLLER_API_LISTEN".into(),
+                message: format!("`{v}` is not a socket address: {e}"),
+            })?;
+        }
+        Ok(settings)
+    }
+
+    pub fn batch_wait(&self) -> Duration {
+        Duration::from_millis(self.batch_wait_ms)
+    }
+
+    pub fn relay_poll(&self) -> Duration {
+        Duration::from_millis(self.relay_poll_ms)
+    }
+}
+
+/// The credentials file: the broker URL and one database URL per context.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Credentials {
+    pub broker_url: Secret<String>,
+    pub databases: BTreeMap<String, Secret<String>>,
+    #[serde(skip)]
+    path: PathBuf,
+}
+
+impl Credentials {
+    pub fn load(path: &Path) -> Result<Credentials, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let mut c: Credentials =
+            toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.into(), message: e.to_string() })?;
+        c.path = path.into();
+        Ok(c)
+    }
+
+    /// The database URL of `context`, connecting as that context's own role.
+    pub fn database(&self, context: &str) -> Result<&Secret<String>, ConfigError> {
+        self.databases
+            .get(context)
+            .ok_or_else(|| ConfigError::MissingContext { path: self.path.clone(), context: context.to_owned() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_setting_is_named() {
+        let err = toml::from_str::<Settings>("prefetch = 10\nbogus = 1\n").unwrap_err();
+        assert!(err.to_string().contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn credentials_never_print() {
+        let c: Credentials = toml::from_str(
+            "broker_url = \"amqp://c:hunter2@h/mesh\"\n[databases]\ninventory = \"postgres://i:hunter2@h/m\"\n",
+        )
+        .unwrap();
+        assert!(!format!("{c:?}").contains("hunter2"));
+        assert!(c.database("config").is_err());
+    }
+}

@@ -1,0 +1,16 @@
+//! The controller: one process, on one assigned node (never elected). It consumes
+//! the report queues, routes each message to the bounded context that owns it,
+//! relays the contexts' outboxes to the broker, and serves the HTTP API.
+//!
+//! It is the only crate that wires AMQP (lapin) and HTTP (axum) to the contexts.
+//! It never writes a context's tables itself: each context does, through its own
+//! pool and role. It acknowledges a report only after every context committed.
+
+pub mod amqp;
+pub mod api;
+pub mod app;
+pub mod config;
+pub mod metrics;
+pub mod pipeline;
+pub mod relay;
+pub mod router;

@@ -1,0 +1,87 @@
+//! `mesh-controller`: run the controller, or apply migrations.
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use mesh_controller::app;
+use mesh_controller::config::Settings;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "mesh-controller", version, about = "The mesh controller")]
+struct Cli {
+    /// Settings file (TOML). Every field has a default; see docs/operations.md.
+    #[arg(long, global = true, env = "MESH_CONTROLLER_CONFIG")]
+    config: Option<PathBuf>,
+    /// Credentials file written by bundle/up (overrides the settings file).
+    #[arg(long, global = true)]
+    credentials: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the controller until SIGINT or SIGTERM.
+    Run {
+        /// Address for the HTTP API (default 127.0.0.1:7700).
+        #[arg(long)]
+        api_listen: Option<std::net::SocketAddr>,
+    },
+    /// Apply every context's migrations, each as its own role, and exit.
+    Migrate,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn,lapin=warn".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    let mut settings = Settings::load(cli.config.as_deref()).context("loading settings")?;
+    if let Some(c) = cli.credentials {
+        settings.credentials = c;
+    }
+    match cli.command {
+        Command::Migrate => {
+            for (context, applied) in app::migrate(&settings).await? {
+                println!("{context}: {} migration(s) applied {applied:?}", applied.len());
+            }
+        }
+        Command::Run { api_listen } => {
+            if let Some(addr) = api_listen {
+                settings.api_listen = addr;
+            }
+            let shutdown = CancellationToken::new();
+            tokio::spawn(signals(shutdown.clone()));
+            app::run(settings, shutdown).await?;
+        }
+    }
+    Ok(())
+}
+
+/// The first SIGINT/SIGTERM shuts down gracefully; the second exits at once.
+async fn signals(shutdown: CancellationToken) {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM");
+            return;
+        }
+    };
+    for round in 0..2 {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        if round == 0 {
+            tracing::info!("shutting down (signal again to force)");
+            shutdown.cancel();
+        } else {
+            std::process::exit(130);
+        }
+    }
+}

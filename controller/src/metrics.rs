@@ -1,0 +1,73 @@
+//! The controller's own Prometheus metrics, served at `GET /metrics`.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    pub queue: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub queue: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ContextLabels {
+    pub context: String,
+}
+
+/// Every metric the controller exports. Cheap to clone (the families are shared).
+#[derive(Clone)]
+pub struct Metrics {
+    /// Messages taken from a queue and committed (handled or found duplicate).
+    pub handled: Family<QueueLabels, Counter>,
+    /// Messages refused to the dead-letter queue, by reason.
+    pub dead_lettered: Family<ReasonLabels, Counter>,
+    /// Batches that failed with a transient error and were retried in place.
+    pub retried: Family<QueueLabels, Counter>,
+    /// Seconds from taking a batch to acknowledging it.
+    pub batch_seconds: Family<QueueLabels, Histogram>,
+    /// Outbox rows confirmed by the broker.
+    pub published: Family<ContextLabels, Counter>,
+    /// Outbox rows not yet confirmed, as of the relay's last round.
+    pub outbox_backlog: Family<ContextLabels, Gauge>,
+    /// Connections to the broker made (the first and every reconnect).
+    pub broker_connects: Counter,
+}
+
+impl Metrics {
+    pub fn new(registry: &mut Registry) -> Metrics {
+        let m = Metrics {
+            handled: Family::default(),
+            dead_lettered: Family::default(),
+            retried: Family::default(),
+            batch_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0005, 2.0, 16))),
+            published: Family::default(),
+            outbox_backlog: Family::default(),
+            broker_connects: Counter::default(),
+        };
+        registry.register("mesh_messages_handled", "Messages committed by their contexts", m.handled.clone());
+        registry.register("mesh_dead_lettered", "Messages refused to the dead-letter queue", m.dead_lettered.clone());
+        registry.register("mesh_batches_retried", "Batches retried after a transient error", m.retried.clone());
+        registry.register("mesh_batch_seconds", "Time from taking a batch to acknowledging it", m.batch_seconds.clone());
+        registry.register("mesh_outbox_published", "Outbox rows confirmed by the broker", m.published.clone());
+        registry.register("mesh_outbox_backlog", "Outbox rows waiting to be published", m.outbox_backlog.clone());
+        registry.register("mesh_broker_connects", "Connections made to the broker", m.broker_connects.clone());
+        m
+    }
+
+    pub fn queue(queue: &str) -> QueueLabels {
+        QueueLabels { queue: queue.to_owned() }
+    }
+
+    pub fn context(context: &str) -> ContextLabels {
+        ContextLabels { context: context.to_owned() }
+    }
+}

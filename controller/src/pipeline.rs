@@ -1,0 +1,311 @@
+//! The consumer pipeline: take a batch of deliveries from one queue, refuse what
+//! cannot be trusted or read (dead-letter with the reason), hand the rest to the
+//! contexts, and acknowledge only after every context committed.
+//!
+//! Guarantees: a delivery is acknowledged only after (a) the transactions that
+//! handled it committed, or (b) its dead-letter copy was confirmed by the broker.
+//! Assumptions: one consumer per queue and channel, so delivery tags grow within
+//! a batch and an ack with `multiple` covers exactly the batch.
+//! Caveats: a transient failure (database down) holds the batch and retries it in
+//! place with capped backoff; the broker keeps the rest, bounded by the prefetch.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::publisher_confirm::Confirmation;
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use mesh_plumbing::{HandlerError, OutboxSignal};
+use mesh_protocol::topology;
+use mesh_protocol::{Envelope, MAX_REPORT_BYTES, NodeId, RecordEvent, Report, ReportKind};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::amqp::{self, DeclarationQueues, Refusal};
+use crate::config::Settings;
+use crate::metrics::{Metrics, ReasonLabels};
+use crate::router::Contexts;
+
+/// Which queue a consumer drains.
+#[derive(Debug, Clone, Copy)]
+pub enum Source {
+    Reports(ReportKind),
+    Record(&'static str),
+}
+
+impl Source {
+    pub fn queue(self) -> String {
+        match self {
+            Source::Reports(kind) => topology::report_queue(kind),
+            Source::Record(context) => topology::record_queue(context),
+        }
+    }
+}
+
+/// For tests of crash safety only: when `MESH_FAILPOINT_EXIT_AFTER_COMMIT` names a
+/// report kind, the process exits right after committing the first batch of that
+/// kind and before acknowledging it, as a crash at the worst moment would.
+pub const FAILPOINT_ENV: &str = "MESH_FAILPOINT_EXIT_AFTER_COMMIT";
+
+pub struct Pipeline {
+    pub contexts: Arc<Contexts>,
+    pub metrics: Metrics,
+    pub settings: Settings,
+    pub declaration_queues: Arc<DeclarationQueues>,
+    pub signal: OutboxSignal,
+    pub failpoint: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("broker: {0}")]
+    Broker(#[from] lapin::Error),
+    #[error("the broker cancelled the consumer of {0}")]
+    Cancelled(String),
+    #[error("the broker refused a dead-letter copy from {0}")]
+    DeadLetterRefused(String),
+}
+
+impl Pipeline {
+    /// Consume `source` until `shutdown` or a broker error. Unacknowledged
+    /// deliveries return to the queue when the channel closes.
+    pub async fn consume(
+        self: Arc<Self>,
+        conn: Arc<Connection>,
+        source: Source,
+        shutdown: CancellationToken,
+    ) -> Result<(), PipelineError> {
+        let queue = source.queue();
+        let ch = conn.create_channel().await?;
+        ch.basic_qos(self.settings.prefetch, BasicQosOptions::default()).await?;
+        let dead_letters = amqp::confirm_channel(&conn).await?;
+        let mut consumer = ch
+            .basic_consume(queue.as_str().into(), format!("controller.{queue}").as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
+            .await?;
+        tracing::info!(queue, "consuming");
+        let batch_max = self.settings.batch_max.max(1);
+        loop {
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                d = consumer.next() => d,
+            };
+            let mut batch = match first {
+                Some(d) => vec![d?],
+                None => return Err(PipelineError::Cancelled(queue)),
+            };
+            let deadline = tokio::time::Instant::now() + self.settings.batch_wait();
+            while batch.len() < batch_max {
+                match tokio::time::timeout_at(deadline, consumer.next()).await {
+                    Ok(Some(d)) => batch.push(d?),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            let started = Instant::now();
+            let span = tracing::debug_span!("batch", queue = %queue, size = batch.len());
+            let done = self.process(&dead_letters, source, &queue, &batch, &shutdown).instrument(span).await?;
+            if !done {
+                // Shutting down in the middle of retries: leave the batch unacked.
+                return Ok(());
+            }
+            if let Some(last) = batch.last() {
+                last.acker.ack(BasicAckOptions { multiple: true }).await?;
+            }
+            let labels = Metrics::queue(&queue);
+            self.metrics.handled.get_or_create(&labels).inc_by(batch.len() as u64);
+            self.metrics.batch_seconds.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Handle one batch. Returns false when shutdown interrupted it before commit.
+    async fn process(
+        &self,
+        dead_letters: &Channel,
+        source: Source,
+        queue: &str,
+        batch: &[Delivery],
+        shutdown: &CancellationToken,
+    ) -> Result<bool, PipelineError> {
+        match source {
+            Source::Reports(kind) => {
+                let mut refused = Vec::new();
+                let mut good = Vec::with_capacity(batch.len());
+                for (i, d) in batch.iter().enumerate() {
+                    match authenticate(kind, d) {
+                        Ok(env) => good.push((i, env)),
+                        Err(r) => refused.push((i, r)),
+                    }
+                }
+                self.dead_letter(dead_letters, queue, batch, refused).await?;
+                let contexts = &self.contexts;
+                let Some(refused) = self
+                    .handle(queue, good.clone(), shutdown, async |items: &[Envelope<Report>]| {
+                        contexts.route_reports(kind, items).await
+                    })
+                    .await
+                else {
+                    return Ok(false);
+                };
+                self.dead_letter(dead_letters, queue, batch, refused).await?;
+                if self.failpoint.as_deref() == Some(kind.as_str()) {
+                    tracing::warn!("failpoint: exiting after commit, before ack");
+                    std::process::exit(86);
+                }
+                if kind == ReportKind::Hello {
+                    // A node that said hello can consume its declaration queue at once.
+                    let nodes: std::collections::BTreeSet<&NodeId> = good.iter().map(|(_, e)| &e.node).collect();
+                    for node in nodes {
+                        self.declaration_queues.ensure(dead_letters, node).await?;
+                    }
+                }
+            }
+            Source::Record(context) => {
+                let mut refused = Vec::new();
+                let mut good = Vec::with_capacity(batch.len());
+                for (i, d) in batch.iter().enumerate() {
+                    match RecordEvent::decode(&d.data) {
+                        Ok(e) => good.push((i, e)),
+                        Err(e) => refused.push((i, Refusal::new(e.metric_label(), e.to_string()))),
+                    }
+                }
+                self.dead_letter(dead_letters, queue, batch, refused).await?;
+                let contexts = &self.contexts;
+                let Some(refused) = self
+                    .handle(queue, good, shutdown, async |items: &[RecordEvent]| contexts.route_events(context, items).await)
+                    .await
+                else {
+                    return Ok(false);
+                };
+                self.dead_letter(dead_letters, queue, batch, refused).await?;
+            }
+        }
+        // Handlers may have written outboxes: wake the relay.
+        self.signal.notify();
+        Ok(true)
+    }
+
+    /// Run `f` over the items, retrying transient failures in place with capped
+    /// backoff. On a permanent failure of a batch, each item is tried alone so
+    /// that only the poisonous one is refused. Returns the refused items, or None
+    /// if shutdown came first.
+    async fn handle<T: Clone>(
+        &self,
+        queue: &str,
+        items: Vec<(usize, T)>,
+        shutdown: &CancellationToken,
+        f: impl AsyncFn(&[T]) -> Result<(), HandlerError>,
+    ) -> Option<Vec<(usize, Refusal)>> {
+        if items.is_empty() {
+            return Some(Vec::new());
+        }
+        let all: Vec<T> = items.iter().map(|(_, t)| t.clone()).collect();
+        match self.retry(queue, shutdown, || f(&all)).await? {
+            Ok(()) => Some(Vec::new()),
+            Err(e) if items.len() == 1 => Some(vec![(items[0].0, Refusal::new("handler", e.to_string()))]),
+            Err(_) => {
+                let mut refused = Vec::new();
+                for (i, item) in items {
+                    if let Err(e) = self.retry(queue, shutdown, || f(std::slice::from_ref(&item))).await? {
+                        refused.push((i, Refusal::new("handler", e.to_string())));
+                    }
+                }
+                Some(refused)
+            }
+        }
+    }
+
+    /// Retry `attempt` while it fails transiently. Returns its permanent outcome,
+    /// or None if shutdown came first.
+    async fn retry<F: Future<Output = Result<(), HandlerError>>>(
+        &self,
+        queue: &str,
+        shutdown: &CancellationToken,
+        mut attempt: impl FnMut() -> F,
+    ) -> Option<Result<(), HandlerError>> {
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match attempt().await {
+                Err(e) if e.is_transient() => {
+                    self.metrics.retried.get_or_create(&Metrics::queue(queue)).inc();
+                    tracing::warn!(queue, error = %e, retry_in_ms = delay.as_millis() as u64, "transient failure; holding the batch");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return None,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+                outcome => return Some(outcome),
+            }
+        }
+    }
+
+    /// Publish a copy of each refused delivery to the dead-letter exchange and
+    /// wait for the broker's confirms (pipelined).
+    async fn dead_letter(
+        &self,
+        ch: &Channel,
+        queue: &str,
+        batch: &[Delivery],
+        refused: Vec<(usize, Refusal)>,
+    ) -> Result<(), PipelineError> {
+        let mut confirms = Vec::with_capacity(refused.len());
+        for (i, refusal) in &refused {
+            let d = &batch[*i];
+            tracing::warn!(
+                queue,
+                message_id = ?d.properties.message_id().as_ref().map(|s| s.as_str()),
+                user = ?d.properties.user_id().as_ref().map(|s| s.as_str()),
+                code = refusal.code,
+                reason = %refusal.reason,
+                "dead-lettering",
+            );
+            confirms.push(amqp::dead_letter(ch, queue, &d.data, &d.properties, refusal).await?);
+            let labels = ReasonLabels { queue: queue.to_owned(), reason: refusal.code.to_owned() };
+            self.metrics.dead_lettered.get_or_create(&labels).inc();
+        }
+        for c in confirms {
+            match c.await? {
+                Confirmation::Ack(_) | Confirmation::NotRequested => {}
+                Confirmation::Nack(_) => return Err(PipelineError::DeadLetterRefused(queue.to_owned())),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Establish who sent a report and read it. The sender is the broker-validated
+/// `user_id`, never the body: a body that names another node is refused.
+pub fn authenticate(kind: ReportKind, d: &Delivery) -> Result<Envelope<Report>, Refusal> {
+    let Some(user) = d.properties.user_id() else {
+        return Err(Refusal::new("unauthenticated", "the report has no user_id property, so its sender is unknown"));
+    };
+    let node = NodeId::parse(user.as_str())
+        .map_err(|_| Refusal::new("unauthenticated", format!("user_id `{}` is not a node", user.as_str())))?;
+    let env = Envelope::<Report>::decode(&d.data, MAX_REPORT_BYTES)
+        .map_err(|e| Refusal::new(e.metric_label(), format!("from {node}: {e}")))?;
+    let span = tracing::debug_span!("report", message_id = %env.id, node = %node, kind = env.kind());
+    let _enter = span.enter();
+    if env.node != node {
+        return Err(Refusal::new(
+            "impersonation",
+            format!("the body names node `{}` but the sender is `{node}`", env.node),
+        ));
+    }
+    if env.body.report_kind() != kind {
+        return Err(Refusal::new(
+            "wrong_queue",
+            format!("a {} report arrived on the {} queue", env.kind(), kind.as_str()),
+        ));
+    }
+    let expected_key = topology::report_routing_key(&node, kind);
+    if d.routing_key.as_str() != expected_key {
+        return Err(Refusal::new(
+            "routing_key",
+            format!("routing key `{}` does not match `{expected_key}`", d.routing_key.as_str()),
+        ));
+    }
+    tracing::trace!("accepted");
+    Ok(env)
+}

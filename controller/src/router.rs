@@ -1,0 +1,135 @@
+//! Routing: which context handles which message. One exhaustive match per kind of
+//! message, so adding a report kind is a compile error until it is routed.
+
+use std::sync::Arc;
+
+use mesh_config::Config;
+use mesh_inventory::Inventory;
+use mesh_plumbing::{Context, HandlerError, OutboxSignal, inbox};
+use mesh_protocol::{Envelope, RecordEvent, Report, ReportKind};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::config::{ConfigError, Credentials, Settings};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ContextsError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("connecting to the {context} database: {source}")]
+    Connect { context: &'static str, source: sqlx::Error },
+    #[error(transparent)]
+    Migrate(#[from] mesh_plumbing::MigrateError),
+}
+
+/// Every context the controller runs, each with its own pool (its own role).
+pub struct Contexts {
+    pub inventory: Arc<Inventory>,
+    pub config: Arc<Config>,
+}
+
+async fn pool(creds: &Credentials, context: &'static str, size: u32) -> Result<PgPool, ContextsError> {
+    let url = creds.database(context)?;
+    PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(std::time::Duration::from_secs(5))
+        .connect_lazy(url.expose())
+        .map_err(|source| ContextsError::Connect { context, source })
+}
+
+impl Contexts {
+    /// Apply every context's migrations, each as its own role into its own schema.
+    pub async fn migrate(creds: &Credentials) -> Result<Vec<(&'static str, Vec<String>)>, ContextsError> {
+        Ok(vec![
+            (Inventory::SCHEMA, mesh_inventory::migrate(creds.database(Inventory::SCHEMA)?.expose()).await?),
+            (Config::SCHEMA, mesh_config::migrate(creds.database(Config::SCHEMA)?.expose()).await?),
+        ])
+    }
+
+    pub async fn connect(creds: &Credentials, settings: &Settings, signal: OutboxSignal) -> Result<Contexts, ContextsError> {
+        let inventory = Inventory::new(pool(creds, Inventory::SCHEMA, settings.pool_size).await?, signal.clone());
+        let config_settings = mesh_config::Settings {
+            resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
+        };
+        let config = Config::new(pool(creds, Config::SCHEMA, settings.pool_size).await?, signal, config_settings);
+        Ok(Contexts { inventory: Arc::new(inventory), config: Arc::new(config) })
+    }
+
+    /// Every context's schema and pool, for the outbox relay and housekeeping.
+    pub fn schemas(&self) -> Vec<(&'static str, &PgPool)> {
+        vec![(Inventory::SCHEMA, self.inventory.pool()), (Config::SCHEMA, self.config.pool())]
+    }
+
+    /// Record routing-key patterns per context, for declaring record queues.
+    pub fn record_subscriptions(&self) -> Vec<(&'static str, &'static [&'static str])> {
+        vec![
+            (Inventory::SCHEMA, self.inventory.subscriptions()),
+            (Config::SCHEMA, self.config.subscriptions()),
+        ]
+    }
+
+    /// Hand a batch of authenticated reports of one kind to every context that
+    /// owns a part of them. Each context commits its own transaction (its state,
+    /// its inbox, its outbox); the caller acknowledges only after all committed.
+    pub async fn route_reports(&self, kind: ReportKind, batch: &[Envelope<Report>]) -> Result<(), HandlerError> {
+        match kind {
+            // hello: facts and labels (inventory); re-send of a behind section (config).
+            ReportKind::Hello => {
+                run(&*self.inventory, batch, true).await?;
+                run(&*self.config, batch, true).await
+            }
+            // heartbeat: liveness (inventory); re-send of a behind section (config).
+            // Idempotent by nature (last_seen only grows), so no inbox row per
+            // heartbeat: that would double the cost of the hottest path.
+            ReportKind::Heartbeat => {
+                run(&*self.inventory, batch, false).await?;
+                run(&*self.config, batch, false).await
+            }
+            // applied: the applied generation (inventory) and the section's status (config).
+            ReportKind::Applied => {
+                run(&*self.inventory, batch, true).await?;
+                run(&*self.config, batch, true).await
+            }
+        }
+    }
+
+    /// Hand record events to the context whose record queue they came from.
+    pub async fn route_events(&self, context: &str, events: &[RecordEvent]) -> Result<(), HandlerError> {
+        match context {
+            c if c == Inventory::SCHEMA => run_events(&*self.inventory, events).await,
+            c if c == Config::SCHEMA => run_events(&*self.config, events).await,
+            other => Err(HandlerError::Permanent(format!("no context named `{other}`"))),
+        }
+    }
+}
+
+async fn run<C: Context>(ctx: &C, batch: &[Envelope<Report>], use_inbox: bool) -> Result<(), HandlerError> {
+    let mut tx = ctx.pool().begin().await?;
+    if use_inbox {
+        let ids: Vec<_> = batch.iter().map(|e| e.id).collect();
+        let mut fresh = inbox::claim(&mut tx, C::SCHEMA, &ids).await?;
+        // `remove` keeps one copy of a message delivered twice within the batch.
+        let fresh: Vec<Envelope<Report>> = batch.iter().filter(|e| fresh.remove(&e.id)).cloned().collect();
+        if fresh.len() < batch.len() {
+            tracing::debug!(context = C::SCHEMA, duplicates = batch.len() - fresh.len(), "inbox filtered redeliveries");
+        }
+        if !fresh.is_empty() {
+            ctx.handle_reports(&mut tx, &fresh).await?;
+        }
+    } else {
+        ctx.handle_reports(&mut tx, batch).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+async fn run_events<C: Context>(ctx: &C, events: &[RecordEvent]) -> Result<(), HandlerError> {
+    let mut tx = ctx.pool().begin().await?;
+    let ids: Vec<_> = events.iter().map(|e| e.id).collect();
+    let mut fresh = inbox::claim(&mut tx, C::SCHEMA, &ids).await?;
+    for event in events.iter().filter(|e| fresh.remove(&e.id)) {
+        ctx.handle_event(&mut tx, event).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}

@@ -1,0 +1,359 @@
+//! End-to-end harness: a whole mesh on this machine — the real `mesh-controller`
+//! and `mesh-agent` binaries as child processes, against the real broker and
+//! database, isolated per test by the bundle's test kit (own database, roles,
+//! vhost and users), so tests run in parallel and leave nothing behind.
+//!
+//! The binaries are taken from the target directory the tests were built in;
+//! build them first (`cargo build --workspace --bins`, which `bundle/test` does).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, anyhow, bail};
+use mesh_bundle::testkit::{NodeCredentials, TestEnv};
+use serde_json::Value;
+
+/// Path of a workspace binary next to the test executable's directory.
+pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).ok_or_else(|| anyhow!("no target dir above {exe:?}"))?;
+    let path = dir.join(name);
+    if !path.exists() {
+        bail!("{path:?} is missing: run `cargo build --workspace --bins` before the tests (bundle/test does)");
+    }
+    Ok(path)
+}
+
+/// Wait until `check` returns Some, or fail after `within`, naming `what`.
+pub async fn wait_for<T, F, Fut>(what: &str, within: Duration, mut check: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<Option<T>>>,
+{
+    let deadline = Instant::now() + within;
+    let mut last_err = None;
+    loop {
+        match check().await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last_err = Some(e),
+        }
+        if Instant::now() >= deadline {
+            return Err(anyhow!("timed out after {within:?} waiting for {what} (last error: {last_err:?})"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A child process killed when dropped.
+pub struct Proc(Child);
+
+impl Proc {
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
+    /// Wait for the process to exit by itself, up to `within`.
+    pub async fn wait_exit(&mut self, within: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        wait_for("the process to exit", within, || {
+            let status = self.0.try_wait();
+            async move { Ok(status?) }
+        })
+        .await
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One agent of the mesh: its credentials, state dir and file root.
+pub struct AgentHandle {
+    pub creds: NodeCredentials,
+    pub state_dir: PathBuf,
+    pub root: PathBuf,
+    pub labels: BTreeMap<String, String>,
+    proc: Option<Proc>,
+}
+
+impl AgentHandle {
+    pub fn node(&self) -> &str {
+        self.creds.node.as_str()
+    }
+
+    /// The path under this agent's root where a declared absolute path lands.
+    pub fn file(&self, declared: &str) -> PathBuf {
+        self.root.join(declared.trim_start_matches('/'))
+    }
+}
+
+pub struct Mesh {
+    pub env: TestEnv,
+    pub dir: tempfile::TempDir,
+    pub api: String,
+    api_port: u16,
+    controller: Option<Proc>,
+    pub agents: BTreeMap<String, AgentHandle>,
+    http: reqwest::Client,
+}
+
+impl Mesh {
+    /// A fresh isolated environment with a running controller.
+    pub async fn start() -> anyhow::Result<Mesh> {
+        let env = TestEnv::new().await?;
+        let dir = tempfile::tempdir()?;
+        env.write_controller_credentials(&dir.path().join("credentials.toml"))?;
+        let api_port = free_port()?;
+        std::fs::write(
+            dir.path().join("controller.toml"),
+            format!(
+                "credentials = {:?}\napi_listen = \"127.0.0.1:{api_port}\"\nresend_after_secs = 2\nrelay_poll_ms = 200\nshutdown_deadline_secs = 3\n",
+                dir.path().join("credentials.toml")
+            ),
+        )?;
+        let mut mesh = Mesh {
+            env,
+            dir,
+            api: format!("http://127.0.0.1:{api_port}"),
+            api_port,
+            controller: None,
+            agents: BTreeMap::new(),
+            http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
+        };
+        mesh.start_controller(&[]).await?;
+        Ok(mesh)
+    }
+
+    pub fn api_port(&self) -> u16 {
+        self.api_port
+    }
+
+    fn log(&self, name: &str) -> anyhow::Result<std::fs::File> {
+        Ok(std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join(format!("{name}.log")))?)
+    }
+
+    /// Start the controller with extra environment variables and wait until its
+    /// API answers and its broker session is up.
+    pub async fn start_controller(&mut self, env: &[(&str, &str)]) -> anyhow::Result<()> {
+        let mut cmd = Command::new(bin("mesh-controller")?);
+        cmd.arg("--config")
+            .arg(self.dir.path().join("controller.toml"))
+            .arg("run")
+            .env("RUST_LOG", "info,mesh_controller=debug")
+            .stdin(Stdio::null())
+            .stdout(self.log("controller")?)
+            .stderr(self.log("controller")?);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        self.controller = Some(Proc(cmd.spawn().context("spawning mesh-controller")?));
+        self.wait_healthy().await
+    }
+
+    pub async fn wait_healthy(&self) -> anyhow::Result<()> {
+        wait_for("the controller to be healthy", Duration::from_secs(60), || async {
+            match self.http.get(format!("{}/healthz", self.api)).send().await {
+                Ok(r) if r.status().is_success() => Ok(Some(())),
+                Ok(r) => Err(anyhow!("healthz {}", r.status())),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
+    }
+
+    pub fn controller(&mut self) -> Option<&mut Proc> {
+        self.controller.as_mut()
+    }
+
+    pub fn kill_controller(&mut self) {
+        if let Some(mut p) = self.controller.take() {
+            p.kill();
+        }
+    }
+
+    /// Take the controller process handle (e.g. to wait for a failpoint exit).
+    pub fn take_controller(&mut self) -> Option<Proc> {
+        self.controller.take()
+    }
+
+    /// Enrol a node (broker user) and start its agent with `labels`.
+    pub async fn add_agent(&mut self, suffix: &str, labels: &[(&str, &str)]) -> anyhow::Result<String> {
+        let creds = self.env.add_node(suffix).await?;
+        let node = creds.node.as_str().to_owned();
+        let state_dir = self.dir.path().join(format!("agent-{suffix}/state"));
+        let root = self.dir.path().join(format!("agent-{suffix}/root"));
+        std::fs::create_dir_all(&state_dir)?;
+        std::fs::create_dir_all(&root)?;
+        creds.write_to(&state_dir)?;
+        let labels = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        self.agents.insert(node.clone(), AgentHandle { creds, state_dir, root, labels, proc: None });
+        self.start_agent(&node)?;
+        Ok(node)
+    }
+
+    pub fn start_agent(&mut self, node: &str) -> anyhow::Result<()> {
+        let log = self.log(&format!("agent-{node}"))?;
+        let log2 = self.log(&format!("agent-{node}"))?;
+        let agent = self.agents.get_mut(node).ok_or_else(|| anyhow!("no agent {node}"))?;
+        let mut cmd = Command::new(bin("mesh-agent")?);
+        cmd.arg("run")
+            .arg("--state-dir")
+            .arg(&agent.state_dir)
+            .arg("--root")
+            .arg(&agent.root)
+            .arg("--heartbeat-interval")
+            .arg("1")
+            .env("RUST_LOG", "info,mesh_host_agent=debug")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2);
+        for (k, v) in &agent.labels {
+            cmd.arg("--label").arg(format!("{k}={v}"));
+        }
+        agent.proc = Some(Proc(cmd.spawn().context("spawning mesh-agent")?));
+        Ok(())
+    }
+
+    pub fn stop_agent(&mut self, node: &str) {
+        if let Some(a) = self.agents.get_mut(node) {
+            if let Some(mut p) = a.proc.take() {
+                p.kill();
+            }
+        }
+    }
+
+    pub fn agent(&self, node: &str) -> &AgentHandle {
+        &self.agents[node]
+    }
+
+    pub async fn get(&self, path: &str) -> anyhow::Result<(u16, Value)> {
+        let r = self.http.get(format!("{}{path}", self.api)).send().await?;
+        Ok((r.status().as_u16(), r.json().await.unwrap_or(Value::Null)))
+    }
+
+    pub async fn put(&self, path: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
+        let r = self.http.put(format!("{}{path}", self.api)).json(body).send().await?;
+        Ok((r.status().as_u16(), r.json().await.unwrap_or(Value::Null)))
+    }
+
+    pub async fn delete(&self, path: &str) -> anyhow::Result<u16> {
+        Ok(self.http.delete(format!("{}{path}", self.api)).send().await?.status().as_u16())
+    }
+
+    /// The controller's log so far, for assertions and failure messages.
+    pub fn controller_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("controller.log")).unwrap_or_default()
+    }
+
+    /// Stop every process and remove the environment.
+    pub async fn teardown(mut self) -> anyhow::Result<()> {
+        for a in self.agents.values_mut() {
+            if let Some(mut p) = a.proc.take() {
+                p.kill();
+            }
+        }
+        self.kill_controller();
+        let Mesh { env, .. } = self;
+        env.teardown().await
+    }
+}
+
+/// Publish raw bytes to `reports` as a node would, over that node's own broker
+/// connection. `user_id` is set to the node unless `with_user_id` is false.
+pub async fn publish_as(
+    creds: &NodeCredentials,
+    routing_key: &str,
+    payload: &[u8],
+    with_user_id: bool,
+) -> anyhow::Result<()> {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    let conn = lapin::Connection::connect(&creds.broker_url, Default::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let mut props = lapin::BasicProperties::default()
+        .with_message_id(uuid::Uuid::now_v7().to_string().as_str().into())
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2);
+    if with_user_id {
+        props = props.with_user_id(creds.node.as_str().into());
+    }
+    let confirm = ch
+        .basic_publish("reports".into(), routing_key.into(), BasicPublishOptions::default(), payload, props)
+        .await?
+        .await?;
+    anyhow::ensure!(confirm.is_ack(), "broker did not accept the publish: {confirm:?}");
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+/// A hello body as an agent would send it.
+pub fn hello(node: &str, labels: &[(&str, &str)]) -> mesh_protocol::Envelope<mesh_protocol::Report> {
+    let node = mesh_protocol::NodeId::parse(node).expect("test node ids are valid");
+    mesh_protocol::Envelope::new(
+        node,
+        1,
+        mesh_protocol::Report::Hello(mesh_protocol::Hello {
+            hostname: "test-host".into(),
+            arch: "x86_64".into(),
+            cpus: 2,
+            memory_bytes: 1 << 30,
+            labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            agent_version: "test".into(),
+            public_key: None,
+            applied: Default::default(),
+        }),
+    )
+}
+
+/// Take every message now in the dead-letter queue: (reason code, reason, origin user).
+pub async fn drain_dead_letters(amqp_url: &str) -> anyhow::Result<Vec<(String, String, Option<String>)>> {
+    use lapin::options::{BasicAckOptions, BasicGetOptions};
+    use lapin::types::AMQPValue;
+    let conn = lapin::Connection::connect(amqp_url, Default::default()).await?;
+    let ch = conn.create_channel().await?;
+    let mut out = Vec::new();
+    while let Some(msg) = ch.basic_get("dead-letter".into(), BasicGetOptions::default()).await? {
+        let headers = msg.delivery.properties.headers().clone().unwrap_or_default();
+        let text = |k: &str| match headers.inner().get(k) {
+            Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+            _ => None,
+        };
+        out.push((
+            text("x-mesh-reason-code").unwrap_or_default(),
+            text("x-mesh-reason").unwrap_or_default(),
+            text("x-mesh-origin-user"),
+        ));
+        msg.delivery.acker.ack(BasicAckOptions::default()).await?;
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(out)
+}
+
+/// Count `inventory.node.joined` events the inventory context wrote for `node`,
+/// reading its outbox as the inventory role.
+pub async fn joined_events(mesh: &Mesh, node: &str) -> anyhow::Result<i64> {
+    let pool = sqlx::PgPool::connect(&mesh.env.database_url("inventory")).await?;
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM inventory.outbox WHERE kind = 'node.joined' \
+         AND convert_from(payload, 'UTF8')::jsonb -> 'body' ->> 'node' = $1",
+    )
+    .bind(node)
+    .fetch_one(&pool)
+    .await?;
+    pool.close().await;
+    Ok(n)
+}

@@ -1,0 +1,72 @@
+use std::fmt;
+
+use serde::{Deserialize, Deserializer};
+
+/// A value that must never be printed: its `Debug` and `Display` say `[redacted]`.
+/// Read it with [`Secret::expose`], only where it is handed to the library that
+/// needs it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret<T>(T);
+
+impl<T> Secret<T> {
+    pub fn new(value: T) -> Self {
+        Secret(value)
+    }
+
+    pub fn expose(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> fmt::Debug for Secret<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl<T> fmt::Display for Secret<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Secret<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        T::deserialize(d).map(Secret)
+    }
+}
+
+/// `scheme://user:password@host/...` → `scheme://user:[redacted]@host/...`, for logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "[redacted]".to_owned();
+    };
+    match rest.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:[redacted]@{host}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_do_not_print() {
+        let s = Secret::new("hunter2".to_owned());
+        assert_eq!(format!("{s} {s:?}"), "[redacted] [redacted]");
+        assert_eq!(s.expose(), "hunter2");
+    }
+
+    #[test]
+    fn urls_are_redacted() {
+        assert_eq!(
+            redact_url("amqp://node-a:hunter2@127.0.0.1:5672/mesh"),
+            "amqp://node-a:[redacted]@127.0.0.1:5672/mesh"
+        );
+        assert!(!redact_url("garbage hunter2").contains("hunter2"));
+    }
+}
