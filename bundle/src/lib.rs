@@ -1,0 +1,29 @@
+//! The bundle: raises the foundation of a mesh on its first host, before any
+//! controller exists. It checks that the broker enforces the security boundary the
+//! design relies on ([`probe`]), provisions the database, roles, schemas, vhost and
+//! broker users ([`provision`]), and writes the credential files ([`credentials`]).
+//!
+//! [`testkit`] provisions the same shape under unique names for each test, so tests
+//! of every crate run against real PostgreSQL and RabbitMQ in parallel.
+
+pub mod credentials;
+pub mod probe;
+pub mod provision;
+pub mod testkit;
+
+/// Every bounded context of the mesh. Each owns the PostgreSQL schema of the same
+/// name and connects as its own role `<prefix>_<context>`.
+pub const CONTEXTS: [&str; 7] = [
+    "inventory",
+    "identity",
+    "config",
+    "connectivity",
+    "provisioning",
+    "delivery",
+    "observability",
+];
+
+/// A fresh secret: 32 random bytes, hex encoded (64 characters, URL safe).
+pub fn generate_password() -> String {
+    hex::encode(rand::random::<[u8; 32]>())
+}

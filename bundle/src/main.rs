@@ -1,0 +1,199 @@
+//! `mesh-bundle`: the Rust half of `bundle/up`.
+//!
+//! - `mesh-bundle probe`: the broker conformance probe (exit 1 naming the check);
+//! - `mesh-bundle up`: writes the admin credentials file, provisions the production
+//!   names with them and writes the controller credentials file. Idempotent.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use mesh_bundle::credentials::{
+    ADMIN_FILE, AdminCredentials, CONTROLLER_FILE, ControllerCredentials, etc_dir, read_toml,
+    to_toml, write_secret_file,
+};
+use mesh_bundle::probe::ProbeError;
+use mesh_bundle::provision::{self, Names, Secrets};
+
+#[derive(Parser)]
+#[command(
+    name = "mesh-bundle",
+    about = "Raises the foundation of a mesh on its first host"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args, Clone)]
+struct Endpoints {
+    /// PostgreSQL host:port the URLs point at.
+    #[arg(long, default_value = "127.0.0.1:5432")]
+    postgres: String,
+    /// RabbitMQ AMQP host:port the URLs point at.
+    #[arg(long, default_value = "127.0.0.1:5672")]
+    amqp: String,
+    /// RabbitMQ management API base URL.
+    #[arg(long, default_value = "http://127.0.0.1:15672")]
+    rabbitmq_api: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Prove the broker enforces user_id, write and topic permissions.
+    Probe {
+        #[command(flatten)]
+        endpoints: Endpoints,
+        /// A RabbitMQ administrator to create the probe's temporary vhost and user.
+        #[arg(long, env = "MESH_PROBE_ADMIN_USER")]
+        admin_user: String,
+        #[arg(long, env = "MESH_PROBE_ADMIN_PASSWORD", hide_env_values = true)]
+        admin_password: String,
+    },
+    /// Write the admin credentials; provision db `mesh`, roles, schemas, vhost
+    /// `mesh`, user `mesh-controller`; write the controller credentials.
+    Up {
+        #[command(flatten)]
+        endpoints: Endpoints,
+        /// Directory of the credential files (default /etc/mesh).
+        #[arg(long, env = "MESH_ETC")]
+        etc: Option<PathBuf>,
+        /// Password of the PostgreSQL role mesh_admin.
+        #[arg(long, env = "MESH_ADMIN_PG_PASSWORD", hide_env_values = true)]
+        admin_pg_password: String,
+        /// Password of the RabbitMQ user mesh-admin.
+        #[arg(long, env = "MESH_ADMIN_RABBITMQ_PASSWORD", hide_env_values = true)]
+        admin_rabbitmq_password: String,
+    },
+}
+
+fn admin_for(
+    e: &Endpoints,
+    pg_user: &str,
+    pg_pw: &str,
+    mq_user: &str,
+    mq_pw: &str,
+) -> AdminCredentials {
+    let enc = |s: &str| urlencoding::encode(s).into_owned();
+    AdminCredentials {
+        postgres_url: format!(
+            "postgres://{}:{}@{}/postgres",
+            enc(pg_user),
+            enc(pg_pw),
+            e.postgres
+        ),
+        rabbitmq_api: e.rabbitmq_api.trim_end_matches('/').to_string(),
+        rabbitmq_user: mq_user.to_string(),
+        rabbitmq_password: mq_pw.to_string(),
+        amqp_url: format!("amqp://{}:{}@{}", enc(mq_user), enc(mq_pw), e.amqp),
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber_init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Probe {
+            endpoints,
+            admin_user,
+            admin_password,
+        } => {
+            let admin = admin_for(&endpoints, "", "", &admin_user, &admin_password);
+            match mesh_bundle::probe::run(&admin).await {
+                Ok(report) => {
+                    for p in report.passed {
+                        println!("  ok   {}: {}", p.check, p.detail);
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e @ ProbeError::Failed { .. }) => {
+                    eprintln!("  FAIL {e}");
+                    eprintln!("refusing: the broker does not enforce the mesh's security boundary");
+                    ExitCode::FAILURE
+                }
+                Err(e) => {
+                    eprintln!("  FAIL conformance probe could not run: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Up {
+            endpoints,
+            etc,
+            admin_pg_password,
+            admin_rabbitmq_password,
+        } => match up(
+            &endpoints,
+            etc,
+            &admin_pg_password,
+            &admin_rabbitmq_password,
+        )
+        .await
+        {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mesh-bundle up failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn tracing_subscriber_init() {
+    // No subscriber dependency: steps are printed. `tracing` events are dropped.
+}
+
+async fn up(
+    endpoints: &Endpoints,
+    etc: Option<PathBuf>,
+    pg_pw: &str,
+    mq_pw: &str,
+) -> anyhow::Result<()> {
+    let etc = etc.unwrap_or_else(etc_dir);
+    let admin = admin_for(endpoints, "mesh_admin", pg_pw, "mesh-admin", mq_pw);
+    let admin_path = etc.join(ADMIN_FILE);
+    let controller_path = etc.join(CONTROLLER_FILE);
+    let mut changes = 0usize;
+
+    let admin_text = to_toml(&admin)?;
+    if write_secret_file(&admin_path, &admin_text)? {
+        println!("  changed  {} written", admin_path.display());
+        changes += 1;
+    } else {
+        println!("  ok       {} unchanged", admin_path.display());
+    }
+
+    provision::Rabbit::new(&admin)
+        .wait_ready(std::time::Duration::from_secs(60))
+        .await
+        .context("rabbitmq management api as mesh-admin")?;
+
+    let existing: Option<ControllerCredentials> = read_toml(&controller_path)?;
+    let secrets = Secrets::from_existing(existing.as_ref());
+    let names = Names::production();
+    let steps = provision::provision(&admin, &names, &secrets).await?;
+    for s in &steps.0 {
+        println!(
+            "  {:<8} {}",
+            if s.changed { "changed" } else { "ok" },
+            s.what
+        );
+    }
+    changes += steps.changed();
+
+    let creds = provision::controller_credentials(&admin, &names, &secrets)?;
+    if write_secret_file(&controller_path, &to_toml(&creds)?)? {
+        println!("  changed  {} written", controller_path.display());
+        changes += 1;
+    } else {
+        println!("  ok       {} unchanged", controller_path.display());
+    }
+    if changes == 0 {
+        println!("mesh-bundle up: nothing changed");
+    } else {
+        println!("mesh-bundle up: {changes} change(s)");
+    }
+    Ok(())
+}

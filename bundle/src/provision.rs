@@ -1,0 +1,934 @@
+//! Idempotent provisioning of one mesh environment: a database with one schema and
+//! role per context, a vhost and the controller's broker user; and of node users.
+//!
+//! PostgreSQL is driven over sqlx as the admin role (CREATEDB CREATEROLE);
+//! RabbitMQ through its management HTTP API as an administrator. Every `ensure_*`
+//! checks before it acts and reports whether it changed anything, so running the
+//! same provisioning twice changes nothing the second time.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::{AssertSqlSafe, Connection, PgConnection};
+
+use crate::CONTEXTS;
+use crate::credentials::{AdminCredentials, ControllerCredentials};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProvisionError {
+    #[error("postgresql: {what}: {source}")]
+    Postgres { what: String, source: sqlx::Error },
+    #[error("rabbitmq management api: {what}: {source}")]
+    Http {
+        what: String,
+        source: reqwest::Error,
+    },
+    #[error("rabbitmq management api: {what}: HTTP {status}: {body}")]
+    Api {
+        what: String,
+        status: u16,
+        body: String,
+    },
+    #[error("invalid url `{url}`: {reason}")]
+    Url { url: String, reason: String },
+    #[error("check failed: {0}")]
+    Check(String),
+}
+
+type Result<T> = std::result::Result<T, ProvisionError>;
+
+fn pg(what: impl Into<String>) -> impl FnOnce(sqlx::Error) -> ProvisionError {
+    let what = what.into();
+    move |source| ProvisionError::Postgres { what, source }
+}
+
+/// `"name"`: a quoted SQL identifier.
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// `'text'`: a quoted SQL string literal (standard_conforming_strings on).
+pub fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// The names of one environment: production or one test's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Names {
+    pub database: String,
+    /// Roles are `<role_prefix>_<context>`.
+    pub role_prefix: String,
+    pub vhost: String,
+    pub controller_user: String,
+}
+
+impl Names {
+    /// db `mesh`, roles `mesh_<context>`, vhost `mesh`, broker user `mesh-controller`.
+    pub fn production() -> Names {
+        Names {
+            database: "mesh".into(),
+            role_prefix: "mesh".into(),
+            vhost: "mesh".into(),
+            controller_user: "mesh-controller".into(),
+        }
+    }
+
+    /// db, vhost and role prefix `mesh_<id>`, broker user `mesh_<id>-controller`.
+    pub fn for_test(id: &str) -> Names {
+        let base = format!("mesh_{id}");
+        Names {
+            database: base.clone(),
+            role_prefix: base.clone(),
+            vhost: base.clone(),
+            controller_user: format!("{base}-controller"),
+        }
+    }
+
+    pub fn role(&self, context: &str) -> String {
+        format!("{}_{context}", self.role_prefix)
+    }
+}
+
+/// A secret and whether it was just generated (not read from an existing file): a
+/// fresh secret is (re)set on an account that already exists.
+#[derive(Clone, Debug)]
+pub struct Secret {
+    pub value: String,
+    pub fresh: bool,
+}
+
+impl Secret {
+    pub fn generate() -> Secret {
+        Secret {
+            value: crate::generate_password(),
+            fresh: true,
+        }
+    }
+    pub fn known(value: String) -> Secret {
+        Secret {
+            value,
+            fresh: false,
+        }
+    }
+}
+
+/// Passwords of one environment: the controller's broker user and each context role.
+#[derive(Clone, Debug)]
+pub struct Secrets {
+    pub controller: Secret,
+    pub roles: BTreeMap<String, Secret>,
+}
+
+impl Secrets {
+    pub fn generate() -> Secrets {
+        Secrets {
+            controller: Secret::generate(),
+            roles: CONTEXTS
+                .iter()
+                .map(|c| (c.to_string(), Secret::generate()))
+                .collect(),
+        }
+    }
+
+    /// Reuses the passwords of an existing controller credentials file; generates
+    /// the ones it lacks.
+    pub fn from_existing(existing: Option<&ControllerCredentials>) -> Secrets {
+        let mut s = Secrets::generate();
+        if let Some(c) = existing {
+            if let Some(p) = crate::credentials::password_of(&c.broker_url) {
+                s.controller = Secret::known(p);
+            }
+            for ctx in CONTEXTS {
+                if let Some(p) = c
+                    .databases
+                    .get(ctx)
+                    .and_then(|u| crate::credentials::password_of(u))
+                {
+                    s.roles.insert(ctx.to_string(), Secret::known(p));
+                }
+            }
+        }
+        s
+    }
+
+    fn role(&self, context: &str) -> Result<&Secret> {
+        self.roles
+            .get(context)
+            .ok_or_else(|| ProvisionError::Check(format!("no password for context {context}")))
+    }
+}
+
+/// One step of provisioning and whether it changed anything.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub what: String,
+    pub changed: bool,
+}
+
+#[derive(Default, Debug)]
+pub struct Steps(pub Vec<Step>);
+
+impl Steps {
+    fn push(&mut self, what: impl Into<String>, changed: bool) {
+        let step = Step {
+            what: what.into(),
+            changed,
+        };
+        tracing::debug!(what = %step.what, changed = step.changed, "provision step");
+        self.0.push(step);
+    }
+    pub fn changed(&self) -> usize {
+        self.0.iter().filter(|s| s.changed).count()
+    }
+}
+
+fn parse_url(s: &str) -> Result<url::Url> {
+    url::Url::parse(s).map_err(|e| ProvisionError::Url {
+        url: redact(s),
+        reason: e.to_string(),
+    })
+}
+
+/// The URL without its password, for messages.
+pub fn redact(s: &str) -> String {
+    match url::Url::parse(s) {
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            u.to_string()
+        }
+        Err(_) => "<unparseable url>".into(),
+    }
+}
+
+/// `admin.postgres_url` with the database replaced by `database`.
+pub fn admin_url_on(admin: &AdminCredentials, database: &str) -> Result<String> {
+    let mut u = parse_url(&admin.postgres_url)?;
+    u.set_path(&format!("/{}", urlencoding::encode(database)));
+    Ok(u.to_string())
+}
+
+/// `postgres://<user>:<password>@<admin's host:port>/<database>`.
+pub fn postgres_url(
+    admin: &AdminCredentials,
+    user: &str,
+    password: &str,
+    database: &str,
+) -> Result<String> {
+    let u = parse_url(&admin.postgres_url)?;
+    let host = u.host_str().unwrap_or("127.0.0.1");
+    let port = u.port().unwrap_or(5432);
+    Ok(format!(
+        "postgres://{}:{}@{host}:{port}/{}",
+        urlencoding::encode(user),
+        urlencoding::encode(password),
+        urlencoding::encode(database)
+    ))
+}
+
+/// `amqp://<user>:<password>@<admin's amqp host:port>/<vhost percent-encoded>`.
+pub fn amqp_url(
+    admin: &AdminCredentials,
+    user: &str,
+    password: &str,
+    vhost: &str,
+) -> Result<String> {
+    let u = parse_url(&admin.amqp_url)?;
+    let host = u.host_str().unwrap_or("127.0.0.1");
+    let port = u.port().unwrap_or(5672);
+    Ok(format!(
+        "amqp://{}:{}@{host}:{port}/{}",
+        urlencoding::encode(user),
+        urlencoding::encode(password),
+        urlencoding::encode(vhost)
+    ))
+}
+
+/// The controller's credentials for `names`.
+pub fn controller_credentials(
+    admin: &AdminCredentials,
+    names: &Names,
+    secrets: &Secrets,
+) -> Result<ControllerCredentials> {
+    let mut databases = BTreeMap::new();
+    for ctx in CONTEXTS {
+        let url = postgres_url(
+            admin,
+            &names.role(ctx),
+            &secrets.role(ctx)?.value,
+            &names.database,
+        )?;
+        databases.insert(ctx.to_string(), url);
+    }
+    Ok(ControllerCredentials {
+        broker_url: amqp_url(
+            admin,
+            &names.controller_user,
+            &secrets.controller.value,
+            &names.vhost,
+        )?,
+        databases,
+    })
+}
+
+// ---------------------------------------------------------------- PostgreSQL
+
+/// Connects as the admin to `database`.
+pub async fn connect_admin(admin: &AdminCredentials, database: &str) -> Result<PgConnection> {
+    let url = admin_url_on(admin, database)?;
+    PgConnection::connect(&url)
+        .await
+        .map_err(pg(format!("connect as admin to {}", redact(&url))))
+}
+
+async fn exec(conn: &mut PgConnection, sql: String) -> Result<()> {
+    let what = sql
+        .split(" PASSWORD ")
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(&mut *conn)
+        .await
+        .map_err(pg(what))?;
+    Ok(())
+}
+
+async fn exists(conn: &mut PgConnection, sql: &'static str, args: &[&str]) -> Result<bool> {
+    let mut q = sqlx::query_scalar::<_, bool>(sql);
+    for a in args {
+        q = q.bind(a.to_string());
+    }
+    q.fetch_one(&mut *conn).await.map_err(pg(sql))
+}
+
+/// The server's `server_version_num` (e.g. 150004).
+pub async fn server_version_num(conn: &mut PgConnection) -> Result<i64> {
+    let v: String = sqlx::query_scalar("SHOW server_version_num")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(pg("SHOW server_version_num"))?;
+    v.trim()
+        .parse()
+        .map_err(|_| ProvisionError::Check(format!("server_version_num `{v}` is not a number")))
+}
+
+/// A LOGIN role with `password`; (re)sets the password of an existing role when
+/// the secret is fresh. Makes the admin a member so it can give the role a schema.
+pub async fn ensure_role(
+    conn: &mut PgConnection,
+    role: &str,
+    secret: &Secret,
+    steps: &mut Steps,
+) -> Result<()> {
+    let present = exists(
+        conn,
+        "SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = $1)",
+        &[role],
+    )
+    .await?;
+    if !present {
+        exec(
+            conn,
+            format!(
+                "CREATE ROLE {} LOGIN PASSWORD {}",
+                quote_ident(role),
+                quote_literal(&secret.value)
+            ),
+        )
+        .await?;
+        steps.push(format!("postgresql role {role}: created"), true);
+    } else if secret.fresh {
+        exec(
+            conn,
+            format!(
+                "ALTER ROLE {} LOGIN PASSWORD {}",
+                quote_ident(role),
+                quote_literal(&secret.value)
+            ),
+        )
+        .await?;
+        steps.push(format!("postgresql role {role}: password set"), true);
+    } else {
+        steps.push(format!("postgresql role {role}: exists"), false);
+    }
+    let member = exists(
+        conn,
+        "SELECT pg_has_role(current_user, $1, 'MEMBER')",
+        &[role],
+    )
+    .await?;
+    if !member {
+        exec(conn, format!("GRANT {} TO CURRENT_USER", quote_ident(role))).await?;
+        steps.push(format!("postgresql role {role}: admin made member"), true);
+    }
+    Ok(())
+}
+
+/// The database (owned by the admin), closed to PUBLIC, CONNECT for each context
+/// role; PUBLIC stripped of the `public` schema; one schema per context owned by
+/// its role.
+pub async fn ensure_database(
+    admin: &AdminCredentials,
+    names: &Names,
+    steps: &mut Steps,
+) -> Result<()> {
+    let db = names.database.as_str();
+    let mut conn = connect_admin(admin, "postgres").await?;
+    if !exists(
+        &mut conn,
+        "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)",
+        &[db],
+    )
+    .await?
+    {
+        exec(&mut conn, format!("CREATE DATABASE {}", quote_ident(db))).await?;
+        steps.push(format!("postgresql database {db}: created"), true);
+    } else {
+        steps.push(format!("postgresql database {db}: exists"), false);
+    }
+    let public_on_db = "SELECT EXISTS (SELECT 1 FROM pg_database d, \
+         aclexplode(COALESCE(d.datacl, acldefault('d', d.datdba))) a \
+         WHERE d.datname = $1 AND a.grantee = 0)";
+    if exists(&mut conn, public_on_db, &[db]).await? {
+        exec(
+            &mut conn,
+            format!("REVOKE ALL ON DATABASE {} FROM PUBLIC", quote_ident(db)),
+        )
+        .await?;
+        if exists(&mut conn, public_on_db, &[db]).await? {
+            return Err(ProvisionError::Check(format!(
+                "REVOKE ALL ON DATABASE {db} FROM PUBLIC left privileges to PUBLIC"
+            )));
+        }
+        steps.push(
+            format!("postgresql database {db}: revoked from PUBLIC"),
+            true,
+        );
+    }
+    for ctx in CONTEXTS {
+        let role = names.role(ctx);
+        let has_connect = "SELECT EXISTS (SELECT 1 FROM pg_database d, \
+             aclexplode(COALESCE(d.datacl, acldefault('d', d.datdba))) a \
+             JOIN pg_roles r ON r.oid = a.grantee \
+             WHERE d.datname = $1 AND r.rolname = $2 AND a.privilege_type = 'CONNECT')";
+        if !exists(&mut conn, has_connect, &[db, &role]).await? {
+            exec(
+                &mut conn,
+                format!(
+                    "GRANT CONNECT ON DATABASE {} TO {}",
+                    quote_ident(db),
+                    quote_ident(&role)
+                ),
+            )
+            .await?;
+            steps.push(
+                format!("postgresql database {db}: CONNECT granted to {role}"),
+                true,
+            );
+        }
+    }
+    let _ = conn.close().await;
+
+    let mut conn = connect_admin(admin, db).await?;
+    let public_on_schema = "SELECT EXISTS (SELECT 1 FROM pg_namespace n, \
+         aclexplode(COALESCE(n.nspacl, acldefault('n', n.nspowner))) a \
+         WHERE n.nspname = 'public' AND a.grantee = 0)";
+    if exists(&mut conn, public_on_schema, &[]).await? {
+        exec(&mut conn, "REVOKE ALL ON SCHEMA public FROM PUBLIC".into()).await?;
+        if exists(&mut conn, public_on_schema, &[]).await? {
+            return Err(ProvisionError::Check(format!(
+                "REVOKE ALL ON SCHEMA public FROM PUBLIC in {db} left privileges to PUBLIC \
+                 (the admin role does not own schema public; PostgreSQL < 15?)"
+            )));
+        }
+        steps.push(
+            format!("postgresql {db}: schema public revoked from PUBLIC"),
+            true,
+        );
+    }
+    for ctx in CONTEXTS {
+        let role = names.role(ctx);
+        let owner: Option<String> = sqlx::query_scalar(
+            "SELECT nspowner::regrole::text FROM pg_namespace WHERE nspname = $1",
+        )
+        .bind(ctx)
+        .fetch_optional(&mut conn)
+        .await
+        .map_err(pg("schema owner"))?;
+        match owner {
+            None => {
+                exec(
+                    &mut conn,
+                    format!(
+                        "CREATE SCHEMA {} AUTHORIZATION {}",
+                        quote_ident(ctx),
+                        quote_ident(&role)
+                    ),
+                )
+                .await?;
+                steps.push(
+                    format!("postgresql {db}: schema {ctx} created, owner {role}"),
+                    true,
+                );
+            }
+            Some(o) if o.trim_matches('"') == role => {
+                steps.push(
+                    format!("postgresql {db}: schema {ctx} exists, owner {role}"),
+                    false,
+                );
+            }
+            Some(_) => {
+                exec(
+                    &mut conn,
+                    format!(
+                        "ALTER SCHEMA {} OWNER TO {}",
+                        quote_ident(ctx),
+                        quote_ident(&role)
+                    ),
+                )
+                .await?;
+                steps.push(
+                    format!("postgresql {db}: schema {ctx} owner set to {role}"),
+                    true,
+                );
+            }
+        }
+    }
+    let _ = conn.close().await;
+    Ok(())
+}
+
+/// Drops the database (terminating its sessions) and every context role of `names`.
+pub async fn drop_database_and_roles(admin: &AdminCredentials, names: &Names) -> Result<()> {
+    let mut conn = connect_admin(admin, "postgres").await?;
+    exec(
+        &mut conn,
+        format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            quote_ident(&names.database)
+        ),
+    )
+    .await?;
+    for ctx in CONTEXTS {
+        exec(
+            &mut conn,
+            format!("DROP ROLE IF EXISTS {}", quote_ident(&names.role(ctx))),
+        )
+        .await?;
+    }
+    let _ = conn.close().await;
+    Ok(())
+}
+
+// ---------------------------------------------------------------- RabbitMQ
+
+/// A client of the RabbitMQ management HTTP API, as an administrator.
+#[derive(Clone, Debug)]
+pub struct Rabbit {
+    http: reqwest::Client,
+    api: String,
+    user: String,
+    password: String,
+}
+
+#[derive(Deserialize, Debug)]
+struct UserInfo {
+    #[serde(default)]
+    tags: serde_json::Value,
+}
+
+#[derive(Deserialize, Debug, PartialEq, Eq)]
+struct Permissions {
+    configure: String,
+    write: String,
+    read: String,
+}
+
+#[derive(Deserialize, Debug)]
+struct TopicPermission {
+    exchange: String,
+    write: String,
+    read: String,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct NamedItem {
+    pub name: String,
+}
+
+fn seg(s: &str) -> String {
+    urlencoding::encode(s).into_owned()
+}
+
+impl Rabbit {
+    pub fn new(admin: &AdminCredentials) -> Rabbit {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .unwrap_or_default();
+        Rabbit {
+            http,
+            api: admin.rabbitmq_api.trim_end_matches('/').to_string(),
+            user: admin.rabbitmq_user.clone(),
+            password: admin.rabbitmq_password.clone(),
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}/api/{path}", self.api)
+    }
+
+    async fn send(&self, what: &str, req: reqwest::RequestBuilder) -> Result<reqwest::Response> {
+        req.basic_auth(&self.user, Some(&self.password))
+            .send()
+            .await
+            .map_err(|source| ProvisionError::Http {
+                what: what.to_string(),
+                source,
+            })
+    }
+
+    async fn fail(what: &str, resp: reqwest::Response) -> ProvisionError {
+        let status = resp.status().as_u16();
+        let body = resp.text().await.unwrap_or_default();
+        ProvisionError::Api {
+            what: what.to_string(),
+            status,
+            body: body.chars().take(500).collect(),
+        }
+    }
+
+    /// GET; `Ok(None)` on 404.
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<Option<T>> {
+        let what = format!("GET /api/{path}");
+        let resp = self.send(&what, self.http.get(self.url(path))).await?;
+        if resp.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if !resp.status().is_success() {
+            return Err(Self::fail(&what, resp).await);
+        }
+        resp.json()
+            .await
+            .map(Some)
+            .map_err(|source| ProvisionError::Http { what, source })
+    }
+
+    async fn put(&self, path: &str, body: serde_json::Value) -> Result<()> {
+        let what = format!("PUT /api/{path}");
+        let resp = self
+            .send(&what, self.http.put(self.url(path)).json(&body))
+            .await?;
+        if !resp.status().is_success() {
+            return Err(Self::fail(&what, resp).await);
+        }
+        Ok(())
+    }
+
+    /// DELETE; `Ok(false)` when it did not exist.
+    async fn delete(&self, path: &str) -> Result<bool> {
+        let what = format!("DELETE /api/{path}");
+        let resp = self.send(&what, self.http.delete(self.url(path))).await?;
+        if resp.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(false);
+        }
+        if !resp.status().is_success() {
+            return Err(Self::fail(&what, resp).await);
+        }
+        Ok(true)
+    }
+
+    /// Waits until the API answers `GET /api/overview` as this user.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let r = self.get::<serde_json::Value>("overview").await;
+            match r {
+                Ok(Some(_)) => return Ok(()),
+                Ok(None) => {
+                    return Err(ProvisionError::Check(
+                        "GET /api/overview answered 404".into(),
+                    ));
+                }
+                Err(ProvisionError::Api { status: 401, .. }) => {
+                    return Err(ProvisionError::Check(format!(
+                        "rabbitmq management api refused user {} (401)",
+                        self.user
+                    )));
+                }
+                Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+    }
+
+    pub async fn vhost_exists(&self, vhost: &str) -> Result<bool> {
+        Ok(self
+            .get::<serde_json::Value>(&format!("vhosts/{}", seg(vhost)))
+            .await?
+            .is_some())
+    }
+
+    pub async fn ensure_vhost(&self, vhost: &str, steps: &mut Steps) -> Result<()> {
+        if self.vhost_exists(vhost).await? {
+            steps.push(format!("rabbitmq vhost {vhost}: exists"), false);
+        } else {
+            self.put(&format!("vhosts/{}", seg(vhost)), json!({}))
+                .await?;
+            steps.push(format!("rabbitmq vhost {vhost}: created"), true);
+        }
+        Ok(())
+    }
+
+    pub async fn delete_vhost(&self, vhost: &str) -> Result<bool> {
+        self.delete(&format!("vhosts/{}", seg(vhost))).await
+    }
+
+    pub async fn user_exists(&self, user: &str) -> Result<bool> {
+        Ok(self
+            .get::<serde_json::Value>(&format!("users/{}", seg(user)))
+            .await?
+            .is_some())
+    }
+
+    /// All user names.
+    pub async fn users(&self) -> Result<Vec<String>> {
+        Ok(self
+            .get::<Vec<NamedItem>>("users")
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|u| u.name)
+            .collect())
+    }
+
+    /// All vhost names.
+    pub async fn vhosts(&self) -> Result<Vec<String>> {
+        Ok(self
+            .get::<Vec<NamedItem>>("vhosts")
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|u| u.name)
+            .collect())
+    }
+
+    /// A user with `tags` (comma separated, may be empty); the password is set when
+    /// the user is created or the secret is fresh.
+    pub async fn ensure_user(
+        &self,
+        user: &str,
+        secret: &Secret,
+        tags: &str,
+        steps: &mut Steps,
+    ) -> Result<()> {
+        let path = format!("users/{}", seg(user));
+        let body = json!({ "password": secret.value, "tags": tags });
+        match self.get::<UserInfo>(&path).await? {
+            None => {
+                self.put(&path, body).await?;
+                steps.push(format!("rabbitmq user {user}: created"), true);
+            }
+            Some(info) => {
+                let have: Vec<String> = match &info.tags {
+                    serde_json::Value::String(s) => s
+                        .split(',')
+                        .filter(|t| !t.is_empty())
+                        .map(str::to_string)
+                        .collect(),
+                    serde_json::Value::Array(a) => a
+                        .iter()
+                        .filter_map(|v| v.as_str().map(str::to_string))
+                        .collect(),
+                    _ => vec![],
+                };
+                let want: Vec<String> = tags
+                    .split(',')
+                    .filter(|t| !t.is_empty())
+                    .map(str::to_string)
+                    .collect();
+                let mut h = have.clone();
+                h.sort();
+                let mut w = want.clone();
+                w.sort();
+                if secret.fresh || h != w {
+                    self.put(&path, body).await?;
+                    steps.push(format!("rabbitmq user {user}: password/tags set"), true);
+                } else {
+                    steps.push(format!("rabbitmq user {user}: exists"), false);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn delete_user(&self, user: &str) -> Result<bool> {
+        self.delete(&format!("users/{}", seg(user))).await
+    }
+
+    /// Permissions (configure, write, read regexes) of `user` on `vhost`.
+    pub async fn ensure_permissions(
+        &self,
+        vhost: &str,
+        user: &str,
+        configure: &str,
+        write: &str,
+        read: &str,
+        steps: &mut Steps,
+    ) -> Result<()> {
+        let path = format!("permissions/{}/{}", seg(vhost), seg(user));
+        let want = Permissions {
+            configure: configure.into(),
+            write: write.into(),
+            read: read.into(),
+        };
+        if self.get::<Permissions>(&path).await?.as_ref() == Some(&want) {
+            steps.push(
+                format!("rabbitmq permissions {user}@{vhost}: as wanted"),
+                false,
+            );
+        } else {
+            self.put(
+                &path,
+                json!({ "configure": configure, "write": write, "read": read }),
+            )
+            .await?;
+            steps.push(format!("rabbitmq permissions {user}@{vhost}: set"), true);
+        }
+        Ok(())
+    }
+
+    /// Topic permission (write, read routing-key regexes) of `user` on a topic
+    /// `exchange` of `vhost`.
+    pub async fn ensure_topic_permissions(
+        &self,
+        vhost: &str,
+        user: &str,
+        exchange: &str,
+        write: &str,
+        read: &str,
+        steps: &mut Steps,
+    ) -> Result<()> {
+        let path = format!("topic-permissions/{}/{}", seg(vhost), seg(user));
+        let have = self
+            .get::<Vec<TopicPermission>>(&path)
+            .await?
+            .unwrap_or_default();
+        if have
+            .iter()
+            .any(|t| t.exchange == exchange && t.write == write && t.read == read)
+        {
+            steps.push(
+                format!("rabbitmq topic permissions {user}@{vhost}/{exchange}: as wanted"),
+                false,
+            );
+        } else {
+            self.put(
+                &path,
+                json!({ "exchange": exchange, "write": write, "read": read }),
+            )
+            .await?;
+            steps.push(
+                format!("rabbitmq topic permissions {user}@{vhost}/{exchange}: set"),
+                true,
+            );
+        }
+        Ok(())
+    }
+
+    /// A durable exchange of `kind` (topic, direct, fanout) on `vhost`.
+    pub async fn ensure_exchange(&self, vhost: &str, name: &str, kind: &str) -> Result<()> {
+        self.put(
+            &format!("exchanges/{}/{}", seg(vhost), seg(name)),
+            json!({ "type": kind, "durable": true, "auto_delete": false, "internal": false, "arguments": {} }),
+        )
+        .await
+    }
+}
+
+// ---------------------------------------------------------------- environments
+
+/// Provisions the whole environment `names`: PostgreSQL roles, database, schemas;
+/// the vhost, the controller user with full permissions on it, and full
+/// permissions for the admin user there (for inspection). Idempotent.
+pub async fn provision(
+    admin: &AdminCredentials,
+    names: &Names,
+    secrets: &Secrets,
+) -> Result<Steps> {
+    let mut steps = Steps::default();
+    {
+        let mut conn = connect_admin(admin, "postgres").await?;
+        for ctx in CONTEXTS {
+            ensure_role(&mut conn, &names.role(ctx), secrets.role(ctx)?, &mut steps).await?;
+        }
+        let _ = conn.close().await;
+    }
+    ensure_database(admin, names, &mut steps).await?;
+
+    let rabbit = Rabbit::new(admin);
+    rabbit.ensure_vhost(&names.vhost, &mut steps).await?;
+    rabbit
+        .ensure_user(&names.controller_user, &secrets.controller, "", &mut steps)
+        .await?;
+    rabbit
+        .ensure_permissions(
+            &names.vhost,
+            &names.controller_user,
+            ".*",
+            ".*",
+            ".*",
+            &mut steps,
+        )
+        .await?;
+    rabbit
+        .ensure_permissions(
+            &names.vhost,
+            &admin.rabbitmq_user,
+            ".*",
+            ".*",
+            ".*",
+            &mut steps,
+        )
+        .await?;
+    Ok(steps)
+}
+
+/// Node `node`'s broker permissions on `vhost`: publish to `reports` with routing
+/// keys `<node>.*` only, consume `decl.<node>` only, declare nothing.
+pub async fn ensure_node_user(
+    rabbit: &Rabbit,
+    vhost: &str,
+    node: &mesh_protocol::NodeId,
+    secret: &Secret,
+    steps: &mut Steps,
+) -> Result<()> {
+    use mesh_protocol::topology::REPORTS_EXCHANGE;
+    let n = node.as_str();
+    rabbit.ensure_user(n, secret, "", steps).await?;
+    rabbit
+        .ensure_permissions(
+            vhost,
+            n,
+            "^$",
+            &format!("^{REPORTS_EXCHANGE}$"),
+            &format!("^decl\\.{n}$"),
+            steps,
+        )
+        .await?;
+    rabbit
+        .ensure_topic_permissions(
+            vhost,
+            n,
+            REPORTS_EXCHANGE,
+            &format!("^{n}\\."),
+            &format!("^{n}\\."),
+            steps,
+        )
+        .await?;
+    Ok(())
+}
