@@ -46,14 +46,21 @@ enum Cmd {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Cmd::Heartbeats { nodes, seconds, window } => heartbeats(nodes, seconds, window).await,
+        Cmd::Heartbeats {
+            nodes,
+            seconds,
+            window,
+        } => heartbeats(nodes, seconds, window).await,
     }
 }
 
 /// utime + stime of a process, in seconds, and its RSS in bytes.
 fn cpu_and_rss(pid: u32) -> anyhow::Result<(f64, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let after = stat.rsplit_once(')').map(|(_, r)| r).context("odd /proc stat")?;
+    let after = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("odd /proc stat")?;
     let fields: Vec<&str> = after.split_whitespace().collect();
     // Fields after the command: state is [0]; utime is field 14 → [11], stime [12], rss [21].
     let ticks = 100.0; // USER_HZ on Linux
@@ -64,10 +71,15 @@ fn cpu_and_rss(pid: u32) -> anyhow::Result<(f64, u64)> {
 }
 
 async fn handled(mesh: &Mesh) -> anyhow::Result<u64> {
-    let text = reqwest::get(format!("{}/metrics", mesh.api)).await?.text().await?;
+    let text = reqwest::get(format!("{}/metrics", mesh.api))
+        .await?
+        .text()
+        .await?;
     Ok(text
         .lines()
-        .filter(|l| l.starts_with("mesh_messages_handled_total{") && l.contains("reports.heartbeat"))
+        .filter(|l| {
+            l.starts_with("mesh_messages_handled_total{") && l.contains("reports.heartbeat")
+        })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64)
 }
@@ -92,7 +104,9 @@ async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result
         let conn = Connection::connect(&c.broker_url, Default::default()).await?;
         let ch = conn.create_channel().await?;
         ch.confirm_select(ConfirmSelectOptions::default()).await?;
-        let props = BasicProperties::default().with_user_id(c.node.as_str().into()).with_delivery_mode(2);
+        let props = BasicProperties::default()
+            .with_user_id(c.node.as_str().into())
+            .with_delivery_mode(2);
         ch.basic_publish(
             "reports".into(),
             format!("{}.hello", c.node).as_str().into(),
@@ -106,9 +120,14 @@ async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result
     }
     let listed = || async {
         let (_, list) = mesh.get("/v1/nodes").await?;
-        Ok((list.as_array().map(Vec::len) == Some(nodes)).then_some(()))
+        Ok((list["nodes"].as_array().map(Vec::len) == Some(nodes)).then_some(()))
     };
-    wait_for("every simulated node to be listed", Duration::from_secs(120), listed).await?;
+    wait_for(
+        "every simulated node to be listed",
+        Duration::from_secs(120),
+        listed,
+    )
+    .await?;
 
     let before = handled(&mesh).await?;
     let (cpu0, _) = cpu_and_rss(pid)?;
@@ -125,14 +144,26 @@ async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result
             let mut seq = 2;
             let mut inflight = std::collections::VecDeque::new();
             while Instant::now() < stop_at {
-                let env = Envelope::new(node.clone(), seq, Report::Heartbeat(Heartbeat { applied: Default::default() }));
+                let env = Envelope::new(
+                    node.clone(),
+                    seq,
+                    Report::Heartbeat(Heartbeat {
+                        applied: Default::default(),
+                    }),
+                );
                 seq += 1;
                 let props = BasicProperties::default()
                     .with_user_id(node.as_str().into())
                     .with_message_id(env.id.to_string().as_str().into())
                     .with_delivery_mode(2);
                 let confirm = ch
-                    .basic_publish("reports".into(), key.as_str().into(), BasicPublishOptions::default(), &env.encode(), props)
+                    .basic_publish(
+                        "reports".into(),
+                        key.as_str().into(),
+                        BasicPublishOptions::default(),
+                        &env.encode(),
+                        props,
+                    )
                     .await?;
                 inflight.push_back(confirm);
                 if inflight.len() >= window {
@@ -157,10 +188,14 @@ async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result
     let publish_secs = start.elapsed().as_secs_f64();
     let total = published.load(Ordering::Relaxed);
     let target = before + total;
-    let drained = wait_for("the controller to commit every heartbeat", Duration::from_secs(300), || async {
-        let now = handled(&mesh).await?;
-        Ok((now >= target).then_some(Instant::now()))
-    })
+    let drained = wait_for(
+        "the controller to commit every heartbeat",
+        Duration::from_secs(300),
+        || async {
+            let now = handled(&mesh).await?;
+            Ok((now >= target).then_some(Instant::now()))
+        },
+    )
     .await?;
     let (cpu1, rss) = cpu_and_rss(pid)?;
     let ingest_secs = drained.duration_since(start).as_secs_f64();
@@ -176,8 +211,14 @@ async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result
     println!("| publish phase | {publish_secs:.1} s |");
     println!("| until all committed | {ingest_secs:.1} s |");
     println!("| reports/s committed | {rate:.0} |");
-    println!("| controller CPU (share of one core) | {:.0}% |", cpu_share * 100.0);
-    println!("| controller CPU per 1,000 reports | {:.1} ms |", (cpu1 - cpu0) * 1000.0 / total as f64 * 1000.0);
+    println!(
+        "| controller CPU (share of one core) | {:.0}% |",
+        cpu_share * 100.0
+    );
+    println!(
+        "| controller CPU per 1,000 reports | {:.1} ms |",
+        (cpu1 - cpu0) * 1000.0 / total as f64 * 1000.0
+    );
     println!("| controller RSS at the end | {:.0} MB |", rss as f64 / 1e6);
     for (conn, _, _) in conns {
         let _ = conn.close(200, "bench done".into()).await;

@@ -5,7 +5,8 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -32,12 +33,18 @@ pub async fn confirm_channel(conn: &Connection) -> AmqpResult<Channel> {
 fn bounded(max_len: i64, overflow: &str) -> FieldTable {
     let mut args = FieldTable::default();
     args.insert("x-max-length".into(), AMQPValue::LongLongInt(max_len));
-    args.insert("x-overflow".into(), AMQPValue::LongString(LongString::from(overflow)));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from(overflow)),
+    );
     args
 }
 
 fn durable() -> QueueDeclareOptions {
-    QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() }
+    QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    }
 }
 
 /// Declare the queue of one kind of report with its bound.
@@ -53,37 +60,71 @@ fn report_queue_args(kind: ReportKind) -> FieldTable {
 
 /// Declare every exchange and queue the controller uses; `record_subscriptions`
 /// lists, per context, the record routing-key patterns it consumes.
-pub async fn declare_topology(ch: &Channel, record_subscriptions: &[(&str, &[&str])]) -> AmqpResult<()> {
-    let durable_ex = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+pub async fn declare_topology(
+    ch: &Channel,
+    record_subscriptions: &[(&str, &[&str])],
+) -> AmqpResult<()> {
+    let durable_ex = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
     for (name, kind) in [
         (REPORTS_EXCHANGE, ExchangeKind::Topic),
         (DECLARATIONS_EXCHANGE, ExchangeKind::Direct),
         (RECORD_EXCHANGE, ExchangeKind::Topic),
         (DEAD_LETTER_EXCHANGE, ExchangeKind::Fanout),
     ] {
-        ch.exchange_declare(name.into(), kind, durable_ex, FieldTable::default()).await?;
+        ch.exchange_declare(name.into(), kind, durable_ex, FieldTable::default())
+            .await?;
     }
-    ch.queue_declare(DEAD_LETTER_QUEUE.into(), durable(), bounded(DEAD_LETTER_QUEUE_MAX_LEN, "drop-head"))
-        .await?;
-    ch.queue_bind(DEAD_LETTER_QUEUE.into(), DEAD_LETTER_EXCHANGE.into(), "".into(), QueueBindOptions::default(), FieldTable::default())
-        .await?;
+    ch.queue_declare(
+        DEAD_LETTER_QUEUE.into(),
+        durable(),
+        bounded(DEAD_LETTER_QUEUE_MAX_LEN, "drop-head"),
+    )
+    .await?;
+    ch.queue_bind(
+        DEAD_LETTER_QUEUE.into(),
+        DEAD_LETTER_EXCHANGE.into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
     for kind in ReportKind::ALL {
         let queue = topology::report_queue(kind);
-        ch.queue_declare(queue.as_str().into(), durable(), report_queue_args(kind)).await?;
-        let key = format!("*.{}", kind.as_str());
-        ch.queue_bind(queue.as_str().into(), REPORTS_EXCHANGE.into(), key.as_str().into(), QueueBindOptions::default(), FieldTable::default())
+        ch.queue_declare(queue.as_str().into(), durable(), report_queue_args(kind))
             .await?;
+        let key = format!("*.{}", kind.as_str());
+        ch.queue_bind(
+            queue.as_str().into(),
+            REPORTS_EXCHANGE.into(),
+            key.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
     }
     for (context, patterns) in record_subscriptions {
         if patterns.is_empty() {
             continue;
         }
         let queue = topology::record_queue(context);
-        ch.queue_declare(queue.as_str().into(), durable(), bounded(RECORD_QUEUE_MAX_LEN, "reject-publish"))
-            .await?;
+        ch.queue_declare(
+            queue.as_str().into(),
+            durable(),
+            bounded(RECORD_QUEUE_MAX_LEN, "reject-publish"),
+        )
+        .await?;
         for pattern in *patterns {
-            ch.queue_bind(queue.as_str().into(), RECORD_EXCHANGE.into(), (*pattern).into(), QueueBindOptions::default(), FieldTable::default())
-                .await?;
+            ch.queue_bind(
+                queue.as_str().into(),
+                RECORD_EXCHANGE.into(),
+                (*pattern).into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
         }
     }
     Ok(())
@@ -103,10 +144,20 @@ impl DeclarationQueues {
             return Ok(());
         }
         let queue = topology::declaration_queue(node);
-        ch.queue_declare(queue.as_str().into(), durable(), bounded(DECLARATION_QUEUE_MAX_LEN, "drop-head"))
-            .await?;
-        ch.queue_bind(queue.as_str().into(), DECLARATIONS_EXCHANGE.into(), node.as_str().into(), QueueBindOptions::default(), FieldTable::default())
-            .await?;
+        ch.queue_declare(
+            queue.as_str().into(),
+            durable(),
+            bounded(DECLARATION_QUEUE_MAX_LEN, "drop-head"),
+        )
+        .await?;
+        ch.queue_bind(
+            queue.as_str().into(),
+            DECLARATIONS_EXCHANGE.into(),
+            node.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
         if let Ok(mut k) = self.known.lock() {
             k.insert(node.clone());
         }
@@ -137,7 +188,10 @@ pub struct Refusal {
 
 impl Refusal {
     pub fn new(code: &'static str, reason: impl Into<String>) -> Self {
-        Refusal { code, reason: reason.into() }
+        Refusal {
+            code,
+            reason: reason.into(),
+        }
     }
 }
 
@@ -150,7 +204,7 @@ pub async fn dead_letter(
     data: &[u8],
     properties: &BasicProperties,
     refusal: &Refusal,
-) -> AmqpResult<lapin::publisher_confirm::PublisherConfirm> {
+) -> AmqpResult<lapin::PublisherConfirm> {
     let mut headers = properties.headers().clone().unwrap_or_default();
     let text = |v: &str| AMQPValue::LongString(LongString::from(v));
     headers.insert(REASON_HEADER.into(), text(&refusal.reason));
@@ -161,7 +215,9 @@ pub async fn dead_letter(
     if let Some(user) = properties.user_id() {
         headers.insert(ORIGIN_USER_HEADER.into(), text(user.as_str()));
     }
-    let mut props = BasicProperties::default().with_headers(headers).with_delivery_mode(2);
+    let mut props = BasicProperties::default()
+        .with_headers(headers)
+        .with_delivery_mode(2);
     if let Some(id) = properties.message_id() {
         props = props.with_message_id(id.clone());
     }
@@ -171,6 +227,12 @@ pub async fn dead_letter(
     if let Some(ct) = properties.content_type() {
         props = props.with_content_type(ct.clone());
     }
-    ch.basic_publish(DEAD_LETTER_EXCHANGE.into(), origin_queue.into(), BasicPublishOptions::default(), data, props)
-        .await
+    ch.basic_publish(
+        DEAD_LETTER_EXCHANGE.into(),
+        origin_queue.into(),
+        BasicPublishOptions::default(),
+        data,
+        props,
+    )
+    .await
 }

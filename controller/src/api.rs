@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use mesh_plumbing::api::Problem;
-use mesh_protocol::NodeId;
+use mesh_protocol::{NodeId, Section};
 use prometheus_client::registry::Registry;
 use serde_json::json;
 
@@ -47,8 +47,16 @@ async fn healthz(State(state): State<ApiState>) -> Response {
         ok &= up;
         checks.insert(schema.into(), json!(if up { "ok" } else { "down" }));
     }
-    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({ "status": if ok { "ok" } else { "degraded" }, "checks": checks }))).into_response()
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({ "status": if ok { "ok" } else { "degraded" }, "checks": checks })),
+    )
+        .into_response()
 }
 
 async fn metrics(State(state): State<ApiState>) -> Response {
@@ -56,34 +64,65 @@ async fn metrics(State(state): State<ApiState>) -> Response {
     if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &state.registry) {
         return Problem::internal(e).into_response();
     }
-    ([(CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
+    (
+        [(
+            CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// One section of a node: what its owning context declared, next to what the
+/// node reported it applied.
+#[derive(Debug, serde::Serialize)]
+struct SectionView {
+    /// Newest generation declared (none: nothing was ever declared).
+    declared: Option<i64>,
+    /// Newest generation the node reported applied (none: never).
+    applied: Option<i64>,
+    /// Last outcome the node reported for this section, with its error.
+    outcome: Option<String>,
+    error: Option<String>,
+    declared_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct NodeDetail {
+    #[serde(flatten)]
+    node: mesh_inventory::NodeView,
+    sections: std::collections::BTreeMap<&'static str, SectionView>,
 }
 
 /// A node as inventory knows it, with each section's declared generation from the
 /// context that owns the section, next to the generation the node applied.
-async fn node(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Response, Problem> {
+async fn node(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<Json<NodeDetail>, Problem> {
     let id = NodeId::parse(&id).map_err(|e| Problem::unprocessable("id", e.to_string()))?;
-    let view = state
+    let node = state
         .contexts
         .inventory
         .node(&id)
         .await
         .map_err(Problem::internal)?
         .ok_or_else(|| Problem::not_found(format!("no node `{id}`")))?;
-    let config = state.contexts.config.section(&id).await.map_err(Problem::internal)?;
-    let mut body = serde_json::to_value(&view).map_err(Problem::internal)?;
-    let applied = |section: &str| view_applied(&body, section);
-    let sections = json!({
-        "config": {
-            "declared": config.as_ref().map(|c| c.generation),
-            "applied": applied("config"),
-            "status": config,
-        }
-    });
-    body["sections"] = sections;
-    Ok(Json(body).into_response())
-}
-
-fn view_applied(view: &serde_json::Value, section: &str) -> Option<u64> {
-    view.get("applied")?.get(section)?.as_u64().or_else(|| view.get("applied")?.get(section)?.get("generation")?.as_u64())
+    let config = state
+        .contexts
+        .config
+        .section(&id)
+        .await
+        .map_err(Problem::internal)?;
+    let applied = node.applied.get(Section::Config.as_str());
+    let view = SectionView {
+        declared: config.as_ref().map(|c| c.generation),
+        applied: applied.map(|a| a.generation).filter(|g| *g > 0),
+        outcome: applied.and_then(|a| a.outcome.clone()),
+        error: applied.and_then(|a| a.error.clone()),
+        declared_at: config.as_ref().map(|c| c.declared_at),
+    };
+    let sections = [(Section::Config.as_str(), view)].into_iter().collect();
+    Ok(Json(NodeDetail { node, sections }))
 }

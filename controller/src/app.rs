@@ -29,7 +29,10 @@ pub enum AppError {
     #[error(transparent)]
     Contexts(#[from] ContextsError),
     #[error("binding the API on {addr}: {source}")]
-    Bind { addr: std::net::SocketAddr, source: std::io::Error },
+    Bind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
     #[error("serving the API: {0}")]
     Serve(std::io::Error),
 }
@@ -56,15 +59,24 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
 
     let listener = tokio::net::TcpListener::bind(settings.api_listen)
         .await
-        .map_err(|source| AppError::Bind { addr: settings.api_listen, source })?;
+        .map_err(|source| AppError::Bind {
+            addr: settings.api_listen,
+            source,
+        })?;
     let addr = listener.local_addr().map_err(AppError::Serve)?;
     tracing::info!(%addr, "API listening");
-    let app = api::router(ApiState { contexts: contexts.clone(), registry: Arc::new(registry), broker_up: broker_up.clone() });
+    let app = api::router(ApiState {
+        contexts: contexts.clone(),
+        registry: Arc::new(registry),
+        broker_up: broker_up.clone(),
+    });
 
     let mut tasks = JoinSet::new();
     let api_shutdown = shutdown.clone();
     tasks.spawn(async move {
-        let served = axum::serve(listener, app).with_graceful_shutdown(api_shutdown.cancelled_owned()).await;
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(api_shutdown.cancelled_owned())
+            .await;
         ("api", served.map_err(|e| e.to_string()))
     });
     let session = Session {
@@ -106,7 +118,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     })
     .await;
     if joined.is_err() {
-        tracing::warn!(?deadline, "tasks did not stop before the deadline; abandoning them");
+        tracing::warn!(
+            ?deadline,
+            "tasks did not stop before the deadline; abandoning them"
+        );
     }
     outcome
 }
@@ -155,7 +170,10 @@ impl Session {
         let failpoint = std::env::var(FAILPOINT_ENV).ok();
         let mut attempt: u32 = 0;
         while !shutdown.is_cancelled() {
-            match self.once(&declaration_queues, failpoint.clone(), &shutdown).await {
+            match self
+                .once(&declaration_queues, failpoint.clone(), &shutdown)
+                .await
+            {
                 Ok(()) => attempt = 0,
                 Err(e) => {
                     tracing::warn!(broker = %redact_url(&self.broker_url), error = %e, "broker session ended");
@@ -167,7 +185,9 @@ impl Session {
                 break;
             }
             let cap = Duration::from_millis(self.settings.reconnect_max_ms.max(200));
-            let ceiling = Duration::from_millis(200).saturating_mul(1 << attempt.min(16)).min(cap);
+            let ceiling = Duration::from_millis(200)
+                .saturating_mul(1 << attempt.min(16))
+                .min(cap);
             let wait = rand::rng().random_range(Duration::ZERO..=ceiling);
             tokio::select! {
                 _ = shutdown.cancelled() => break,
@@ -201,11 +221,19 @@ impl Session {
         });
         let mut tasks: JoinSet<Result<(), PipelineError>> = JoinSet::new();
         for kind in ReportKind::ALL {
-            tasks.spawn(pipeline.clone().consume(conn.clone(), Source::Reports(kind), session_end.clone()));
+            tasks.spawn(pipeline.clone().consume(
+                conn.clone(),
+                Source::Reports(kind),
+                session_end.clone(),
+            ));
         }
         for (context, patterns) in self.contexts.record_subscriptions() {
             if !patterns.is_empty() {
-                tasks.spawn(pipeline.clone().consume(conn.clone(), Source::Record(context), session_end.clone()));
+                tasks.spawn(pipeline.clone().consume(
+                    conn.clone(),
+                    Source::Record(context),
+                    session_end.clone(),
+                ));
             }
         }
         let relay = Arc::new(Relay {
@@ -226,7 +254,9 @@ impl Session {
         let _ = conn.close(200, "controller session ending".into()).await;
         match first {
             Some(Ok(result)) => result,
-            Some(Err(join)) => Err(PipelineError::Cancelled(format!("a session task panicked: {join}"))),
+            Some(Err(join)) => Err(PipelineError::Cancelled(format!(
+                "a session task panicked: {join}"
+            ))),
             None => Ok(()),
         }
     }

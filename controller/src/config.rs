@@ -14,10 +14,15 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("reading {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
-    #[error("{path}: credentials for context `{context}` are missing (expected databases.{context})")]
+    #[error(
+        "{path}: credentials for context `{context}` are missing (expected databases.{context})"
+    )]
     MissingContext { path: PathBuf, context: String },
     #[error("environment variable {name}: {message}")]
     Env { name: String, message: String },
@@ -81,8 +86,14 @@ impl Settings {
     pub fn load(path: Option<&Path>) -> Result<Settings, ConfigError> {
         let mut settings = match path {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: p.into(), source })?;
-                toml::from_str(&text).map_err(|e| ConfigError::Parse { path: p.into(), message: e.to_string() })?
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.into(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|e| ConfigError::Parse {
+                    path: p.into(),
+                    message: e.to_string(),
+                })?
             }
             None => Settings::default(),
         };
@@ -119,9 +130,14 @@ pub struct Credentials {
 
 impl Credentials {
     pub fn load(path: &Path) -> Result<Credentials, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        let mut c: Credentials =
-            toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.into(), message: e.to_string() })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        let mut c: Credentials = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.into(),
+            message: e.to_string(),
+        })?;
         c.path = path.into();
         Ok(c)
     }
@@ -130,7 +146,10 @@ impl Credentials {
     pub fn database(&self, context: &str) -> Result<&Secret<String>, ConfigError> {
         self.databases
             .get(context)
-            .ok_or_else(|| ConfigError::MissingContext { path: self.path.clone(), context: context.to_owned() })
+            .ok_or_else(|| ConfigError::MissingContext {
+                path: self.path.clone(),
+                context: context.to_owned(),
+            })
     }
 }
 

@@ -37,7 +37,8 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn,lapin=warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn,lapin=warn".into()),
         )
         .init();
     let cli = Cli::parse();
@@ -48,7 +49,10 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Migrate => {
             for (context, applied) in app::migrate(&settings).await? {
-                println!("{context}: {} migration(s) applied {applied:?}", applied.len());
+                println!(
+                    "{context}: {} migration(s) applied {applied:?}",
+                    applied.len()
+                );
             }
         }
         Command::Run { api_listen } => {

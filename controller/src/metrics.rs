@@ -48,26 +48,60 @@ impl Metrics {
             handled: Family::default(),
             dead_lettered: Family::default(),
             retried: Family::default(),
-            batch_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0005, 2.0, 16))),
+            batch_seconds: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+            }),
             published: Family::default(),
             outbox_backlog: Family::default(),
             broker_connects: Counter::default(),
         };
-        registry.register("mesh_messages_handled", "Messages committed by their contexts", m.handled.clone());
-        registry.register("mesh_dead_lettered", "Messages refused to the dead-letter queue", m.dead_lettered.clone());
-        registry.register("mesh_batches_retried", "Batches retried after a transient error", m.retried.clone());
-        registry.register("mesh_batch_seconds", "Time from taking a batch to acknowledging it", m.batch_seconds.clone());
-        registry.register("mesh_outbox_published", "Outbox rows confirmed by the broker", m.published.clone());
-        registry.register("mesh_outbox_backlog", "Outbox rows waiting to be published", m.outbox_backlog.clone());
-        registry.register("mesh_broker_connects", "Connections made to the broker", m.broker_connects.clone());
+        registry.register(
+            "mesh_messages_handled",
+            "Messages committed by their contexts",
+            m.handled.clone(),
+        );
+        registry.register(
+            "mesh_dead_lettered",
+            "Messages refused to the dead-letter queue",
+            m.dead_lettered.clone(),
+        );
+        registry.register(
+            "mesh_batches_retried",
+            "Batches retried after a transient error",
+            m.retried.clone(),
+        );
+        registry.register(
+            "mesh_batch_seconds",
+            "Time from taking a batch to acknowledging it",
+            m.batch_seconds.clone(),
+        );
+        registry.register(
+            "mesh_outbox_published",
+            "Outbox rows confirmed by the broker",
+            m.published.clone(),
+        );
+        registry.register(
+            "mesh_outbox_backlog",
+            "Outbox rows waiting to be published",
+            m.outbox_backlog.clone(),
+        );
+        registry.register(
+            "mesh_broker_connects",
+            "Connections made to the broker",
+            m.broker_connects.clone(),
+        );
         m
     }
 
     pub fn queue(queue: &str) -> QueueLabels {
-        QueueLabels { queue: queue.to_owned() }
+        QueueLabels {
+            queue: queue.to_owned(),
+        }
     }
 
     pub fn context(context: &str) -> ContextLabels {
-        ContextLabels { context: context.to_owned() }
+        ContextLabels {
+            context: context.to_owned(),
+        }
     }
 }

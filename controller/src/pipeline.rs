@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use lapin::Confirmation;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::publisher_confirm::Confirmation;
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use mesh_plumbing::{HandlerError, OutboxSignal};
@@ -28,6 +28,23 @@ use crate::amqp::{self, DeclarationQueues, Refusal};
 use crate::config::Settings;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::router::Contexts;
+
+/// The decoded messages of one batch, in delivery order.
+#[derive(Clone)]
+enum Batch {
+    Reports(Vec<Envelope<Report>>),
+    Events(Vec<RecordEvent>),
+}
+
+impl Batch {
+    /// The `n`th item alone.
+    fn one(&self, n: usize) -> Batch {
+        match self {
+            Batch::Reports(r) => Batch::Reports(r.get(n).cloned().into_iter().collect()),
+            Batch::Events(e) => Batch::Events(e.get(n).cloned().into_iter().collect()),
+        }
+    }
+}
 
 /// Which queue a consumer drains.
 #[derive(Debug, Clone, Copy)]
@@ -80,10 +97,16 @@ impl Pipeline {
     ) -> Result<(), PipelineError> {
         let queue = source.queue();
         let ch = conn.create_channel().await?;
-        ch.basic_qos(self.settings.prefetch, BasicQosOptions::default()).await?;
+        ch.basic_qos(self.settings.prefetch, BasicQosOptions::default())
+            .await?;
         let dead_letters = amqp::confirm_channel(&conn).await?;
         let mut consumer = ch
-            .basic_consume(queue.as_str().into(), format!("controller.{queue}").as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
+            .basic_consume(
+                queue.as_str().into(),
+                format!("controller.{queue}").as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
             .await?;
         tracing::info!(queue, "consuming");
         let batch_max = self.settings.batch_max.max(1);
@@ -105,7 +128,10 @@ impl Pipeline {
             }
             let started = Instant::now();
             let span = tracing::debug_span!("batch", queue = %queue, size = batch.len());
-            let done = self.process(&dead_letters, source, &queue, &batch, &shutdown).instrument(span).await?;
+            let done = self
+                .process(&dead_letters, source, &queue, &batch, &shutdown)
+                .instrument(span)
+                .await?;
             if !done {
                 // Shutting down in the middle of retries: leave the batch unacked.
                 return Ok(());
@@ -114,8 +140,14 @@ impl Pipeline {
                 last.acker.ack(BasicAckOptions { multiple: true }).await?;
             }
             let labels = Metrics::queue(&queue);
-            self.metrics.handled.get_or_create(&labels).inc_by(batch.len() as u64);
-            self.metrics.batch_seconds.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+            self.metrics
+                .handled
+                .get_or_create(&labels)
+                .inc_by(batch.len() as u64);
+            self.metrics
+                .batch_seconds
+                .get_or_create(&labels)
+                .observe(started.elapsed().as_secs_f64());
         }
     }
 
@@ -138,30 +170,30 @@ impl Pipeline {
                         Err(r) => refused.push((i, r)),
                     }
                 }
-                self.dead_letter(dead_letters, queue, batch, refused).await?;
-                let contexts = &self.contexts;
-                let Some(refused) = self
-                    .handle(queue, good.clone(), shutdown, async |items: &[Envelope<Report>]| {
-                        contexts.route_reports(kind, items).await
-                    })
-                    .await
+                self.dead_letter(dead_letters, queue, batch, refused)
+                    .await?;
+                let indices = good.iter().map(|(i, _)| *i).collect();
+                let items = Batch::Reports(good.iter().map(|(_, e)| e.clone()).collect());
+                let Some(refused) = self.handle(queue, source, indices, items, shutdown).await
                 else {
                     return Ok(false);
                 };
-                self.dead_letter(dead_letters, queue, batch, refused).await?;
+                self.dead_letter(dead_letters, queue, batch, refused)
+                    .await?;
                 if self.failpoint.as_deref() == Some(kind.as_str()) {
                     tracing::warn!("failpoint: exiting after commit, before ack");
                     std::process::exit(86);
                 }
                 if kind == ReportKind::Hello {
                     // A node that said hello can consume its declaration queue at once.
-                    let nodes: std::collections::BTreeSet<&NodeId> = good.iter().map(|(_, e)| &e.node).collect();
+                    let nodes: std::collections::BTreeSet<&NodeId> =
+                        good.iter().map(|(_, e)| &e.node).collect();
                     for node in nodes {
                         self.declaration_queues.ensure(dead_letters, node).await?;
                     }
                 }
             }
-            Source::Record(context) => {
+            Source::Record(_) => {
                 let mut refused = Vec::new();
                 let mut good = Vec::with_capacity(batch.len());
                 for (i, d) in batch.iter().enumerate() {
@@ -170,15 +202,16 @@ impl Pipeline {
                         Err(e) => refused.push((i, Refusal::new(e.metric_label(), e.to_string()))),
                     }
                 }
-                self.dead_letter(dead_letters, queue, batch, refused).await?;
-                let contexts = &self.contexts;
-                let Some(refused) = self
-                    .handle(queue, good, shutdown, async |items: &[RecordEvent]| contexts.route_events(context, items).await)
-                    .await
+                self.dead_letter(dead_letters, queue, batch, refused)
+                    .await?;
+                let indices = good.iter().map(|(i, _)| *i).collect();
+                let items = Batch::Events(good.into_iter().map(|(_, e)| e).collect());
+                let Some(refused) = self.handle(queue, source, indices, items, shutdown).await
                 else {
                     return Ok(false);
                 };
-                self.dead_letter(dead_letters, queue, batch, refused).await?;
+                self.dead_letter(dead_letters, queue, batch, refused)
+                    .await?;
             }
         }
         // Handlers may have written outboxes: wake the relay.
@@ -186,28 +219,30 @@ impl Pipeline {
         Ok(true)
     }
 
-    /// Run `f` over the items, retrying transient failures in place with capped
-    /// backoff. On a permanent failure of a batch, each item is tried alone so
-    /// that only the poisonous one is refused. Returns the refused items, or None
-    /// if shutdown came first.
-    async fn handle<T: Clone>(
+    /// Hand `items` (taken from the batch at `indices`) to the contexts,
+    /// retrying transient failures in place with capped backoff. On a permanent
+    /// failure of several items, each is tried alone so that only the poisonous
+    /// one is refused. Returns the refused items, or None if shutdown came first.
+    async fn handle(
         &self,
         queue: &str,
-        items: Vec<(usize, T)>,
+        source: Source,
+        indices: Vec<usize>,
+        items: Batch,
         shutdown: &CancellationToken,
-        f: impl AsyncFn(&[T]) -> Result<(), HandlerError>,
     ) -> Option<Vec<(usize, Refusal)>> {
-        if items.is_empty() {
+        if indices.is_empty() {
             return Some(Vec::new());
         }
-        let all: Vec<T> = items.iter().map(|(_, t)| t.clone()).collect();
-        match self.retry(queue, shutdown, || f(&all)).await? {
+        match self.retry(queue, source, &items, shutdown).await? {
             Ok(()) => Some(Vec::new()),
-            Err(e) if items.len() == 1 => Some(vec![(items[0].0, Refusal::new("handler", e.to_string()))]),
+            Err(e) if indices.len() == 1 => {
+                Some(vec![(indices[0], Refusal::new("handler", e.to_string()))])
+            }
             Err(_) => {
                 let mut refused = Vec::new();
-                for (i, item) in items {
-                    if let Err(e) = self.retry(queue, shutdown, || f(std::slice::from_ref(&item))).await? {
+                for (n, i) in indices.into_iter().enumerate() {
+                    if let Err(e) = self.retry(queue, source, &items.one(n), shutdown).await? {
                         refused.push((i, Refusal::new("handler", e.to_string())));
                     }
                 }
@@ -216,19 +251,37 @@ impl Pipeline {
         }
     }
 
-    /// Retry `attempt` while it fails transiently. Returns its permanent outcome,
-    /// or None if shutdown came first.
-    async fn retry<F: Future<Output = Result<(), HandlerError>>>(
+    async fn dispatch(&self, source: Source, items: &Batch) -> Result<(), HandlerError> {
+        match (source, items) {
+            (Source::Reports(kind), Batch::Reports(reports)) => {
+                self.contexts.route_reports(kind, reports).await
+            }
+            (Source::Record(context), Batch::Events(events)) => {
+                self.contexts.route_events(context, events).await
+            }
+            _ => Err(HandlerError::Permanent(
+                "items do not match their queue".into(),
+            )),
+        }
+    }
+
+    /// Dispatch while it fails transiently. Returns its permanent outcome, or
+    /// None if shutdown came first.
+    async fn retry(
         &self,
         queue: &str,
+        source: Source,
+        items: &Batch,
         shutdown: &CancellationToken,
-        mut attempt: impl FnMut() -> F,
     ) -> Option<Result<(), HandlerError>> {
         let mut delay = Duration::from_millis(100);
         loop {
-            match attempt().await {
+            match self.dispatch(source, items).await {
                 Err(e) if e.is_transient() => {
-                    self.metrics.retried.get_or_create(&Metrics::queue(queue)).inc();
+                    self.metrics
+                        .retried
+                        .get_or_create(&Metrics::queue(queue))
+                        .inc();
                     tracing::warn!(queue, error = %e, retry_in_ms = delay.as_millis() as u64, "transient failure; holding the batch");
                     tokio::select! {
                         _ = shutdown.cancelled() => return None,
@@ -262,13 +315,18 @@ impl Pipeline {
                 "dead-lettering",
             );
             confirms.push(amqp::dead_letter(ch, queue, &d.data, &d.properties, refusal).await?);
-            let labels = ReasonLabels { queue: queue.to_owned(), reason: refusal.code.to_owned() };
+            let labels = ReasonLabels {
+                queue: queue.to_owned(),
+                reason: refusal.code.to_owned(),
+            };
             self.metrics.dead_lettered.get_or_create(&labels).inc();
         }
         for c in confirms {
             match c.await? {
                 Confirmation::Ack(_) | Confirmation::NotRequested => {}
-                Confirmation::Nack(_) => return Err(PipelineError::DeadLetterRefused(queue.to_owned())),
+                Confirmation::Nack(_) => {
+                    return Err(PipelineError::DeadLetterRefused(queue.to_owned()));
+                }
             }
         }
         Ok(())
@@ -279,31 +337,49 @@ impl Pipeline {
 /// `user_id`, never the body: a body that names another node is refused.
 pub fn authenticate(kind: ReportKind, d: &Delivery) -> Result<Envelope<Report>, Refusal> {
     let Some(user) = d.properties.user_id() else {
-        return Err(Refusal::new("unauthenticated", "the report has no user_id property, so its sender is unknown"));
+        return Err(Refusal::new(
+            "unauthenticated",
+            "the report has no user_id property, so its sender is unknown",
+        ));
     };
-    let node = NodeId::parse(user.as_str())
-        .map_err(|_| Refusal::new("unauthenticated", format!("user_id `{}` is not a node", user.as_str())))?;
+    let node = NodeId::parse(user.as_str()).map_err(|_| {
+        Refusal::new(
+            "unauthenticated",
+            format!("user_id `{}` is not a node", user.as_str()),
+        )
+    })?;
     let env = Envelope::<Report>::decode(&d.data, MAX_REPORT_BYTES)
         .map_err(|e| Refusal::new(e.metric_label(), format!("from {node}: {e}")))?;
-    let span = tracing::debug_span!("report", message_id = %env.id, node = %node, kind = env.kind());
+    let span =
+        tracing::debug_span!("report", message_id = %env.id, node = %node, kind = env.kind());
     let _enter = span.enter();
     if env.node != node {
         return Err(Refusal::new(
             "impersonation",
-            format!("the body names node `{}` but the sender is `{node}`", env.node),
+            format!(
+                "the body names node `{}` but the sender is `{node}`",
+                env.node
+            ),
         ));
     }
     if env.body.report_kind() != kind {
         return Err(Refusal::new(
             "wrong_queue",
-            format!("a {} report arrived on the {} queue", env.kind(), kind.as_str()),
+            format!(
+                "a {} report arrived on the {} queue",
+                env.kind(),
+                kind.as_str()
+            ),
         ));
     }
     let expected_key = topology::report_routing_key(&node, kind);
     if d.routing_key.as_str() != expected_key {
         return Err(Refusal::new(
             "routing_key",
-            format!("routing key `{}` does not match `{expected_key}`", d.routing_key.as_str()),
+            format!(
+                "routing key `{}` does not match `{expected_key}`",
+                d.routing_key.as_str()
+            ),
         ));
     }
     tracing::trace!("accepted");

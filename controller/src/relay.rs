@@ -10,8 +10,8 @@
 
 use std::sync::Arc;
 
+use lapin::Confirmation;
 use lapin::options::BasicPublishOptions;
-use lapin::publisher_confirm::Confirmation;
 use lapin::{BasicProperties, Connection};
 use mesh_plumbing::OutboxSignal;
 use mesh_plumbing::outbox::{self, OutboxRow};
@@ -42,7 +42,11 @@ fn properties(row: &OutboxRow) -> BasicProperties {
 }
 
 impl Relay {
-    pub async fn run(self: Arc<Self>, conn: Arc<Connection>, shutdown: CancellationToken) -> Result<(), lapin::Error> {
+    pub async fn run(
+        self: Arc<Self>,
+        conn: Arc<Connection>,
+        shutdown: CancellationToken,
+    ) -> Result<(), lapin::Error> {
         let ch = amqp::confirm_channel(&conn).await?;
         loop {
             let mut full = false;
@@ -62,7 +66,12 @@ impl Relay {
 
     /// Publish one batch of `schema`'s outbox. Returns true if the batch was full
     /// (more may be waiting).
-    async fn round(&self, ch: &lapin::Channel, schema: &'static str, pool: &PgPool) -> Result<bool, lapin::Error> {
+    async fn round(
+        &self,
+        ch: &lapin::Channel,
+        schema: &'static str,
+        pool: &PgPool,
+    ) -> Result<bool, lapin::Error> {
         let rows = match outbox::pending(pool, schema, self.batch).await {
             Ok(rows) => rows,
             Err(e) => {
@@ -82,14 +91,27 @@ impl Relay {
                 match &node {
                     Some(node) => self.declaration_queues.ensure(ch, node).await?,
                     None => {
-                        tracing::error!(context = schema, row = row.id, "declaration without a valid node; skipped");
+                        tracing::error!(
+                            context = schema,
+                            row = row.id,
+                            "declaration without a valid node; skipped"
+                        );
                         continue;
                     }
                 }
             }
-            let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
+            let options = BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            };
             let confirm = ch
-                .basic_publish(row.exchange.as_str().into(), row.routing_key.as_str().into(), options, &row.payload, properties(row))
+                .basic_publish(
+                    row.exchange.as_str().into(),
+                    row.routing_key.as_str().into(),
+                    options,
+                    &row.payload,
+                    properties(row),
+                )
                 .await?;
             pending.push((row, node, confirm));
         }
@@ -99,12 +121,18 @@ impl Relay {
                 Confirmation::Ack(None) | Confirmation::NotRequested => sent.push(row.id),
                 Confirmation::Ack(Some(_returned)) => match node {
                     // The node's queue is gone: declare it again next round.
-                    Some(node) if row.exchange == DECLARATIONS_EXCHANGE => self.declaration_queues.forget(&node),
+                    Some(node) if row.exchange == DECLARATIONS_EXCHANGE => {
+                        self.declaration_queues.forget(&node)
+                    }
                     // A record event no context subscribes to: nobody is waiting for it.
                     _ => sent.push(row.id),
                 },
                 Confirmation::Nack(_) => {
-                    tracing::warn!(context = schema, row = row.id, "broker refused the publish (queue full?); retrying");
+                    tracing::warn!(
+                        context = schema,
+                        row = row.id,
+                        "broker refused the publish (queue full?); retrying"
+                    );
                 }
             }
         }
@@ -112,8 +140,14 @@ impl Relay {
             // They will be published again: receivers are idempotent.
             tracing::warn!(context = schema, error = %e, "marking rows sent failed");
         }
-        self.metrics.published.get_or_create(&labels).inc_by(sent.len() as u64);
-        self.metrics.outbox_backlog.get_or_create(&labels).set((rows.len() - sent.len()) as i64);
+        self.metrics
+            .published
+            .get_or_create(&labels)
+            .inc_by(sent.len() as u64);
+        self.metrics
+            .outbox_backlog
+            .get_or_create(&labels)
+            .set((rows.len() - sent.len()) as i64);
         // Go again at once only if the batch was full and all of it went out;
         // a refused publish waits for the next round instead of spinning.
         Ok(rows.len() as i64 >= self.batch && sent.len() == rows.len())

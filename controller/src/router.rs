@@ -17,7 +17,10 @@ pub enum ContextsError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("connecting to the {context} database: {source}")]
-    Connect { context: &'static str, source: sqlx::Error },
+    Connect {
+        context: &'static str,
+        source: sqlx::Error,
+    },
     #[error(transparent)]
     Migrate(#[from] mesh_plumbing::MigrateError),
 }
@@ -28,7 +31,11 @@ pub struct Contexts {
     pub config: Arc<Config>,
 }
 
-async fn pool(creds: &Credentials, context: &'static str, size: u32) -> Result<PgPool, ContextsError> {
+async fn pool(
+    creds: &Credentials,
+    context: &'static str,
+    size: u32,
+) -> Result<PgPool, ContextsError> {
     let url = creds.database(context)?;
     PgPoolOptions::new()
         .max_connections(size)
@@ -39,25 +46,51 @@ async fn pool(creds: &Credentials, context: &'static str, size: u32) -> Result<P
 
 impl Contexts {
     /// Apply every context's migrations, each as its own role into its own schema.
-    pub async fn migrate(creds: &Credentials) -> Result<Vec<(&'static str, Vec<String>)>, ContextsError> {
+    pub async fn migrate(
+        creds: &Credentials,
+    ) -> Result<Vec<(&'static str, Vec<String>)>, ContextsError> {
         Ok(vec![
-            (Inventory::SCHEMA, mesh_inventory::migrate(creds.database(Inventory::SCHEMA)?.expose()).await?),
-            (Config::SCHEMA, mesh_config::migrate(creds.database(Config::SCHEMA)?.expose()).await?),
+            (
+                Inventory::SCHEMA,
+                mesh_inventory::migrate(creds.database(Inventory::SCHEMA)?.expose()).await?,
+            ),
+            (
+                Config::SCHEMA,
+                mesh_config::migrate(creds.database(Config::SCHEMA)?.expose()).await?,
+            ),
         ])
     }
 
-    pub async fn connect(creds: &Credentials, settings: &Settings, signal: OutboxSignal) -> Result<Contexts, ContextsError> {
-        let inventory = Inventory::new(pool(creds, Inventory::SCHEMA, settings.pool_size).await?, signal.clone());
-        let config_settings = mesh_config::Settings {
+    pub async fn connect(
+        creds: &Credentials,
+        settings: &Settings,
+        signal: OutboxSignal,
+    ) -> Result<Contexts, ContextsError> {
+        let inventory = Inventory::new(
+            pool(creds, Inventory::SCHEMA, settings.pool_size).await?,
+            signal.clone(),
+            mesh_inventory::InventorySettings::default(),
+        );
+        let config_settings = mesh_config::ConfigSettings {
             resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
         };
-        let config = Config::new(pool(creds, Config::SCHEMA, settings.pool_size).await?, signal, config_settings);
-        Ok(Contexts { inventory: Arc::new(inventory), config: Arc::new(config) })
+        let config = Config::new(
+            pool(creds, Config::SCHEMA, settings.pool_size).await?,
+            signal,
+            config_settings,
+        );
+        Ok(Contexts {
+            inventory: Arc::new(inventory),
+            config: Arc::new(config),
+        })
     }
 
     /// Every context's schema and pool, for the outbox relay and housekeeping.
     pub fn schemas(&self) -> Vec<(&'static str, &PgPool)> {
-        vec![(Inventory::SCHEMA, self.inventory.pool()), (Config::SCHEMA, self.config.pool())]
+        vec![
+            (Inventory::SCHEMA, self.inventory.pool()),
+            (Config::SCHEMA, self.config.pool()),
+        ]
     }
 
     /// Record routing-key patterns per context, for declaring record queues.
@@ -71,7 +104,11 @@ impl Contexts {
     /// Hand a batch of authenticated reports of one kind to every context that
     /// owns a part of them. Each context commits its own transaction (its state,
     /// its inbox, its outbox); the caller acknowledges only after all committed.
-    pub async fn route_reports(&self, kind: ReportKind, batch: &[Envelope<Report>]) -> Result<(), HandlerError> {
+    pub async fn route_reports(
+        &self,
+        kind: ReportKind,
+        batch: &[Envelope<Report>],
+    ) -> Result<(), HandlerError> {
         match kind {
             // hello: facts and labels (inventory); re-send of a behind section (config).
             ReportKind::Hello => {
@@ -94,24 +131,42 @@ impl Contexts {
     }
 
     /// Hand record events to the context whose record queue they came from.
-    pub async fn route_events(&self, context: &str, events: &[RecordEvent]) -> Result<(), HandlerError> {
+    pub async fn route_events(
+        &self,
+        context: &str,
+        events: &[RecordEvent],
+    ) -> Result<(), HandlerError> {
         match context {
             c if c == Inventory::SCHEMA => run_events(&*self.inventory, events).await,
             c if c == Config::SCHEMA => run_events(&*self.config, events).await,
-            other => Err(HandlerError::Permanent(format!("no context named `{other}`"))),
+            other => Err(HandlerError::Permanent(format!(
+                "no context named `{other}`"
+            ))),
         }
     }
 }
 
-async fn run<C: Context>(ctx: &C, batch: &[Envelope<Report>], use_inbox: bool) -> Result<(), HandlerError> {
+async fn run<C: Context>(
+    ctx: &C,
+    batch: &[Envelope<Report>],
+    use_inbox: bool,
+) -> Result<(), HandlerError> {
     let mut tx = ctx.pool().begin().await?;
     if use_inbox {
         let ids: Vec<_> = batch.iter().map(|e| e.id).collect();
         let mut fresh = inbox::claim(&mut tx, C::SCHEMA, &ids).await?;
         // `remove` keeps one copy of a message delivered twice within the batch.
-        let fresh: Vec<Envelope<Report>> = batch.iter().filter(|e| fresh.remove(&e.id)).cloned().collect();
+        let fresh: Vec<Envelope<Report>> = batch
+            .iter()
+            .filter(|e| fresh.remove(&e.id))
+            .cloned()
+            .collect();
         if fresh.len() < batch.len() {
-            tracing::debug!(context = C::SCHEMA, duplicates = batch.len() - fresh.len(), "inbox filtered redeliveries");
+            tracing::debug!(
+                context = C::SCHEMA,
+                duplicates = batch.len() - fresh.len(),
+                "inbox filtered redeliveries"
+            );
         }
         if !fresh.is_empty() {
             ctx.handle_reports(&mut tx, &fresh).await?;

@@ -19,10 +19,15 @@ use serde_json::Value;
 pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
     // target/<profile>/deps/<test> → target/<profile>/<name>
-    let dir = exe.parent().and_then(Path::parent).ok_or_else(|| anyhow!("no target dir above {exe:?}"))?;
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .ok_or_else(|| anyhow!("no target dir above {exe:?}"))?;
     let path = dir.join(name);
     if !path.exists() {
-        bail!("{path:?} is missing: run `cargo build --workspace --bins` before the tests (bundle/test does)");
+        bail!(
+            "{path:?} is missing: run `cargo build --workspace --bins` before the tests (bundle/test does)"
+        );
     }
     Ok(path)
 }
@@ -42,14 +47,18 @@ where
             Err(e) => last_err = Some(e),
         }
         if Instant::now() >= deadline {
-            return Err(anyhow!("timed out after {within:?} waiting for {what} (last error: {last_err:?})"));
+            return Err(anyhow!(
+                "timed out after {within:?} waiting for {what} (last error: {last_err:?})"
+            ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// A child process killed when dropped.
@@ -66,7 +75,10 @@ impl Proc {
     }
 
     /// Wait for the process to exit by itself, up to `within`.
-    pub async fn wait_exit(&mut self, within: Duration) -> anyhow::Result<std::process::ExitStatus> {
+    pub async fn wait_exit(
+        &mut self,
+        within: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
         wait_for("the process to exit", within, || {
             let status = self.0.try_wait();
             async move { Ok(status?) }
@@ -132,7 +144,9 @@ impl Mesh {
             api_port,
             controller: None,
             agents: BTreeMap::new(),
-            http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .build()?,
         };
         mesh.start_controller(&[]).await?;
         Ok(mesh)
@@ -143,7 +157,10 @@ impl Mesh {
     }
 
     fn log(&self, name: &str) -> anyhow::Result<std::fs::File> {
-        Ok(std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join(format!("{name}.log")))?)
+        Ok(std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join(format!("{name}.log")))?)
     }
 
     /// Start the controller with extra environment variables and wait until its
@@ -165,13 +182,17 @@ impl Mesh {
     }
 
     pub async fn wait_healthy(&self) -> anyhow::Result<()> {
-        wait_for("the controller to be healthy", Duration::from_secs(60), || async {
-            match self.http.get(format!("{}/healthz", self.api)).send().await {
-                Ok(r) if r.status().is_success() => Ok(Some(())),
-                Ok(r) => Err(anyhow!("healthz {}", r.status())),
-                Err(e) => Err(e.into()),
-            }
-        })
+        wait_for(
+            "the controller to be healthy",
+            Duration::from_secs(60),
+            || async {
+                match self.http.get(format!("{}/healthz", self.api)).send().await {
+                    Ok(r) if r.status().is_success() => Ok(Some(())),
+                    Ok(r) => Err(anyhow!("healthz {}", r.status())),
+                    Err(e) => Err(e.into()),
+                }
+            },
+        )
         .await
     }
 
@@ -191,7 +212,11 @@ impl Mesh {
     }
 
     /// Enrol a node (broker user) and start its agent with `labels`.
-    pub async fn add_agent(&mut self, suffix: &str, labels: &[(&str, &str)]) -> anyhow::Result<String> {
+    pub async fn add_agent(
+        &mut self,
+        suffix: &str,
+        labels: &[(&str, &str)],
+    ) -> anyhow::Result<String> {
         let creds = self.env.add_node(suffix).await?;
         let node = creds.node.as_str().to_owned();
         let state_dir = self.dir.path().join(format!("agent-{suffix}/state"));
@@ -199,8 +224,20 @@ impl Mesh {
         std::fs::create_dir_all(&state_dir)?;
         std::fs::create_dir_all(&root)?;
         creds.write_to(&state_dir)?;
-        let labels = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        self.agents.insert(node.clone(), AgentHandle { creds, state_dir, root, labels, proc: None });
+        let labels = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.agents.insert(
+            node.clone(),
+            AgentHandle {
+                creds,
+                state_dir,
+                root,
+                labels,
+                proc: None,
+            },
+        );
         self.start_agent(&node)?;
         Ok(node)
     }
@@ -208,7 +245,10 @@ impl Mesh {
     pub fn start_agent(&mut self, node: &str) -> anyhow::Result<()> {
         let log = self.log(&format!("agent-{node}"))?;
         let log2 = self.log(&format!("agent-{node}"))?;
-        let agent = self.agents.get_mut(node).ok_or_else(|| anyhow!("no agent {node}"))?;
+        let agent = self
+            .agents
+            .get_mut(node)
+            .ok_or_else(|| anyhow!("no agent {node}"))?;
         let mut cmd = Command::new(bin("mesh-agent")?);
         cmd.arg("run")
             .arg("--state-dir")
@@ -246,12 +286,23 @@ impl Mesh {
     }
 
     pub async fn put(&self, path: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
-        let r = self.http.put(format!("{}{path}", self.api)).json(body).send().await?;
+        let r = self
+            .http
+            .put(format!("{}{path}", self.api))
+            .json(body)
+            .send()
+            .await?;
         Ok((r.status().as_u16(), r.json().await.unwrap_or(Value::Null)))
     }
 
     pub async fn delete(&self, path: &str) -> anyhow::Result<u16> {
-        Ok(self.http.delete(format!("{}{path}", self.api)).send().await?.status().as_u16())
+        Ok(self
+            .http
+            .delete(format!("{}{path}", self.api))
+            .send()
+            .await?
+            .status()
+            .as_u16())
     }
 
     /// The controller's log so far, for assertions and failure messages.
@@ -292,16 +343,28 @@ pub async fn publish_as(
         props = props.with_user_id(creds.node.as_str().into());
     }
     let confirm = ch
-        .basic_publish("reports".into(), routing_key.into(), BasicPublishOptions::default(), payload, props)
+        .basic_publish(
+            "reports".into(),
+            routing_key.into(),
+            BasicPublishOptions::default(),
+            payload,
+            props,
+        )
         .await?
         .await?;
-    anyhow::ensure!(confirm.is_ack(), "broker did not accept the publish: {confirm:?}");
+    anyhow::ensure!(
+        confirm.is_ack(),
+        "broker did not accept the publish: {confirm:?}"
+    );
     let _ = conn.close(200, "done".into()).await;
     Ok(())
 }
 
 /// A hello body as an agent would send it.
-pub fn hello(node: &str, labels: &[(&str, &str)]) -> mesh_protocol::Envelope<mesh_protocol::Report> {
+pub fn hello(
+    node: &str,
+    labels: &[(&str, &str)],
+) -> mesh_protocol::Envelope<mesh_protocol::Report> {
     let node = mesh_protocol::NodeId::parse(node).expect("test node ids are valid");
     mesh_protocol::Envelope::new(
         node,
@@ -311,7 +374,10 @@ pub fn hello(node: &str, labels: &[(&str, &str)]) -> mesh_protocol::Envelope<mes
             arch: "x86_64".into(),
             cpus: 2,
             memory_bytes: 1 << 30,
-            labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             agent_version: "test".into(),
             public_key: None,
             applied: Default::default(),
@@ -320,14 +386,24 @@ pub fn hello(node: &str, labels: &[(&str, &str)]) -> mesh_protocol::Envelope<mes
 }
 
 /// Take every message now in the dead-letter queue: (reason code, reason, origin user).
-pub async fn drain_dead_letters(amqp_url: &str) -> anyhow::Result<Vec<(String, String, Option<String>)>> {
+pub async fn drain_dead_letters(
+    amqp_url: &str,
+) -> anyhow::Result<Vec<(String, String, Option<String>)>> {
     use lapin::options::{BasicAckOptions, BasicGetOptions};
     use lapin::types::AMQPValue;
     let conn = lapin::Connection::connect(amqp_url, Default::default()).await?;
     let ch = conn.create_channel().await?;
     let mut out = Vec::new();
-    while let Some(msg) = ch.basic_get("dead-letter".into(), BasicGetOptions::default()).await? {
-        let headers = msg.delivery.properties.headers().clone().unwrap_or_default();
+    while let Some(msg) = ch
+        .basic_get("dead-letter".into(), BasicGetOptions::default())
+        .await?
+    {
+        let headers = msg
+            .delivery
+            .properties
+            .headers()
+            .clone()
+            .unwrap_or_default();
         let text = |k: &str| match headers.inner().get(k) {
             Some(AMQPValue::LongString(s)) => Some(s.to_string()),
             _ => None,

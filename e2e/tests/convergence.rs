@@ -11,16 +11,28 @@ use serde_json::json;
 const WITHIN: Duration = Duration::from_secs(30);
 
 /// Wait until the file under `node`'s root has `content` and `mode`.
-async fn file_is(mesh: &Mesh, node: &str, path: &str, content: &str, mode: u32) -> anyhow::Result<()> {
+async fn file_is(
+    mesh: &Mesh,
+    node: &str,
+    path: &str,
+    content: &str,
+    mode: u32,
+) -> anyhow::Result<()> {
     let p = mesh.agent(node).file(path);
-    wait_for(&format!("{path} on {node} to read {content:?} with mode {mode:o}"), WITHIN, || {
-        let p = p.clone();
-        async move {
-            let Ok(meta) = std::fs::metadata(&p) else { return Ok(None) };
-            let text = std::fs::read_to_string(&p)?;
-            Ok((text == content && meta.permissions().mode() & 0o7777 == mode).then_some(()))
-        }
-    })
+    wait_for(
+        &format!("{path} on {node} to read {content:?} with mode {mode:o}"),
+        WITHIN,
+        || {
+            let p = p.clone();
+            async move {
+                let Ok(meta) = std::fs::metadata(&p) else {
+                    return Ok(None);
+                };
+                let text = std::fs::read_to_string(&p)?;
+                Ok((text == content && meta.permissions().mode() & 0o7777 == mode).then_some(()))
+            }
+        },
+    )
     .await
 }
 
@@ -35,12 +47,19 @@ async fn file_absent(mesh: &Mesh, node: &str, path: &str) -> anyhow::Result<()> 
 
 /// Wait until the node view shows the config section applied == declared == `generation`.
 async fn applied_generation(mesh: &Mesh, node: &str, generation: u64) -> anyhow::Result<()> {
-    wait_for(&format!("{node} to apply config generation {generation}"), WITHIN, || async {
-        let (status, view) = mesh.get(&format!("/v1/nodes/{node}")).await?;
-        anyhow::ensure!(status == 200, "GET node: {status} {view}");
-        let config = &view["sections"]["config"];
-        Ok((config["declared"] == json!(generation) && config["applied"] == json!(generation)).then_some(()))
-    })
+    wait_for(
+        &format!("{node} to apply config generation {generation}"),
+        WITHIN,
+        || async {
+            let (status, view) = mesh.get(&format!("/v1/nodes/{node}")).await?;
+            anyhow::ensure!(status == 200, "GET node: {status} {view}");
+            let config = &view["sections"]["config"];
+            Ok(
+                (config["declared"] == json!(generation) && config["applied"] == json!(generation))
+                    .then_some(()),
+            )
+        },
+    )
     .await
 }
 
@@ -54,15 +73,17 @@ async fn files_converge_on_exactly_the_matching_nodes() -> anyhow::Result<()> {
     // Three agents join and show as alive with their facts.
     wait_for("three alive nodes with facts", WITHIN, || async {
         let (_, nodes) = mesh.get("/v1/nodes").await?;
-        let nodes = nodes.as_array().cloned().unwrap_or_default();
+        let nodes = nodes["nodes"].as_array().cloned().unwrap_or_default();
         let ready = nodes.len() == 3
-            && nodes.iter().all(|n| n["state"] == "alive" && n["hostname"].as_str().is_some_and(|h| !h.is_empty()));
+            && nodes.iter().all(|n| {
+                n["state"] == "alive" && n["hostname"].as_str().is_some_and(|h| !h.is_empty())
+            });
         Ok(ready.then_some(()))
     })
     .await?;
     let (status, view) = mesh.get(&format!("/v1/nodes/{web1}")).await?;
     assert_eq!(status, 200, "{view}");
-    assert_eq!(view["labels"]["role"], "web", "{view}");
+    assert_eq!(view["labels"]["effective"]["role"], "web", "{view}");
     assert!(view["cpus"].as_u64().unwrap_or(0) >= 1, "{view}");
 
     // A file for role=web lands on exactly the two web nodes, with its mode.
@@ -75,11 +96,19 @@ async fn files_converge_on_exactly_the_matching_nodes() -> anyhow::Result<()> {
     applied_generation(&mesh, &web1, 1).await?;
     applied_generation(&mesh, &web2, 1).await?;
     let (_, db_view) = mesh.get(&format!("/v1/nodes/{db1}")).await?;
-    assert!(db_view["sections"]["config"]["declared"].is_null(), "db-1 got a config section: {db_view}");
+    assert!(
+        db_view["sections"]["config"]["declared"].is_null(),
+        "db-1 got a config section: {db_view}"
+    );
     assert!(!mesh.agent(&db1).file("/etc/motd").exists());
 
     // A node labelled later receives it.
-    let (status, body) = mesh.put(&format!("/v1/nodes/{db1}/labels"), &json!({"labels": {"role": "web"}})).await?;
+    let (status, body) = mesh
+        .put(
+            &format!("/v1/nodes/{db1}/labels"),
+            &json!({"labels": {"role": "web"}}),
+        )
+        .await?;
     assert_eq!(status, 200, "{body}");
     file_is(&mesh, &db1, "/etc/motd", "hello web\n", 0o640).await?;
     applied_generation(&mesh, &db1, 1).await?;
@@ -107,17 +136,26 @@ async fn files_converge_on_exactly_the_matching_nodes() -> anyhow::Result<()> {
 async fn an_agent_down_during_a_change_converges_when_it_returns() -> anyhow::Result<()> {
     let mut mesh = Mesh::start().await?;
     let node = mesh.add_agent("solo", &[("role", "web")]).await?;
-    mesh.put("/v1/files/app", &json!({"path": "/srv/app.conf", "content": "v1", "mode": "0644", "node": node}))
-        .await?;
+    mesh.put(
+        "/v1/files/app",
+        &json!({"path": "/srv/app.conf", "content": "v1", "mode": "0644", "node": node}),
+    )
+    .await?;
     file_is(&mesh, &node, "/srv/app.conf", "v1", 0o644).await?;
 
     mesh.stop_agent(&node);
     let (status, body) = mesh
-        .put("/v1/files/app", &json!({"path": "/srv/app.conf", "content": "v2", "mode": "0644", "node": node}))
+        .put(
+            "/v1/files/app",
+            &json!({"path": "/srv/app.conf", "content": "v2", "mode": "0644", "node": node}),
+        )
         .await?;
     assert_eq!(status, 200, "{body}");
     // Nothing applies it while the agent is down.
-    assert_eq!(std::fs::read_to_string(mesh.agent(&node).file("/srv/app.conf"))?, "v1");
+    assert_eq!(
+        std::fs::read_to_string(mesh.agent(&node).file("/srv/app.conf"))?,
+        "v1"
+    );
 
     mesh.start_agent(&node)?;
     file_is(&mesh, &node, "/srv/app.conf", "v2", 0o644).await?;
@@ -129,24 +167,41 @@ async fn an_agent_down_during_a_change_converges_when_it_returns() -> anyhow::Re
 async fn a_declaration_lost_on_the_way_is_resent_from_the_hello() -> anyhow::Result<()> {
     let mut mesh = Mesh::start().await?;
     let node = mesh.add_agent("lossy", &[]).await?;
-    mesh.put("/v1/files/a", &json!({"path": "/a", "content": "one", "mode": "0644", "node": node})).await?;
+    mesh.put(
+        "/v1/files/a",
+        &json!({"path": "/a", "content": "one", "mode": "0644", "node": node}),
+    )
+    .await?;
     file_is(&mesh, &node, "/a", "one", 0o644).await?;
 
     // The agent is away, a change is declared, and its declaration is lost
     // (purged from the node's queue) before the agent comes back.
     mesh.stop_agent(&node);
-    mesh.put("/v1/files/a", &json!({"path": "/a", "content": "two", "mode": "0644", "node": node})).await?;
-    let conn = lapin::Connection::connect(&mesh.env.controller_amqp_url(), Default::default()).await?;
+    mesh.put(
+        "/v1/files/a",
+        &json!({"path": "/a", "content": "two", "mode": "0644", "node": node}),
+    )
+    .await?;
+    let conn =
+        lapin::Connection::connect(&mesh.env.controller_amqp_url(), Default::default()).await?;
     let ch = conn.create_channel().await?;
     let queue = format!("decl.{node}");
     wait_for("the declaration to be queued", WITHIN, || async {
         let q = ch
-            .queue_declare(queue.as_str().into(), lapin::options::QueueDeclareOptions { passive: true, ..Default::default() }, Default::default())
+            .queue_declare(
+                queue.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
             .await?;
         Ok((q.message_count() > 0).then_some(()))
     })
     .await?;
-    ch.queue_purge(queue.as_str().into(), Default::default()).await?;
+    ch.queue_purge(queue.as_str().into(), Default::default())
+        .await?;
 
     mesh.start_agent(&node)?;
     file_is(&mesh, &node, "/a", "two", 0o644).await?;

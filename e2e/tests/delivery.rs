@@ -30,8 +30,13 @@ async fn the_same_report_delivered_twice_has_one_effect() -> anyhow::Result<()> 
     node_listed(&mesh, a.node.as_str()).await?;
     publish_as(&a, &key, &report, true).await?;
     // The queue is handled in order: once the sentinel is listed, the third copy was handled too.
-    publish_as(&sentinel, &format!("{}.hello", sentinel.node), &hello(sentinel.node.as_str(), &[]).encode(), true)
-        .await?;
+    publish_as(
+        &sentinel,
+        &format!("{}.hello", sentinel.node),
+        &hello(sentinel.node.as_str(), &[]).encode(),
+        true,
+    )
+    .await?;
     node_listed(&mesh, sentinel.node.as_str()).await?;
 
     assert_eq!(joined_events(&mesh, a.node.as_str()).await?, 1);
@@ -39,15 +44,22 @@ async fn the_same_report_delivered_twice_has_one_effect() -> anyhow::Result<()> 
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_controller_killed_after_commit_before_ack_loses_and_doubles_nothing() -> anyhow::Result<()> {
+async fn a_controller_killed_after_commit_before_ack_loses_and_doubles_nothing()
+-> anyhow::Result<()> {
     let mut mesh = Mesh::start().await?;
     mesh.kill_controller();
     // This controller exits right after committing the first hello, before its ack.
-    mesh.start_controller(&[("MESH_FAILPOINT_EXIT_AFTER_COMMIT", "hello")]).await?;
+    mesh.start_controller(&[("MESH_FAILPOINT_EXIT_AFTER_COMMIT", "hello")])
+        .await?;
     let node = mesh.add_agent("crash", &[("role", "web")]).await?;
     let mut dead = mesh.take_controller().expect("controller running");
     let status = dead.wait_exit(WITHIN).await?;
-    assert_eq!(status.code(), Some(86), "the failpoint did not fire: {}", mesh.controller_log());
+    assert_eq!(
+        status.code(),
+        Some(86),
+        "the failpoint did not fire: {}",
+        mesh.controller_log()
+    );
 
     // Declared while no controller runs: stored by nobody yet, so declare after restart.
     mesh.start_controller(&[]).await?;
@@ -56,7 +68,9 @@ async fn a_controller_killed_after_commit_before_ack_loses_and_doubles_nothing()
         .await?;
     let path = mesh.agent(&node).file("/f");
     wait_for("the file to arrive after the crash", WITHIN, || {
-        let ok = std::fs::read_to_string(&path).map(|t| t == "after crash").unwrap_or(false);
+        let ok = std::fs::read_to_string(&path)
+            .map(|t| t == "after crash")
+            .unwrap_or(false);
         async move { Ok(ok.then_some(())) }
     })
     .await?;
@@ -66,7 +80,8 @@ async fn a_controller_killed_after_commit_before_ack_loses_and_doubles_nothing()
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn bad_reports_are_dead_lettered_with_a_reason_and_valid_traffic_goes_on() -> anyhow::Result<()> {
+async fn bad_reports_are_dead_lettered_with_a_reason_and_valid_traffic_goes_on()
+-> anyhow::Result<()> {
     let mesh = Mesh::start().await?;
     let a = mesh.env.add_node("bad").await?;
     let b = mesh.env.add_node("victim").await?;
@@ -80,20 +95,39 @@ async fn bad_reports_are_dead_lettered_with_a_reason_and_valid_traffic_goes_on()
     publish_as(&a, &key, &hello(a.node.as_str(), &[]).encode(), false).await?;
     publish_as(&a, &key, &hello(b.node.as_str(), &[]).encode(), true).await?;
     // Valid traffic after the poison.
-    publish_as(&a, &key, &hello(a.node.as_str(), &[("ok", "yes")]).encode(), true).await?;
+    publish_as(
+        &a,
+        &key,
+        &hello(a.node.as_str(), &[("ok", "yes")]).encode(),
+        true,
+    )
+    .await?;
     node_listed(&mesh, a.node.as_str()).await?;
 
-    let mut codes = Vec::new();
+    let codes = std::sync::Mutex::new(Vec::new());
     wait_for("four dead letters", WITHIN, || async {
-        codes.extend(drain_dead_letters(&mesh.env.controller_amqp_url()).await?);
+        let got = drain_dead_letters(&mesh.env.controller_amqp_url()).await?;
+        let mut codes = codes.lock().expect("not poisoned");
+        codes.extend(got);
         Ok((codes.len() >= 4).then_some(()))
     })
     .await?;
+    let codes = codes.into_inner().expect("not poisoned");
     let mut got: Vec<&str> = codes.iter().map(|(c, _, _)| c.as_str()).collect();
     got.sort();
-    assert_eq!(got, ["impersonation", "malformed", "too_large", "unauthenticated"], "{codes:?}");
-    let impersonation = codes.iter().find(|(c, _, _)| c == "impersonation").expect("present");
-    assert!(impersonation.1.contains(b.node.as_str()), "reason names the claimed node: {impersonation:?}");
+    assert_eq!(
+        got,
+        ["impersonation", "malformed", "too_large", "unauthenticated"],
+        "{codes:?}"
+    );
+    let impersonation = codes
+        .iter()
+        .find(|(c, _, _)| c == "impersonation")
+        .expect("present");
+    assert!(
+        impersonation.1.contains(b.node.as_str()),
+        "reason names the claimed node: {impersonation:?}"
+    );
     assert_eq!(impersonation.2.as_deref(), Some(a.node.as_str()));
     // The victim was never created by the impersonating report.
     assert_eq!(mesh.get(&format!("/v1/nodes/{}", b.node)).await?.0, 404);

@@ -57,7 +57,10 @@ pub struct FileMode(u32);
 impl FileMode {
     pub fn new(mode: u32) -> Result<Self, DecodeError> {
         if mode > 0o7777 {
-            return Err(DecodeError::invalid("mode", format!("{mode:#o} is outside 0o0000..=0o7777")));
+            return Err(DecodeError::invalid(
+                "mode",
+                format!("{mode:#o} is outside 0o0000..=0o7777"),
+            ));
         }
         Ok(FileMode(mode))
     }
@@ -100,7 +103,12 @@ pub struct FileItem {
 /// Check a declared path: absolute, at most 4096 bytes, no empty, `.` or `..`
 /// component, no NUL. Returns the path's components.
 pub fn validate_path(field: &str, path: &str) -> Result<Vec<String>, DecodeError> {
-    let bad = |reason: &str| DecodeError::invalid(field, format!("`{}`: {reason}", path.chars().take(120).collect::<String>()));
+    let bad = |reason: &str| {
+        DecodeError::invalid(
+            field,
+            format!("`{}`: {reason}", path.chars().take(120).collect::<String>()),
+        )
+    };
     if path.len() > 4096 {
         return Err(bad("longer than 4096 bytes"));
     }
@@ -144,14 +152,20 @@ pub struct DeclarationItems {
 impl DeclarationItems {
     pub fn validate(&self) -> Result<(), DecodeError> {
         if self.files.len() > MAX_ITEMS {
-            return Err(DecodeError::invalid("body.items.files", format!("more than {MAX_ITEMS} files")));
+            return Err(DecodeError::invalid(
+                "body.items.files",
+                format!("more than {MAX_ITEMS} files"),
+            ));
         }
         let mut seen = BTreeSet::new();
         for (i, f) in self.files.iter().enumerate() {
             let field = format!("body.items.files[{i}]");
             f.validate(&field)?;
             if !seen.insert(f.path.as_str()) {
-                return Err(DecodeError::invalid(format!("{field}.path"), format!("`{}` is declared twice", f.path)));
+                return Err(DecodeError::invalid(
+                    format!("{field}.path"),
+                    format!("`{}` is declared twice", f.path),
+                ));
             }
         }
         Ok(())
@@ -182,7 +196,10 @@ impl Declaration {
 
     pub fn validate(&self) -> Result<(), DecodeError> {
         if self.generation == 0 {
-            return Err(DecodeError::invalid("body.generation", "generations start at 1"));
+            return Err(DecodeError::invalid(
+                "body.generation",
+                "generations start at 1",
+            ));
         }
         self.items.validate()
     }

@@ -46,7 +46,13 @@ pub struct Envelope<B> {
 impl<B: Body> Envelope<B> {
     /// A new envelope with a fresh UUID v7 and the current time.
     pub fn new(node: NodeId, seq: u64, body: B) -> Self {
-        Envelope { id: Uuid::now_v7(), node, seq, sent_at: Utc::now(), body }
+        Envelope {
+            id: Uuid::now_v7(),
+            node,
+            seq,
+            sent_at: Utc::now(),
+            body,
+        }
     }
 
     pub fn kind(&self) -> &'static str {
@@ -70,14 +76,23 @@ impl<B: Body> Envelope<B> {
     /// Decode and validate `bytes`, refusing anything larger than `limit`.
     pub fn decode(bytes: &[u8], limit: usize) -> Result<Self, DecodeError> {
         if bytes.len() > limit {
-            return Err(DecodeError::TooLarge { size: bytes.len(), limit });
+            return Err(DecodeError::TooLarge {
+                size: bytes.len(),
+                limit,
+            });
         }
         let raw: RawEnvelope = serde_json::from_slice(bytes)?;
         if raw.v != PROTOCOL_VERSION {
             return Err(DecodeError::UnsupportedVersion(raw.v));
         }
         let body = B::from_parts(&raw.kind, raw.body)?;
-        Ok(Envelope { id: raw.id, node: raw.node, seq: raw.seq, sent_at: raw.sent_at, body })
+        Ok(Envelope {
+            id: raw.id,
+            node: raw.node,
+            seq: raw.seq,
+            sent_at: raw.sent_at,
+            body,
+        })
     }
 }
 

@@ -18,7 +18,10 @@ pub enum DecodeError {
 
 impl DecodeError {
     pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        DecodeError::Invalid { field: field.into(), reason: reason.into() }
+        DecodeError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
 
     /// A short, stable label for metrics (`reason` label of the dead-letter counter).

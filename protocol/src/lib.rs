@@ -26,10 +26,10 @@ pub use envelope::{Envelope, PROTOCOL_VERSION, RawEnvelope};
 pub use error::DecodeError;
 pub use node::{Labels, NodeId, validate_labels};
 pub use record::{NodeLabelsChanged, RecordEvent, RecordKind};
-pub use secret::{Secret, redact_url};
 pub use report::{
     Applied, AppliedGenerations, Heartbeat, Hello, ItemOutcome, Outcome, Report, ReportKind,
 };
+pub use secret::{Secret, redact_url};
 
 /// Largest report (hello, heartbeat, applied) the controller accepts, in bytes of
 /// encoded JSON. A hello with a few hundred labels fits with room to spare.

@@ -15,11 +15,15 @@ pub struct NodeId(String);
 
 impl NodeId {
     pub fn parse(s: &str) -> Result<Self, DecodeError> {
-        let bad = |reason: &str| DecodeError::invalid("node", format!("`{}`: {reason}", truncate(s)));
+        let bad =
+            |reason: &str| DecodeError::invalid("node", format!("`{}`: {reason}", truncate(s)));
         if s.is_empty() || s.len() > 63 {
             return Err(bad("must be 1 to 63 characters"));
         }
-        if !s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
+        if !s
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
             return Err(bad("may contain only a-z, 0-9 and -"));
         }
         if s.starts_with('-') || s.ends_with('-') {
@@ -71,13 +75,18 @@ pub const MAX_LABELS: usize = 64;
 
 pub fn validate_labels(field: &str, labels: &Labels) -> Result<(), DecodeError> {
     if labels.len() > MAX_LABELS {
-        return Err(DecodeError::invalid(field, format!("at most {MAX_LABELS} labels")));
+        return Err(DecodeError::invalid(
+            field,
+            format!("at most {MAX_LABELS} labels"),
+        ));
     }
     for (k, v) in labels {
         let key_ok = !k.is_empty()
             && k.len() <= 63
             && k.bytes().all(|b| {
-                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.' | b'_' | b'/')
+                b.is_ascii_lowercase()
+                    || b.is_ascii_digit()
+                    || matches!(b, b'-' | b'.' | b'_' | b'/')
             });
         if !key_ok {
             return Err(DecodeError::invalid(

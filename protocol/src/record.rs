@@ -42,7 +42,10 @@ impl RecordEvent {
 
     pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
         if bytes.len() > MAX_EVENT_BYTES {
-            return Err(DecodeError::TooLarge { size: bytes.len(), limit: MAX_EVENT_BYTES });
+            return Err(DecodeError::TooLarge {
+                size: bytes.len(),
+                limit: MAX_EVENT_BYTES,
+            });
         }
         let e: RecordEvent = serde_json::from_slice(bytes)?;
         if e.v != PROTOCOL_VERSION {
@@ -54,8 +57,9 @@ impl RecordEvent {
     /// The typed form of the events this crate knows.
     pub fn kind(&self) -> Result<RecordKind, DecodeError> {
         let parse = |v: &serde_json::Value| -> Result<NodeLabelsChanged, DecodeError> {
-            serde_json::from_value(v.clone())
-                .map_err(|e| DecodeError::invalid("body", format!("{}.{}: {e}", self.context, self.event)))
+            serde_json::from_value(v.clone()).map_err(|e| {
+                DecodeError::invalid("body", format!("{}.{}: {e}", self.context, self.event))
+            })
         };
         match (self.context.as_str(), self.event.as_str()) {
             ("inventory", "node.joined") => Ok(RecordKind::NodeJoined(parse(&self.body)?)),

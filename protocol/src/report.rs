@@ -18,7 +18,11 @@ pub enum ReportKind {
 }
 
 impl ReportKind {
-    pub const ALL: [ReportKind; 3] = [ReportKind::Hello, ReportKind::Heartbeat, ReportKind::Applied];
+    pub const ALL: [ReportKind; 3] = [
+        ReportKind::Hello,
+        ReportKind::Heartbeat,
+        ReportKind::Applied,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -170,7 +174,9 @@ pub struct Applied {
 
 impl Applied {
     fn validate(&self) -> Result<(), DecodeError> {
-        if self.outcome != Outcome::Rejected && (self.section.is_none() || self.generation.is_none()) {
+        if self.outcome != Outcome::Rejected
+            && (self.section.is_none() || self.generation.is_none())
+        {
             return Err(DecodeError::invalid(
                 "body.section",
                 "section and generation are required unless the outcome is rejected",

@@ -33,7 +33,10 @@ impl Problem {
     }
 
     pub fn field(status: StatusCode, field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Problem { field: Some(field.into()), ..Problem::new(status, detail) }
+        Problem {
+            field: Some(field.into()),
+            ..Problem::new(status, detail)
+        }
     }
 
     pub fn not_found(what: impl Into<String>) -> Self {
@@ -47,14 +50,19 @@ impl Problem {
     /// A server-side failure: the detail is logged, the client sees a generic text.
     pub fn internal(error: impl std::fmt::Display) -> Self {
         tracing::error!(error = %error, "request failed");
-        Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal error; see the controller's log")
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal error; see the controller's log",
+        )
     }
 }
 
 impl From<mesh_protocol::DecodeError> for Problem {
     fn from(e: mesh_protocol::DecodeError) -> Self {
         match &e {
-            mesh_protocol::DecodeError::Invalid { field, reason } => Problem::unprocessable(field.clone(), reason.clone()),
+            mesh_protocol::DecodeError::Invalid { field, reason } => {
+                Problem::unprocessable(field.clone(), reason.clone())
+            }
             _ => Problem::new(StatusCode::BAD_REQUEST, e.to_string()),
         }
     }
@@ -69,6 +77,11 @@ impl From<sqlx::Error> for Problem {
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let body = serde_json::to_vec(&self).unwrap_or_default();
-        (self.status, [(CONTENT_TYPE, "application/problem+json")], body).into_response()
+        (
+            self.status,
+            [(CONTENT_TYPE, "application/problem+json")],
+            body,
+        )
+            .into_response()
     }
 }

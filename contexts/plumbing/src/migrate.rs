@@ -5,19 +5,32 @@ use tokio_postgres::NoTls;
 #[derive(Debug, Error)]
 pub enum MigrateError {
     #[error("connecting as the {schema} role: {source}")]
-    Connect { schema: String, source: tokio_postgres::Error },
+    Connect {
+        schema: String,
+        source: tokio_postgres::Error,
+    },
     #[error("migrating schema {schema}: {source}")]
-    Migrate { schema: String, source: refinery::Error },
+    Migrate {
+        schema: String,
+        source: refinery::Error,
+    },
 }
 
 /// Apply `runner`'s migrations to `schema`, connected as the context's own role
 /// (`url`), with the history in `<schema>.refinery_schema_history`. Because the
 /// role has rights on its own schema only, a migration cannot touch another's.
 /// Returns the names of the migrations applied now.
-pub async fn migrate(url: &str, schema: &str, mut runner: Runner) -> Result<Vec<String>, MigrateError> {
+pub async fn migrate(
+    url: &str,
+    schema: &str,
+    mut runner: Runner,
+) -> Result<Vec<String>, MigrateError> {
     let (mut client, connection) = tokio_postgres::connect(url, NoTls)
         .await
-        .map_err(|source| MigrateError::Connect { schema: schema.to_owned(), source })?;
+        .map_err(|source| MigrateError::Connect {
+            schema: schema.to_owned(),
+            source,
+        })?;
     let conn = tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::warn!(error = %e, "migration connection ended");
@@ -27,8 +40,15 @@ pub async fn migrate(url: &str, schema: &str, mut runner: Runner) -> Result<Vec<
     let report = runner
         .run_async(&mut client)
         .await
-        .map_err(|source| MigrateError::Migrate { schema: schema.to_owned(), source })?;
+        .map_err(|source| MigrateError::Migrate {
+            schema: schema.to_owned(),
+            source,
+        })?;
     drop(client);
     let _ = conn.await;
-    Ok(report.applied_migrations().iter().map(|m| m.to_string()).collect())
+    Ok(report
+        .applied_migrations()
+        .iter()
+        .map(|m| m.to_string())
+        .collect())
 }

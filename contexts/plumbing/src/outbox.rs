@@ -56,8 +56,17 @@ pub async fn declare(
     let generation = declaration.generation;
     let envelope = Envelope::new(node.clone(), generation, declaration);
     let id = envelope.id;
-    insert(tx, schema, id, DECLARATIONS_EXCHANGE, node.as_str(), Declaration::KIND, Some(node.as_str()), envelope.encode())
-        .await?;
+    insert(
+        tx,
+        schema,
+        id,
+        DECLARATIONS_EXCHANGE,
+        node.as_str(),
+        Declaration::KIND,
+        Some(node.as_str()),
+        envelope.encode(),
+    )
+    .await?;
     Ok(id)
 }
 
@@ -99,23 +108,47 @@ pub async fn declare_many(
 }
 
 /// Queue a record event in `schema`'s outbox.
-pub async fn record(tx: &mut PgConnection, schema: &str, event: &RecordEvent) -> Result<(), sqlx::Error> {
-    insert(tx, schema, event.id, RECORD_EXCHANGE, &event.routing_key(), &event.event, None, event.encode()).await
+pub async fn record(
+    tx: &mut PgConnection,
+    schema: &str,
+    event: &RecordEvent,
+) -> Result<(), sqlx::Error> {
+    insert(
+        tx,
+        schema,
+        event.id,
+        RECORD_EXCHANGE,
+        &event.routing_key(),
+        &event.event,
+        None,
+        event.encode(),
+    )
+    .await
 }
 
 /// The oldest unsent rows, at most `limit`.
-pub async fn pending(pool: &PgPool, schema: &str, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
+pub async fn pending(
+    pool: &PgPool,
+    schema: &str,
+    limit: i64,
+) -> Result<Vec<OutboxRow>, sqlx::Error> {
     let sql = format!(
         "SELECT id, message_id, exchange, routing_key, kind, node, payload FROM {schema}.outbox \
          WHERE sent_at IS NULL ORDER BY id LIMIT $1"
     );
-    sqlx::query_as(AssertSqlSafe(sql)).bind(limit).fetch_all(pool).await
+    sqlx::query_as(AssertSqlSafe(sql))
+        .bind(limit)
+        .fetch_all(pool)
+        .await
 }
 
 /// Mark rows as confirmed by the broker.
 pub async fn mark_sent(pool: &PgPool, schema: &str, ids: &[i64]) -> Result<(), sqlx::Error> {
     let sql = format!("UPDATE {schema}.outbox SET sent_at = now() WHERE id = ANY($1)");
-    sqlx::query(AssertSqlSafe(sql)).bind(ids).execute(pool).await?;
+    sqlx::query(AssertSqlSafe(sql))
+        .bind(ids)
+        .execute(pool)
+        .await?;
     Ok(())
 }
 
@@ -126,8 +159,16 @@ pub async fn backlog(pool: &PgPool, schema: &str) -> Result<i64, sqlx::Error> {
 }
 
 /// Delete sent rows older than `keep`.
-pub async fn prune(pool: &PgPool, schema: &str, keep: std::time::Duration) -> Result<u64, sqlx::Error> {
-    let sql = format!("DELETE FROM {schema}.outbox WHERE sent_at < now() - make_interval(secs => $1)");
-    let done = sqlx::query(AssertSqlSafe(sql)).bind(keep.as_secs_f64()).execute(pool).await?;
+pub async fn prune(
+    pool: &PgPool,
+    schema: &str,
+    keep: std::time::Duration,
+) -> Result<u64, sqlx::Error> {
+    let sql =
+        format!("DELETE FROM {schema}.outbox WHERE sent_at < now() - make_interval(secs => $1)");
+    let done = sqlx::query(AssertSqlSafe(sql))
+        .bind(keep.as_secs_f64())
+        .execute(pool)
+        .await?;
     Ok(done.rows_affected())
 }
