@@ -1,0 +1,85 @@
+use axum::response::{IntoResponse, Response};
+use mesh_plumbing::HandlerError;
+use mesh_plumbing::api::Problem;
+use mesh_protocol::DecodeError;
+use thiserror::Error;
+
+/// What can go wrong in the config context.
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("no file `{0}`")]
+    FileNotFound(String),
+    #[error("invalid field `{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+    /// The change would give a node a section the agent cannot accept.
+    #[error(
+        "invalid field `{field}`: the config section of node `{node}` would be too large: {reason}"
+    )]
+    SectionTooLarge {
+        field: String,
+        node: String,
+        reason: String,
+    },
+    /// A stored value that does not read back (a bug or a manual edit).
+    #[error("stored data is unreadable ({what}): {reason}")]
+    Corrupt { what: String, reason: String },
+}
+
+impl Error {
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Database(_) => "database",
+            Error::FileNotFound(_) => "not_found",
+            Error::Invalid { .. } => "invalid",
+            Error::SectionTooLarge { .. } => "too_large",
+            Error::Corrupt { .. } => "corrupt",
+        }
+    }
+}
+
+impl From<DecodeError> for Error {
+    fn from(e: DecodeError) -> Self {
+        match e {
+            DecodeError::Invalid { field, reason } => Error::Invalid { field, reason },
+            other => Error::Invalid {
+                field: "body".to_owned(),
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
+impl From<Error> for HandlerError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Database(db) => HandlerError::from(db),
+            other => HandlerError::Permanent(other.to_string()),
+        }
+    }
+}
+
+impl From<Error> for Problem {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::FileNotFound(name) => Problem::not_found(format!("no file `{name}`")),
+            Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
+            Error::SectionTooLarge {
+                field,
+                node,
+                reason,
+            } => Problem::unprocessable(
+                field,
+                format!("the config section of node `{node}` would be too large: {reason}"),
+            ),
+            other => Problem::internal(other),
+        }
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        Problem::from(self).into_response()
+    }
+}

@@ -1,0 +1,150 @@
+//! The config context: files operators declare (for one node, or for every node
+//! whose labels match a selector) and the `config` section of each node that
+//! results.
+//!
+//! It owns the PostgreSQL schema `config` and nothing else. It learns of nodes
+//! only from record events `inventory.node.joined` / `inventory.node.updated`
+//! (keeping its own copy of each node's labels and version), and of what nodes
+//! applied from reports. It tells nodes their whole config section through its
+//! outbox; it never publishes, never speaks AMQP and never reads another context's
+//! schema.
+//!
+//! Reconciling is level-triggered: for each node it computes the files that match
+//! now, digests them ([`mesh_protocol::digest_items`]) and declares a new
+//! generation only when the digest differs from the stored one. Precedence when two
+//! files name the same path for one node: a file targeted at the node beats a
+//! selector file; between files of the same kind the lexicographically smallest
+//! file name wins. Reconciles are serialized by a PostgreSQL advisory lock (a
+//! whole-fleet reconcile exclusively, a one-node reconcile shared plus a per-node
+//! lock), so two never compute the same generation from a stale read.
+
+mod api;
+mod error;
+mod json;
+mod query;
+mod reconcile;
+mod reports;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
+use mesh_protocol::{DecodeError, Envelope, RecordEvent, RecordKind, Report};
+use sqlx::{PgConnection, PgPool};
+
+pub use error::Error;
+pub use query::{FileSpec, FileSummary, FileView, SectionStatus, Target};
+pub use reconcile::ReconcileReport;
+
+/// The schema (and record context name) this crate owns.
+pub const SCHEMA: &str = "config";
+
+mod embedded {
+    refinery::embed_migrations!("../../migrations/config");
+}
+
+/// Apply the config migrations, connected as the config role (`url`). Returns
+/// the migrations applied now (none when already up to date).
+pub async fn migrate(url: &str) -> Result<Vec<String>, MigrateError> {
+    mesh_plumbing::migrate(url, SCHEMA, embedded::migrations::runner()).await
+}
+
+/// Tunables of the config context.
+#[derive(Debug, Clone)]
+pub struct ConfigSettings {
+    /// A node whose heartbeat says it is behind on its config section is sent the
+    /// section again, at most once per this interval (hello always re-sends at
+    /// once). Bounds the cost of a lost declaration. Default 30 s.
+    pub resend_after: Duration,
+}
+
+impl Default for ConfigSettings {
+    fn default() -> Self {
+        ConfigSettings {
+            resend_after: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The config context, shared by the controller's router and its API.
+pub struct Config {
+    pool: PgPool,
+    signal: OutboxSignal,
+    settings: ConfigSettings,
+}
+
+impl Config {
+    /// `pool` must be connected as the config role; `signal` wakes the outbox
+    /// relay after an API request wrote declarations.
+    pub fn new(pool: PgPool, signal: OutboxSignal, settings: ConfigSettings) -> Self {
+        Config {
+            pool,
+            signal,
+            settings,
+        }
+    }
+
+    pub fn settings(&self) -> &ConfigSettings {
+        &self.settings
+    }
+
+    /// The API routes this context serves: `GET /v1/files`,
+    /// `GET|PUT|DELETE /v1/files/{name}`.
+    pub fn routes(self: Arc<Self>) -> axum::Router {
+        api::routes(self)
+    }
+
+    /// Reconcile every known node in one transaction and wake the relay if
+    /// anything was declared: the periodic resync that bounds anything missed.
+    pub async fn resync(&self) -> Result<ReconcileReport, Error> {
+        let mut tx = self.pool.begin().await?;
+        let report = reconcile::reconcile(&mut tx, reconcile::Scope::All).await?;
+        tx.commit().await?;
+        if report.declared > 0 {
+            self.signal.notify();
+        }
+        Ok(report)
+    }
+}
+
+impl Context for Config {
+    const SCHEMA: &'static str = SCHEMA;
+
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn subscriptions(&self) -> &'static [&'static str] {
+        &["inventory.node.*"]
+    }
+
+    async fn handle_reports(
+        &self,
+        tx: &mut PgConnection,
+        reports: &[Envelope<Report>],
+    ) -> Result<(), HandlerError> {
+        reports::handle(tx, reports, &self.settings)
+            .await
+            .map_err(HandlerError::from)
+    }
+
+    async fn handle_event(
+        &self,
+        tx: &mut PgConnection,
+        event: &RecordEvent,
+    ) -> Result<(), HandlerError> {
+        match event.kind() {
+            Ok(RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body)) => {
+                reports::node_changed(tx, &body)
+                    .await
+                    .map_err(HandlerError::from)
+            }
+            // An event of inventory's this crate does not know yet: not an error.
+            Err(DecodeError::UnknownKind(kind)) => {
+                tracing::debug!(kind, "ignoring record event");
+                Ok(())
+            }
+            Err(e) => Err(HandlerError::Permanent(e.to_string())),
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! Reports and record events: what nodes applied, re-sending to nodes that are
+//! behind, and nodes as inventory describes them.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use mesh_plumbing::outbox;
+use mesh_protocol::{
+    Applied, Declaration, DeclarationItems, Envelope, Hello, NodeId, NodeLabelsChanged, Outcome,
+    Report, Section,
+};
+use sqlx::PgConnection;
+use sqlx::types::Json;
+
+use crate::reconcile::{Scope, reconcile};
+use crate::{ConfigSettings, Error, SCHEMA};
+
+/// Longest error text kept per applied outcome.
+const MAX_ERROR_CHARS: usize = 4000;
+
+fn to_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+fn to_u64(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+pub(crate) async fn handle(
+    tx: &mut PgConnection,
+    reports: &[Envelope<Report>],
+    settings: &ConfigSettings,
+) -> Result<(), Error> {
+    let mut heartbeats: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut applied = Vec::new();
+    for env in reports {
+        match &env.body {
+            Report::Hello(h) => hello(tx, &env.node, h).await?,
+            Report::Heartbeat(hb) => {
+                let g = to_i64(hb.applied.get(&Section::Config).copied().unwrap_or(0));
+                let entry = heartbeats.entry(env.node.as_str()).or_insert(0);
+                *entry = (*entry).max(g);
+            }
+            Report::Applied(a) if a.section == Some(Section::Config) => applied.push((env, a)),
+            Report::Applied(_) => {}
+        }
+    }
+    heartbeat_batch(tx, heartbeats, settings).await?;
+    applied_batch(tx, &applied).await
+}
+
+/// On hello, a node behind its declared generation is sent the current section
+/// again at once. A node ahead of it (the database was restored from an older
+/// backup) is declared the same items under a generation above its own, so it
+/// does not ignore what follows.
+async fn hello(tx: &mut PgConnection, node: &NodeId, hello: &Hello) -> Result<(), Error> {
+    let reported = to_i64(hello.applied.get(&Section::Config).copied().unwrap_or(0));
+    let row: Option<(i64, Json<DeclarationItems>)> =
+        sqlx::query_as("SELECT generation, items FROM config.sections WHERE node = $1 FOR UPDATE")
+            .bind(node.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+    let Some((generation, items)) = row else {
+        return Ok(());
+    };
+    if reported == generation {
+        sqlx::query("UPDATE config.sections SET applied_generation = $2 WHERE node = $1 AND applied_generation < $2")
+            .bind(node.as_str())
+            .bind(reported)
+            .execute(&mut *tx)
+            .await?;
+        return Ok(());
+    }
+    let generation = if reported > generation {
+        reported + 1
+    } else {
+        generation
+    };
+    sqlx::query(
+        "UPDATE config.sections SET generation = $2, last_sent_at = now(), \
+         declared_at = CASE WHEN generation = $2 THEN declared_at ELSE now() END, \
+         applied_generation = greatest(applied_generation, least($3, $2)) WHERE node = $1",
+    )
+    .bind(node.as_str())
+    .bind(generation)
+    .bind(reported)
+    .execute(&mut *tx)
+    .await?;
+    let declaration = Declaration {
+        section: Section::Config,
+        generation: to_u64(generation),
+        items: items.0,
+    };
+    outbox::declare(tx, SCHEMA, node, declaration).await?;
+    Ok(())
+}
+
+/// Heartbeats: one statement finds the nodes behind whose section was last sent
+/// longer than `resend_after` ago (and marks it sent now), one bulk insert
+/// re-declares them; one statement records newer applied generations.
+async fn heartbeat_batch(
+    tx: &mut PgConnection,
+    applied: BTreeMap<&str, i64>,
+    settings: &ConfigSettings,
+) -> Result<(), Error> {
+    if applied.is_empty() {
+        return Ok(());
+    }
+    let (nodes, generations): (Vec<&str>, Vec<i64>) = applied.into_iter().unzip();
+    let resend: Vec<(String, i64, Json<DeclarationItems>)> = sqlx::query_as(
+        "UPDATE config.sections AS s SET last_sent_at = now() \
+         FROM UNNEST($1::text[], $2::bigint[]) AS r(node, applied) \
+         WHERE s.node = r.node AND r.applied < s.generation \
+           AND s.last_sent_at < now() - make_interval(secs => $3) \
+         RETURNING s.node, s.generation, s.items",
+    )
+    .bind(&nodes)
+    .bind(&generations)
+    .bind(settings.resend_after.as_secs_f64())
+    .fetch_all(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE config.sections AS s SET applied_generation = r.applied \
+         FROM UNNEST($1::text[], $2::bigint[]) AS r(node, applied) \
+         WHERE s.node = r.node AND r.applied > s.applied_generation",
+    )
+    .bind(&nodes)
+    .bind(&generations)
+    .execute(&mut *tx)
+    .await?;
+    if resend.is_empty() {
+        return Ok(());
+    }
+    let mut declarations = Vec::with_capacity(resend.len());
+    for (node, generation, items) in resend {
+        let node = NodeId::parse(&node).map_err(|e| Error::Corrupt {
+            what: "node id".into(),
+            reason: e.to_string(),
+        })?;
+        let declaration = Declaration {
+            section: Section::Config,
+            generation: to_u64(generation),
+            items: items.0,
+        };
+        declarations.push((node, declaration));
+    }
+    tracing::debug!(
+        nodes = declarations.len(),
+        "re-sending config sections to nodes behind"
+    );
+    outbox::declare_many(tx, SCHEMA, declarations).await?;
+    Ok(())
+}
+
+fn error_text(a: &Applied) -> Option<String> {
+    let text = match &a.error {
+        Some(e) => e.clone(),
+        None => {
+            let failed: Vec<String> = a
+                .items
+                .iter()
+                .filter(|i| !i.ok)
+                .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("failed")))
+                .collect();
+            if failed.is_empty() {
+                return None;
+            }
+            failed.join("; ")
+        }
+    };
+    Some(text.chars().take(MAX_ERROR_CHARS).collect())
+}
+
+fn outcome_str(o: Outcome) -> &'static str {
+    match o {
+        Outcome::Applied => "applied",
+        Outcome::Failed => "failed",
+        Outcome::Rejected => "rejected",
+    }
+}
+
+struct AppliedRow {
+    applied: Option<i64>,
+    newest: (i64, DateTime<Utc>, u64),
+    outcome: &'static str,
+    generation: Option<i64>,
+    error: Option<String>,
+}
+
+/// Applied reports of the config section, one statement per batch. The applied
+/// generation only advances on outcome `applied`; outcome and error are the
+/// newest report's unless it concerns an older generation than the recorded one.
+async fn applied_batch(
+    tx: &mut PgConnection,
+    reports: &[(&Envelope<Report>, &Applied)],
+) -> Result<(), Error> {
+    let mut rows: BTreeMap<&str, AppliedRow> = BTreeMap::new();
+    for (env, a) in reports {
+        let generation = a.generation.map(to_i64);
+        let applied = if a.outcome == Outcome::Applied {
+            generation
+        } else {
+            None
+        };
+        let row = rows.entry(env.node.as_str()).or_insert(AppliedRow {
+            applied: None,
+            newest: (-1, DateTime::<Utc>::MIN_UTC, 0),
+            outcome: "",
+            generation: None,
+            error: None,
+        });
+        row.applied = row.applied.max(applied);
+        // The outcome kept is that of the highest generation, then the newest report.
+        let key = (generation.unwrap_or(0), env.sent_at, env.seq);
+        if key >= row.newest {
+            row.newest = key;
+            row.outcome = outcome_str(a.outcome);
+            row.generation = generation;
+            row.error = error_text(a);
+        }
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let (mut nodes, mut applied, mut outcomes, mut generations, mut errors) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (node, row) in rows {
+        nodes.push(node);
+        applied.push(row.applied);
+        outcomes.push(row.outcome);
+        generations.push(row.generation);
+        errors.push(row.error);
+    }
+    sqlx::query(
+        "UPDATE config.sections AS s SET \
+           applied_generation = greatest(s.applied_generation, coalesce(u.applied, 0)), \
+           applied_outcome = CASE WHEN u.generation IS NULL OR s.applied_outcome_generation IS NULL \
+             OR u.generation >= s.applied_outcome_generation THEN u.outcome ELSE s.applied_outcome END, \
+           applied_error = CASE WHEN u.generation IS NULL OR s.applied_outcome_generation IS NULL \
+             OR u.generation >= s.applied_outcome_generation THEN u.error ELSE s.applied_error END, \
+           applied_outcome_generation = CASE WHEN u.generation IS NULL OR s.applied_outcome_generation IS NULL \
+             OR u.generation >= s.applied_outcome_generation THEN u.generation ELSE s.applied_outcome_generation END, \
+           applied_at = now() \
+         FROM UNNEST($1::text[], $2::bigint[], $3::text[], $4::bigint[], $5::text[]) \
+              AS u(node, applied, outcome, generation, error) \
+         WHERE s.node = u.node",
+    )
+    .bind(&nodes)
+    .bind(&applied)
+    .bind(&outcomes)
+    .bind(&generations)
+    .bind(&errors)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// `inventory.node.joined` / `inventory.node.updated`: keep the node's labels if
+/// the event is newer than what is stored, then reconcile that node.
+pub(crate) async fn node_changed(
+    tx: &mut PgConnection,
+    body: &NodeLabelsChanged,
+) -> Result<(), Error> {
+    let newer: Option<String> = sqlx::query_scalar(
+        "INSERT INTO config.nodes AS n (node, labels, version) VALUES ($1, $2, $3) \
+         ON CONFLICT (node) DO UPDATE SET labels = excluded.labels, version = excluded.version \
+         WHERE n.version < excluded.version RETURNING node",
+    )
+    .bind(body.node.as_str())
+    .bind(Json(&body.labels))
+    .bind(body.version)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if newer.is_none() {
+        tracing::debug!(node = %body.node, version = body.version, "ignoring stale node event");
+        return Ok(());
+    }
+    reconcile(tx, Scope::Node(&body.node)).await?;
+    Ok(())
+}

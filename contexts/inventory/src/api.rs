@@ -1,0 +1,132 @@
+//! HTTP routes of the inventory context. Errors are problem+json naming the field.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::{get, put};
+use mesh_plumbing::api::Problem;
+use mesh_protocol::{Labels, NodeId, validate_labels};
+use serde::{Deserialize, Serialize};
+use sqlx::types::Json as SqlJson;
+
+use crate::json::ApiJson;
+use crate::query::{LabelsView, NodeSummary};
+use crate::reports::{effective, emit};
+use crate::{Error, Inventory};
+
+pub(crate) fn routes(inventory: Arc<Inventory>) -> Router {
+    Router::new()
+        .route("/v1/nodes", get(list_nodes))
+        .route("/v1/nodes/{id}/labels", put(put_labels))
+        .with_state(inventory)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListParams {
+    /// Return nodes whose id sorts after this one (the previous page's `next`).
+    after: Option<String>,
+    limit: Option<i64>,
+}
+
+#[derive(Debug, Serialize)]
+struct NodeList {
+    nodes: Vec<NodeSummary>,
+    /// Pass as `after` to get the next page; absent on the last page.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next: Option<String>,
+}
+
+async fn list_nodes(
+    State(inventory): State<Arc<Inventory>>,
+    params: Result<Query<ListParams>, QueryRejection>,
+) -> Result<Json<NodeList>, Problem> {
+    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let limit = params.limit.unwrap_or(inventory.settings.max_page);
+    if limit < 1 {
+        return Err(Problem::unprocessable("limit", "must be at least 1"));
+    }
+    let nodes = inventory.nodes(params.after.as_deref(), limit).await?;
+    let full =
+        i64::try_from(nodes.len()).unwrap_or(i64::MAX) >= limit.min(inventory.settings.max_page);
+    let next = if full {
+        nodes.last().map(|n| n.id.clone())
+    } else {
+        None
+    };
+    Ok(Json(NodeList { nodes, next }))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LabelsBody {
+    labels: Labels,
+}
+
+/// Response of `PUT /v1/nodes/{id}/labels`.
+#[derive(Debug, Serialize)]
+struct LabelsResponse {
+    id: String,
+    labels: LabelsView,
+    version: i64,
+}
+
+async fn put_labels(
+    State(inventory): State<Arc<Inventory>>,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<LabelsBody>,
+) -> Result<Json<LabelsResponse>, Problem> {
+    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
+    validate_labels("labels", &body.labels).map_err(Error::from)?;
+    let (labels, version) = inventory.set_operator_labels(&id, body.labels).await?;
+    Ok(Json(LabelsResponse {
+        id: id.to_string(),
+        labels,
+        version,
+    }))
+}
+
+impl Inventory {
+    /// Replace a node's operator labels. Emits `inventory.node.updated` (and
+    /// wakes the relay) when the effective labels change. Returns the labels and
+    /// the node's version.
+    pub async fn set_operator_labels(
+        &self,
+        id: &NodeId,
+        operator: Labels,
+    ) -> Result<(LabelsView, i64), Error> {
+        validate_labels("labels", &operator)?;
+        let mut tx = self.pool.begin().await?;
+        let row: Option<(SqlJson<Labels>, SqlJson<Labels>, i64)> = sqlx::query_as(
+            "SELECT reported_labels, operator_labels, version FROM inventory.nodes WHERE id = $1 FOR UPDATE",
+        )
+        .bind(id.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((reported, before, version)) = row else {
+            return Err(Error::NodeNotFound(id.to_string()));
+        };
+        let old = effective(&reported.0, &before.0);
+        let view = LabelsView::new(reported.0, operator);
+        let changed = old != view.effective;
+        let version = if changed { version + 1 } else { version };
+        sqlx::query("UPDATE inventory.nodes SET operator_labels = $2, version = $3 WHERE id = $1")
+            .bind(id.as_str())
+            .bind(SqlJson(&view.operator))
+            .bind(version)
+            .execute(&mut *tx)
+            .await?;
+        if changed {
+            emit(&mut tx, "node.updated", id, view.effective.clone(), version).await?;
+        }
+        tx.commit().await?;
+        if changed {
+            self.signal.notify();
+        }
+        Ok((view, version))
+    }
+}

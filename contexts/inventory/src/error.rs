@@ -1,0 +1,67 @@
+use axum::response::{IntoResponse, Response};
+use mesh_plumbing::HandlerError;
+use mesh_plumbing::api::Problem;
+use mesh_protocol::DecodeError;
+use thiserror::Error;
+
+/// What can go wrong in the inventory context.
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("no node `{0}`")]
+    NodeNotFound(String),
+    #[error("invalid field `{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+    /// A stored value that does not read back (a bug or a manual edit).
+    #[error("stored data of node `{node}` is unreadable: {reason}")]
+    Corrupt { node: String, reason: String },
+}
+
+impl Error {
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Database(_) => "database",
+            Error::NodeNotFound(_) => "not_found",
+            Error::Invalid { .. } => "invalid",
+            Error::Corrupt { .. } => "corrupt",
+        }
+    }
+}
+
+impl From<DecodeError> for Error {
+    fn from(e: DecodeError) -> Self {
+        match e {
+            DecodeError::Invalid { field, reason } => Error::Invalid { field, reason },
+            other => Error::Invalid {
+                field: "body".to_owned(),
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
+impl From<Error> for HandlerError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Database(db) => HandlerError::from(db),
+            other => HandlerError::Permanent(other.to_string()),
+        }
+    }
+}
+
+impl From<Error> for Problem {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::NodeNotFound(id) => Problem::not_found(format!("no node `{id}`")),
+            Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
+            other => Problem::internal(other),
+        }
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        Problem::from(self).into_response()
+    }
+}

@@ -1,0 +1,352 @@
+//! Report handlers. A batch may mix kinds and nodes: hellos are handled one by
+//! one (they are rare and may emit events), heartbeats and applied reports with
+//! one statement per batch each.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use mesh_plumbing::outbox;
+use mesh_protocol::{
+    Applied, Envelope, Hello, Labels, NodeId, NodeLabelsChanged, Outcome, RecordEvent, Report,
+};
+use sqlx::PgConnection;
+use sqlx::types::Json;
+
+use crate::{Error, SCHEMA};
+
+/// Longest error text kept per applied outcome.
+const MAX_ERROR_CHARS: usize = 4000;
+
+pub(crate) async fn handle(
+    tx: &mut PgConnection,
+    reports: &[Envelope<Report>],
+) -> Result<(), Error> {
+    let mut heartbeats = Vec::new();
+    let mut applied = Vec::new();
+    for env in reports {
+        match &env.body {
+            Report::Hello(h) => hello(tx, env, h).await?,
+            Report::Heartbeat(_) => heartbeats.push(env),
+            Report::Applied(a) => applied.push((env, a)),
+        }
+    }
+    heartbeat_batch(tx, &heartbeats).await?;
+    applied_batch(tx, &applied).await?;
+    Ok(())
+}
+
+/// Effective labels: reported, overridden key by key by the operator's.
+pub(crate) fn effective(reported: &Labels, operator: &Labels) -> Labels {
+    let mut labels = reported.clone();
+    labels.extend(operator.iter().map(|(k, v)| (k.clone(), v.clone())));
+    labels
+}
+
+pub(crate) fn to_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// A node's clock may run ahead; never record a "last seen" in the future.
+fn clamp(sent_at: DateTime<Utc>) -> DateTime<Utc> {
+    sent_at.min(Utc::now())
+}
+
+/// Write `inventory.node.<event>` with the node's effective labels to the outbox.
+pub(crate) async fn emit(
+    tx: &mut PgConnection,
+    event: &str,
+    node: &NodeId,
+    labels: Labels,
+    version: i64,
+) -> Result<(), Error> {
+    let body = NodeLabelsChanged {
+        node: node.clone(),
+        labels,
+        version,
+    };
+    outbox::record(tx, SCHEMA, &RecordEvent::new(SCHEMA, event, &body)).await?;
+    Ok(())
+}
+
+async fn hello(tx: &mut PgConnection, env: &Envelope<Report>, hello: &Hello) -> Result<(), Error> {
+    let node = &env.node;
+    let sent_at = clamp(env.sent_at);
+    let seq = to_i64(env.seq);
+    let inserted: Option<String> = sqlx::query_scalar(
+        "INSERT INTO inventory.nodes (id, hostname, arch, cpus, memory_bytes, agent_version, public_key, \
+         reported_labels, last_seen, hello_at, last_seq) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10) \
+         ON CONFLICT (id) DO NOTHING RETURNING id",
+    )
+    .bind(node.as_str())
+    .bind(&hello.hostname)
+    .bind(&hello.arch)
+    .bind(i64::from(hello.cpus))
+    .bind(to_i64(hello.memory_bytes))
+    .bind(&hello.agent_version)
+    .bind(&hello.public_key)
+    .bind(Json(&hello.labels))
+    .bind(sent_at)
+    .bind(seq)
+    .fetch_optional(&mut *tx)
+    .await?;
+
+    if inserted.is_some() {
+        emit(tx, "node.joined", node, hello.labels.clone(), 1).await?;
+    } else {
+        let (reported, operator, version, hello_at): (Json<Labels>, Json<Labels>, i64, DateTime<Utc>) = sqlx::query_as(
+            "SELECT reported_labels, operator_labels, version, hello_at FROM inventory.nodes WHERE id = $1 FOR UPDATE",
+        )
+        .bind(node.as_str())
+        .fetch_one(&mut *tx)
+        .await?;
+        if sent_at < hello_at {
+            // An older hello arriving late: it proves the node was alive, no more.
+            sqlx::query(
+                "UPDATE inventory.nodes SET last_seen = greatest(last_seen, $2), last_seq = greatest(last_seq, $3) \
+                 WHERE id = $1",
+            )
+            .bind(node.as_str())
+            .bind(sent_at)
+            .bind(seq)
+            .execute(&mut *tx)
+            .await?;
+        } else {
+            let before = effective(&reported.0, &operator.0);
+            let after = effective(&hello.labels, &operator.0);
+            let changed = before != after;
+            let version = if changed { version + 1 } else { version };
+            sqlx::query(
+                "UPDATE inventory.nodes SET hostname = $2, arch = $3, cpus = $4, memory_bytes = $5, \
+                 agent_version = $6, public_key = $7, reported_labels = $8, hello_at = $9, \
+                 last_seen = greatest(last_seen, $9), last_seq = greatest(last_seq, $10), state = 'alive', \
+                 version = $11 WHERE id = $1",
+            )
+            .bind(node.as_str())
+            .bind(&hello.hostname)
+            .bind(&hello.arch)
+            .bind(i64::from(hello.cpus))
+            .bind(to_i64(hello.memory_bytes))
+            .bind(&hello.agent_version)
+            .bind(&hello.public_key)
+            .bind(Json(&hello.labels))
+            .bind(sent_at)
+            .bind(seq)
+            .bind(version)
+            .execute(&mut *tx)
+            .await?;
+            if changed {
+                emit(tx, "node.updated", node, after, version).await?;
+            }
+        }
+    }
+
+    let generations = hello
+        .applied
+        .iter()
+        .map(|(s, g)| ((node.as_str(), s.as_str()), to_i64(*g)))
+        .collect();
+    upsert_generations(tx, generations).await
+}
+
+/// One statement for the whole batch: last_seen of every node in it, then one
+/// upsert of the applied generations. Heartbeats skip the inbox, so both are
+/// idempotent (greatest). Nodes not known yet (no hello) are ignored.
+async fn heartbeat_batch(
+    tx: &mut PgConnection,
+    heartbeats: &[&Envelope<Report>],
+) -> Result<(), Error> {
+    if heartbeats.is_empty() {
+        return Ok(());
+    }
+    let mut seen: BTreeMap<&str, (DateTime<Utc>, i64)> = BTreeMap::new();
+    let mut generations: BTreeMap<(&str, &str), i64> = BTreeMap::new();
+    for env in heartbeats {
+        let entry = seen
+            .entry(env.node.as_str())
+            .or_insert((DateTime::<Utc>::MIN_UTC, 0));
+        entry.0 = entry.0.max(clamp(env.sent_at));
+        entry.1 = entry.1.max(to_i64(env.seq));
+        if let Report::Heartbeat(hb) = &env.body {
+            for (section, generation) in &hb.applied {
+                let g = generations
+                    .entry((env.node.as_str(), section.as_str()))
+                    .or_insert(0);
+                *g = (*g).max(to_i64(*generation));
+            }
+        }
+    }
+    let mut ids = Vec::with_capacity(seen.len());
+    let mut times = Vec::with_capacity(seen.len());
+    let mut seqs = Vec::with_capacity(seen.len());
+    for (id, (at, seq)) in seen {
+        ids.push(id);
+        times.push(at);
+        seqs.push(seq);
+    }
+    sqlx::query(
+        "UPDATE inventory.nodes AS n SET last_seen = greatest(n.last_seen, u.sent_at), \
+         last_seq = greatest(n.last_seq, u.seq), state = 'alive' \
+         FROM UNNEST($1::text[], $2::timestamptz[], $3::bigint[]) AS u(id, sent_at, seq) WHERE n.id = u.id",
+    )
+    .bind(&ids)
+    .bind(&times)
+    .bind(&seqs)
+    .execute(&mut *tx)
+    .await?;
+    upsert_generations(tx, generations).await
+}
+
+/// Raise applied generations (never lower them), one statement, keys unique.
+async fn upsert_generations(
+    tx: &mut PgConnection,
+    rows: BTreeMap<(&str, &str), i64>,
+) -> Result<(), Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut nodes = Vec::with_capacity(rows.len());
+    let mut sections = Vec::with_capacity(rows.len());
+    let mut generations = Vec::with_capacity(rows.len());
+    for ((node, section), generation) in rows {
+        nodes.push(node);
+        sections.push(section);
+        generations.push(generation);
+    }
+    sqlx::query(
+        "INSERT INTO inventory.applied AS a (node, section, generation) \
+         SELECT u.node, u.section, u.generation \
+         FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(node, section, generation) \
+         WHERE EXISTS (SELECT 1 FROM inventory.nodes n WHERE n.id = u.node) \
+         ON CONFLICT (node, section) DO UPDATE SET generation = excluded.generation, updated_at = now() \
+         WHERE a.generation < excluded.generation",
+    )
+    .bind(&nodes)
+    .bind(&sections)
+    .bind(&generations)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// The error text of an applied report: its error, else its failed items.
+pub(crate) fn error_text(a: &Applied) -> Option<String> {
+    let text = match &a.error {
+        Some(e) => e.clone(),
+        None => {
+            let failed: Vec<String> = a
+                .items
+                .iter()
+                .filter(|i| !i.ok)
+                .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("failed")))
+                .collect();
+            if failed.is_empty() {
+                return None;
+            }
+            failed.join("; ")
+        }
+    };
+    Some(text.chars().take(MAX_ERROR_CHARS).collect())
+}
+
+pub(crate) fn outcome_str(o: Outcome) -> &'static str {
+    match o {
+        Outcome::Applied => "applied",
+        Outcome::Failed => "failed",
+        Outcome::Rejected => "rejected",
+    }
+}
+
+/// Per (node, section): the highest generation reported applied, and the newest
+/// report's outcome, its generation and error.
+struct AppliedRow {
+    applied: Option<i64>,
+    newest: (i64, DateTime<Utc>, u64),
+    outcome: &'static str,
+    generation: Option<i64>,
+    error: Option<String>,
+}
+
+/// All applied reports of a batch in one upsert. The generation only advances
+/// on outcome `applied`; the outcome and error are the newest report's, unless
+/// it concerns an older generation than the recorded outcome's.
+async fn applied_batch(
+    tx: &mut PgConnection,
+    reports: &[(&Envelope<Report>, &Applied)],
+) -> Result<(), Error> {
+    let mut rows: BTreeMap<(&str, &str), AppliedRow> = BTreeMap::new();
+    for (env, a) in reports {
+        let Some(section) = a.section else {
+            tracing::debug!(node = %env.node, "applied report without a section: nothing to record");
+            continue;
+        };
+        let generation = a.generation.map(to_i64);
+        let applied = if a.outcome == Outcome::Applied {
+            generation
+        } else {
+            None
+        };
+        let row = rows
+            .entry((env.node.as_str(), section.as_str()))
+            .or_insert(AppliedRow {
+                applied: None,
+                newest: (-1, DateTime::<Utc>::MIN_UTC, 0),
+                outcome: "",
+                generation: None,
+                error: None,
+            });
+        row.applied = row.applied.max(applied);
+        // The outcome kept is that of the highest generation, then the newest report.
+        let key = (generation.unwrap_or(0), env.sent_at, env.seq);
+        if key >= row.newest {
+            row.newest = key;
+            row.outcome = outcome_str(a.outcome);
+            row.generation = generation;
+            row.error = error_text(a);
+        }
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let (mut nodes, mut sections, mut applied, mut outcomes, mut generations, mut errors) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    for ((node, section), row) in rows {
+        nodes.push(node);
+        sections.push(section);
+        applied.push(row.applied);
+        outcomes.push(row.outcome);
+        generations.push(row.generation);
+        errors.push(row.error);
+    }
+    sqlx::query(
+        "INSERT INTO inventory.applied AS a (node, section, generation, outcome, outcome_generation, error) \
+         SELECT u.node, u.section, coalesce(u.applied, 0), u.outcome, u.generation, u.error \
+         FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::text[], $5::bigint[], $6::text[]) \
+              AS u(node, section, applied, outcome, generation, error) \
+         WHERE EXISTS (SELECT 1 FROM inventory.nodes n WHERE n.id = u.node) \
+         ON CONFLICT (node, section) DO UPDATE SET \
+           generation = greatest(a.generation, excluded.generation), \
+           outcome = CASE WHEN (excluded.outcome_generation IS NULL OR a.outcome_generation IS NULL \
+                 OR excluded.outcome_generation >= a.outcome_generation) THEN excluded.outcome ELSE a.outcome END, \
+           outcome_generation = CASE WHEN (excluded.outcome_generation IS NULL OR a.outcome_generation IS NULL \
+                 OR excluded.outcome_generation >= a.outcome_generation) THEN excluded.outcome_generation ELSE a.outcome_generation END, \
+           error = CASE WHEN (excluded.outcome_generation IS NULL OR a.outcome_generation IS NULL \
+                 OR excluded.outcome_generation >= a.outcome_generation) THEN excluded.error ELSE a.error END, \
+           updated_at = now()",
+    )
+    .bind(&nodes)
+    .bind(&sections)
+    .bind(&applied)
+    .bind(&outcomes)
+    .bind(&generations)
+    .bind(&errors)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}

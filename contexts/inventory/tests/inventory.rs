@@ -1,0 +1,437 @@
+//! The inventory context against a real PostgreSQL, one fresh database per test.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use chrono::{DateTime, Duration, Utc};
+use mesh_bundle::testkit::TestEnv;
+use mesh_inventory::{Inventory, InventorySettings};
+use mesh_plumbing::{Context, OutboxSignal};
+use mesh_protocol::{
+    Applied, Envelope, Heartbeat, Hello, Labels, NodeId, NodeLabelsChanged, Outcome, RecordEvent,
+    RecordKind, Report, Section,
+};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tower::ServiceExt;
+
+struct Fixture {
+    env: TestEnv,
+    pool: PgPool,
+    inventory: Arc<Inventory>,
+}
+
+async fn setup() -> Fixture {
+    let env = TestEnv::new().await.unwrap();
+    let url = env.database_url("inventory");
+    let applied = mesh_inventory::migrate(&url).await.unwrap();
+    assert!(!applied.is_empty());
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    let inventory = Arc::new(Inventory::new(
+        pool.clone(),
+        OutboxSignal::default(),
+        InventorySettings::default(),
+    ));
+    Fixture {
+        env,
+        pool,
+        inventory,
+    }
+}
+
+fn node(f: &Fixture, suffix: &str) -> NodeId {
+    NodeId::parse(&format!("{}-{suffix}", f.env.id())).unwrap()
+}
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn hello(node: &NodeId, seq: u64, l: Labels, applied: &[(Section, u64)]) -> Envelope<Report> {
+    Envelope::new(
+        node.clone(),
+        seq,
+        Report::Hello(Hello {
+            hostname: format!("{node}.example"),
+            arch: "x86_64".into(),
+            cpus: 4,
+            memory_bytes: 8 << 30,
+            labels: l,
+            agent_version: "0.1.0".into(),
+            public_key: None,
+            applied: applied.iter().copied().collect(),
+        }),
+    )
+}
+
+fn heartbeat(
+    node: &NodeId,
+    seq: u64,
+    sent_at: DateTime<Utc>,
+    applied: &[(Section, u64)],
+) -> Envelope<Report> {
+    let mut env = Envelope::new(
+        node.clone(),
+        seq,
+        Report::Heartbeat(Heartbeat {
+            applied: applied.iter().copied().collect(),
+        }),
+    );
+    env.sent_at = sent_at;
+    env
+}
+
+async fn handle(f: &Fixture, reports: &[Envelope<Report>]) {
+    let mut tx = f.pool.begin().await.unwrap();
+    f.inventory.handle_reports(&mut tx, reports).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// Record events in the outbox, oldest first: (event name, body).
+async fn events(f: &Fixture) -> Vec<(String, NodeLabelsChanged)> {
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(
+        "SELECT routing_key, payload FROM inventory.outbox WHERE exchange = 'record' ORDER BY id",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .map(|(key, payload)| {
+            let event = RecordEvent::decode(&payload).unwrap();
+            assert_eq!(event.routing_key(), key);
+            match event.kind().unwrap() {
+                RecordKind::NodeJoined(b) => ("node.joined".to_owned(), b),
+                RecordKind::NodeUpdated(b) => ("node.updated".to_owned(), b),
+            }
+        })
+        .collect()
+}
+
+async fn request(
+    f: &Fixture,
+    method: &str,
+    uri: &str,
+    body: &str,
+) -> (StatusCode, String, serde_json::Value) {
+    let response = f
+        .inventory
+        .clone()
+        .routes()
+        .oneshot(
+            Request::builder()
+                .method(method)
+                .uri(uri)
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_owned()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = response.status();
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    (status, content_type, json)
+}
+
+#[tokio::test]
+async fn migrating_twice_is_a_no_op() {
+    let f = setup().await;
+    let again = mesh_inventory::migrate(&f.env.database_url("inventory"))
+        .await
+        .unwrap();
+    assert!(again.is_empty(), "{again:?}");
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn hello_then_heartbeat_batch() {
+    let f = setup().await;
+    let (a, b, stranger) = (node(&f, "a"), node(&f, "b"), node(&f, "zz"));
+    handle(
+        &f,
+        &[
+            hello(&a, 1, labels(&[]), &[(Section::Config, 2)]),
+            hello(&b, 1, labels(&[]), &[]),
+        ],
+    )
+    .await;
+
+    let t0 = Utc::now() - Duration::seconds(60);
+    let batch = vec![
+        heartbeat(&a, 2, t0 + Duration::seconds(10), &[(Section::Config, 3)]),
+        heartbeat(&a, 4, t0 + Duration::seconds(30), &[(Section::Config, 5)]),
+        heartbeat(&a, 3, t0 + Duration::seconds(20), &[(Section::Config, 4)]),
+        heartbeat(
+            &b,
+            2,
+            t0 + Duration::seconds(5),
+            &[(Section::Config, 1), (Section::Delivery, 7)],
+        ),
+        heartbeat(&b, 2, t0 + Duration::seconds(5), &[(Section::Config, 1)]), // redelivered
+        heartbeat(&stranger, 9, t0, &[(Section::Config, 1)]),
+    ];
+    // Pretend the hellos are old so the heartbeats move last_seen.
+    sqlx::query("UPDATE inventory.nodes SET last_seen = $1")
+        .bind(t0)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    handle(&f, &batch).await;
+
+    let va = f.inventory.node(&a).await.unwrap().unwrap();
+    assert_eq!(
+        va.last_seen.timestamp_micros(),
+        (t0 + Duration::seconds(30)).timestamp_micros()
+    );
+    assert_eq!(va.last_seq, 4);
+    assert_eq!(va.state, "alive");
+    assert_eq!(va.applied["config"].generation, 5);
+    let vb = f.inventory.node(&b).await.unwrap().unwrap();
+    assert_eq!(
+        vb.last_seen.timestamp_micros(),
+        (t0 + Duration::seconds(5)).timestamp_micros()
+    );
+    assert_eq!(vb.applied["config"].generation, 1);
+    assert_eq!(vb.applied["delivery"].generation, 7);
+    assert!(
+        f.inventory.node(&stranger).await.unwrap().is_none(),
+        "unknown nodes are ignored"
+    );
+
+    // An older heartbeat (and an older generation) never moves anything back.
+    handle(&f, &[heartbeat(&a, 1, t0, &[(Section::Config, 1)])]).await;
+    let va = f.inventory.node(&a).await.unwrap().unwrap();
+    assert_eq!(
+        va.last_seen.timestamp_micros(),
+        (t0 + Duration::seconds(30)).timestamp_micros()
+    );
+    assert_eq!(va.applied["config"].generation, 5);
+    // Heartbeats write no events.
+    assert_eq!(events(&f).await.len(), 2);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn joined_once_and_updated_on_label_change() {
+    let f = setup().await;
+    let a = node(&f, "a");
+    handle(&f, &[hello(&a, 1, labels(&[("role", "web")]), &[])]).await;
+    handle(&f, &[hello(&a, 2, labels(&[("role", "web")]), &[])]).await; // reconnect, same labels
+    let ev = events(&f).await;
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0].0, "node.joined");
+    assert_eq!(
+        ev[0].1,
+        NodeLabelsChanged {
+            node: a.clone(),
+            labels: labels(&[("role", "web")]),
+            version: 1
+        }
+    );
+
+    handle(&f, &[hello(&a, 3, labels(&[("role", "db")]), &[])]).await;
+    let ev = events(&f).await;
+    assert_eq!(ev.len(), 2);
+    assert_eq!(ev[1].0, "node.updated");
+    assert_eq!(ev[1].1.labels, labels(&[("role", "db")]));
+    assert_eq!(ev[1].1.version, 2);
+
+    // An operator label overrides the reported one.
+    let (status, _, body) = request(
+        &f,
+        "PUT",
+        &format!("/v1/nodes/{a}/labels"),
+        r#"{"labels": {"role": "web", "zone": "a"}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        body["labels"]["effective"],
+        serde_json::json!({"role": "web", "zone": "a"})
+    );
+    assert_eq!(body["version"], 3);
+    let ev = events(&f).await;
+    assert_eq!(ev.len(), 3);
+    assert_eq!(ev[2].1.labels, labels(&[("role", "web"), ("zone", "a")]));
+    assert_eq!(ev[2].1.version, 3);
+
+    // The same labels again change nothing; a hello whose reported change is
+    // masked by the operator's changes nothing either.
+    let (status, _, _) = request(
+        &f,
+        "PUT",
+        &format!("/v1/nodes/{a}/labels"),
+        r#"{"labels": {"role": "web", "zone": "a"}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    handle(&f, &[hello(&a, 4, labels(&[("role", "cache")]), &[])]).await;
+    assert_eq!(events(&f).await.len(), 3);
+
+    let view = f.inventory.node(&a).await.unwrap().unwrap();
+    assert_eq!(view.labels.reported, labels(&[("role", "cache")]));
+    assert_eq!(
+        view.labels.operator,
+        labels(&[("role", "web"), ("zone", "a")])
+    );
+    assert_eq!(view.version, 3);
+
+    let (status, _, body) = request(&f, "GET", "/v1/nodes", "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["nodes"][0]["id"], a.as_str());
+    assert_eq!(
+        body["nodes"][0]["labels"],
+        serde_json::json!({"role": "web", "zone": "a"})
+    );
+    assert_eq!(body["nodes"][0]["state"], "alive");
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn applied_reports() {
+    let f = setup().await;
+    let a = node(&f, "a");
+    handle(&f, &[hello(&a, 1, labels(&[]), &[])]).await;
+    let applied = |seq, generation, outcome, error: Option<&str>| {
+        Envelope::new(
+            a.clone(),
+            seq,
+            Report::Applied(Applied {
+                section: Some(Section::Config),
+                generation: Some(generation),
+                outcome,
+                items: vec![],
+                error: error.map(str::to_owned),
+            }),
+        )
+    };
+    handle(&f, &[applied(2, 1, Outcome::Applied, None)]).await;
+    handle(&f, &[applied(3, 2, Outcome::Failed, Some("disk full"))]).await;
+    let view = f.inventory.node(&a).await.unwrap().unwrap();
+    let config = &view.applied["config"];
+    assert_eq!(
+        config.generation, 1,
+        "a failure does not advance the generation"
+    );
+    assert_eq!(config.outcome.as_deref(), Some("failed"));
+    assert_eq!(config.outcome_generation, Some(2));
+    assert_eq!(config.error.as_deref(), Some("disk full"));
+
+    // In one batch: applied 3, then a late failure about generation 2.
+    handle(
+        &f,
+        &[
+            applied(5, 3, Outcome::Applied, None),
+            applied(4, 2, Outcome::Failed, Some("old")),
+        ],
+    )
+    .await;
+    let view = f.inventory.node(&a).await.unwrap().unwrap();
+    let config = &view.applied["config"];
+    assert_eq!(config.generation, 3);
+    assert_eq!(config.outcome.as_deref(), Some("applied"));
+    assert_eq!(config.error, None);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn api_errors_are_problems_naming_the_field() {
+    let f = setup().await;
+    let a = node(&f, "a");
+    handle(&f, &[hello(&a, 1, labels(&[]), &[])]).await;
+    let uri = format!("/v1/nodes/{a}/labels");
+
+    let (status, ct, body) = request(&f, "PUT", &uri, r#"{"labels": {"Bad Key": "x"}}"#).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(ct, "application/problem+json");
+    assert_eq!(body["field"], "labels.Bad Key", "{body}");
+
+    let (status, ct, body) = request(&f, "PUT", &uri, "not json").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(ct, "application/problem+json");
+
+    let (status, _, body) = request(&f, "PUT", &uri, r#"{"labels": {}, "extra": 1}"#).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["field"], "extra", "{body}");
+
+    let (status, _, body) = request(&f, "PUT", &uri, r#"{"labels": {"role": 5}}"#).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["field"], "labels.role", "{body}");
+
+    let (status, _, body) = request(&f, "PUT", &uri, r#"{}"#).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["field"], "labels", "{body}");
+
+    let (status, ct, body) = request(
+        &f,
+        "PUT",
+        &format!("/v1/nodes/{}/labels", node(&f, "nobody")),
+        r#"{"labels": {}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    assert_eq!(ct, "application/problem+json");
+
+    let (status, _, body) = request(&f, "GET", "/v1/nodes?limit=0", "").await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["field"], "limit");
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn pages_of_nodes() {
+    let f = setup().await;
+    let ids: Vec<NodeId> = (0..5).map(|i| node(&f, &format!("n{i}"))).collect();
+    let hellos: Vec<_> = ids.iter().map(|n| hello(n, 1, labels(&[]), &[])).collect();
+    handle(&f, &hellos).await;
+    let (_, _, first) = request(&f, "GET", "/v1/nodes?limit=3", "").await;
+    assert_eq!(first["nodes"].as_array().unwrap().len(), 3);
+    let next = first["next"].as_str().unwrap();
+    let (_, _, second) = request(&f, "GET", &format!("/v1/nodes?limit=3&after={next}"), "").await;
+    let got: Vec<&str> = second["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(got, vec![ids[3].as_str(), ids[4].as_str()]);
+    assert!(second.get("next").is_none());
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn roles_cannot_cross_schemas() {
+    let f = setup().await;
+    let config = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&f.env.database_url("config"))
+        .await
+        .unwrap();
+    let err = sqlx::query("SELECT count(*) FROM inventory.nodes")
+        .execute(&config)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("permission denied"), "{err}");
+    let err = sqlx::query("SELECT count(*) FROM config.files")
+        .execute(&f.pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("permission denied"), "{err}");
+    config.close().await;
+    f.env.teardown().await.unwrap();
+}
