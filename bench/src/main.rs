@@ -166,12 +166,11 @@ async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result
                     )
                     .await?;
                 inflight.push_back(confirm);
-                if inflight.len() >= window {
-                    if let Some(c) = inflight.pop_front() {
-                        if c.await?.is_ack() {
-                            published.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
+                if inflight.len() >= window
+                    && let Some(c) = inflight.pop_front()
+                    && c.await?.is_ack()
+                {
+                    published.fetch_add(1, Ordering::Relaxed);
                 }
             }
             for c in inflight {

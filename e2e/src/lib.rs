@@ -269,10 +269,8 @@ impl Mesh {
     }
 
     pub fn stop_agent(&mut self, node: &str) {
-        if let Some(a) = self.agents.get_mut(node) {
-            if let Some(mut p) = a.proc.take() {
-                p.kill();
-            }
+        if let Some(mut p) = self.agents.get_mut(node).and_then(|a| a.proc.take()) {
+            p.kill();
         }
     }
 

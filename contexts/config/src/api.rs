@@ -11,9 +11,9 @@ use mesh_plumbing::api::Problem;
 use mesh_protocol::{FileMode, Labels, NodeId};
 use serde::{Deserialize, Serialize};
 
-use crate::json::ApiJson;
 use crate::query::{FileSpec, FileSummary, Target, validate_name};
 use crate::{Config, Error};
+use mesh_plumbing::api::ApiJson;
 
 pub(crate) fn routes(config: Arc<Config>) -> Router {
     Router::new()

@@ -20,7 +20,6 @@
 
 mod api;
 mod error;
-mod json;
 mod query;
 mod reconcile;
 mod reports;

@@ -13,10 +13,10 @@ use mesh_protocol::{Labels, NodeId, validate_labels};
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
 
-use crate::json::ApiJson;
 use crate::query::{LabelsView, NodeSummary};
 use crate::reports::{effective, emit};
 use crate::{Error, Inventory};
+use mesh_plumbing::api::ApiJson;
 
 pub(crate) fn routes(inventory: Arc<Inventory>) -> Router {
     Router::new()

@@ -16,7 +16,6 @@
 
 mod api;
 mod error;
-mod json;
 mod query;
 mod reports;
 

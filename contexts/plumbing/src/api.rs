@@ -1,10 +1,13 @@
 //! problem+json (RFC 9457) errors for the HTTP API: every 4xx names what is wrong
 //! and, where a field is at fault, which field.
 
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Problem {
@@ -83,5 +86,88 @@ impl IntoResponse for Problem {
             body,
         )
             .into_response()
+    }
+}
+
+/// Like `axum::Json`, but every rejection is a [`Problem`]. The content type is
+/// not checked: `curl -d` without a header still works.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = Problem;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(|e| Problem::new(e.status(), e.body_text()))?;
+        parse(&bytes).map(ApiJson)
+    }
+}
+
+fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Problem> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        reject(path, e.into_inner())
+    })?;
+    de.end().map_err(|e| reject(".".to_owned(), e))?;
+    Ok(value)
+}
+
+fn reject(path: String, error: serde_json::Error) -> Problem {
+    match error.classify() {
+        serde_json::error::Category::Data => {
+            Problem::unprocessable(field_of(&path, &error.to_string()), error.to_string())
+        }
+        _ => Problem::new(
+            StatusCode::BAD_REQUEST,
+            format!("the body is not JSON: {error}"),
+        ),
+    }
+}
+
+/// The field a data error is about: the path serde reached, completed with the
+/// name in a "missing field `x`" / "unknown field `x`" message.
+fn field_of(path: &str, message: &str) -> String {
+    let named = ["missing field `", "unknown field `"]
+        .iter()
+        .find_map(|p| message.strip_prefix(p))
+        .and_then(|rest| rest.split('`').next());
+    match (path, named) {
+        (".", Some(name)) => name.to_owned(),
+        (".", None) => "body".to_owned(),
+        (path, Some(name)) if !path.ends_with(name) => format!("{path}.{name}"),
+        (path, _) => path.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct Body {
+        name: String,
+        inner: Option<std::collections::BTreeMap<String, String>>,
+    }
+
+    #[test]
+    fn fields_are_named() {
+        let p = parse::<Body>(b"{").unwrap_err();
+        assert_eq!(p.status, StatusCode::BAD_REQUEST);
+        let p = parse::<Body>(b"{}").unwrap_err();
+        assert_eq!(p.field.as_deref(), Some("name"));
+        let p = parse::<Body>(br#"{"name": "x", "bogus": 1}"#).unwrap_err();
+        assert_eq!(p.field.as_deref(), Some("bogus"), "{p:?}");
+        let p = parse::<Body>(br#"{"name": 3}"#).unwrap_err();
+        assert_eq!(p.field.as_deref(), Some("name"));
+        let p = parse::<Body>(br#"{"name": "x", "inner": {"a": 1}}"#).unwrap_err();
+        assert_eq!(p.field.as_deref(), Some("inner.a"));
+        let p = parse::<Body>(br#"{"name": "x"} trailing"#).unwrap_err();
+        assert_eq!(p.status, StatusCode::BAD_REQUEST);
+        assert!(parse::<Body>(br#"{"name": "x"}"#).is_ok());
     }
 }

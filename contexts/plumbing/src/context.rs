@@ -35,12 +35,11 @@ impl From<sqlx::Error> for HandlerError {
     /// wrong and will stay wrong: permanent. Everything else (connection lost,
     /// pool timed out, serialization failure) may pass: transient.
     fn from(e: sqlx::Error) -> Self {
-        if let sqlx::Error::Database(db) = &e {
-            if let Some(code) = db.code() {
-                if code.starts_with("22") || code.starts_with("23") {
-                    return HandlerError::Permanent(format!("database refused: {db}"));
-                }
-            }
+        if let sqlx::Error::Database(db) = &e
+            && let Some(code) = db.code()
+            && (code.starts_with("22") || code.starts_with("23"))
+        {
+            return HandlerError::Permanent(format!("database refused: {db}"));
         }
         HandlerError::Transient(e.to_string())
     }

@@ -20,27 +20,28 @@ pub struct OutboxRow {
     pub payload: Vec<u8>,
 }
 
-async fn insert(
-    tx: &mut PgConnection,
-    schema: &str,
+/// One row to write, as [`OutboxRow`] holds it once written.
+struct NewRow<'a> {
     message_id: Uuid,
-    exchange: &str,
-    routing_key: &str,
-    kind: &str,
-    node: Option<&str>,
+    exchange: &'a str,
+    routing_key: &'a str,
+    kind: &'a str,
+    node: Option<&'a str>,
     payload: Vec<u8>,
-) -> Result<(), sqlx::Error> {
+}
+
+async fn insert(tx: &mut PgConnection, schema: &str, row: NewRow<'_>) -> Result<(), sqlx::Error> {
     let sql = format!(
         "INSERT INTO {schema}.outbox (message_id, exchange, routing_key, kind, node, payload) \
          VALUES ($1, $2, $3, $4, $5, $6)"
     );
     sqlx::query(AssertSqlSafe(sql))
-        .bind(message_id)
-        .bind(exchange)
-        .bind(routing_key)
-        .bind(kind)
-        .bind(node)
-        .bind(payload)
+        .bind(row.message_id)
+        .bind(row.exchange)
+        .bind(row.routing_key)
+        .bind(row.kind)
+        .bind(row.node)
+        .bind(row.payload)
         .execute(&mut *tx)
         .await?;
     Ok(())
@@ -56,17 +57,15 @@ pub async fn declare(
     let generation = declaration.generation;
     let envelope = Envelope::new(node.clone(), generation, declaration);
     let id = envelope.id;
-    insert(
-        tx,
-        schema,
-        id,
-        DECLARATIONS_EXCHANGE,
-        node.as_str(),
-        Declaration::KIND,
-        Some(node.as_str()),
-        envelope.encode(),
-    )
-    .await?;
+    let row = NewRow {
+        message_id: id,
+        exchange: DECLARATIONS_EXCHANGE,
+        routing_key: node.as_str(),
+        kind: Declaration::KIND,
+        node: Some(node.as_str()),
+        payload: envelope.encode(),
+    };
+    insert(tx, schema, row).await?;
     Ok(id)
 }
 
@@ -113,17 +112,16 @@ pub async fn record(
     schema: &str,
     event: &RecordEvent,
 ) -> Result<(), sqlx::Error> {
-    insert(
-        tx,
-        schema,
-        event.id,
-        RECORD_EXCHANGE,
-        &event.routing_key(),
-        &event.event,
-        None,
-        event.encode(),
-    )
-    .await
+    let key = event.routing_key();
+    let row = NewRow {
+        message_id: event.id,
+        exchange: RECORD_EXCHANGE,
+        routing_key: &key,
+        kind: &event.event,
+        node: None,
+        payload: event.encode(),
+    };
+    insert(tx, schema, row).await
 }
 
 /// The oldest unsent rows, at most `limit`.
