@@ -92,7 +92,6 @@ fn admin_for(
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber_init();
     let cli = Cli::parse();
     match cli.command {
         Command::Probe {
@@ -139,10 +138,6 @@ async fn main() -> ExitCode {
             }
         },
     }
-}
-
-fn tracing_subscriber_init() {
-    // No subscriber dependency: steps are printed. `tracing` events are dropped.
 }
 
 async fn up(
