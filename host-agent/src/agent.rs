@@ -1,0 +1,731 @@
+//! The agent's main loop: connect, state (hello, heartbeats, applied), apply what
+//! is declared, reconnect when the broker goes away, and shut down gracefully.
+//!
+//! One task owns all state (store, buffer, connection); nothing is shared behind
+//! locks. Blocking file work runs on the blocking pool.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+use futures_util::stream::FuturesUnordered;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer, Event,
+};
+use mesh_protocol::topology::{REPORTS_EXCHANGE, declaration_queue, report_routing_key};
+use mesh_protocol::{
+    Applied, Envelope, Heartbeat, ItemOutcome, MAX_REPORT_BYTES, NodeId, Outcome, Report,
+    ReportKind,
+};
+use rand::Rng;
+use tokio::time::{Instant, Interval, MissedTickBehavior, sleep_until};
+use tracing::{Instrument, debug, error, info, info_span, warn};
+use uuid::Uuid;
+
+use crate::apply::{self, Applier, ApplyReport};
+use crate::buffer::{Outgoing, ReportBuffer};
+use crate::config::Config;
+use crate::credentials::Credentials;
+use crate::facts;
+use crate::metrics::Metrics;
+use crate::store::{PendingReport, Store};
+
+/// Reports handed to the broker and not yet confirmed, at most.
+const PUBLISH_WINDOW: usize = 64;
+/// How long a connection attempt may take before it counts as failed.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Capped exponential backoff with full jitter: each wait is uniform in
+/// `0..=cap`, the cap doubling per failure from `min` up to `max`.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    min: Duration,
+    max: Duration,
+    cap: Duration,
+}
+
+impl Backoff {
+    pub fn new(min: Duration, max: Duration) -> Self {
+        Backoff { min, max, cap: min }
+    }
+
+    pub fn next_delay(&mut self) -> Duration {
+        let cap = self.cap;
+        self.cap = (self.cap * 2).min(self.max);
+        let secs = rand::rng().random_range(0.0..=cap.as_secs_f64());
+        Duration::from_secs_f64(secs).max(Duration::from_millis(10))
+    }
+
+    pub fn reset(&mut self) {
+        self.cap = self.min;
+    }
+}
+
+/// How a connected session ended.
+enum SessionEnd {
+    Shutdown,
+    Lost(String),
+}
+
+type Shutdown<'a> = Pin<&'a mut (dyn Future<Output = ()> + Send)>;
+type ConfirmFuture = BoxFuture<'static, (Uuid, Result<Confirmation, lapin::Error>)>;
+
+pub(crate) struct Agent {
+    config: Config,
+    creds: Credentials,
+    store: Store,
+    applier: Applier,
+    buffer: ReportBuffer,
+    metrics: Metrics,
+}
+
+impl Agent {
+    pub(crate) fn new(
+        config: Config,
+        creds: Credentials,
+        store: Store,
+        applier: Applier,
+        metrics: Metrics,
+    ) -> Self {
+        let mut buffer = ReportBuffer::new(config.report_buffer);
+        // Applied reports that were never confirmed before the last exit.
+        for p in &store.data().pending_reports {
+            if let Ok(kind) = ReportKind::parse(&p.kind) {
+                buffer.push(Outgoing {
+                    id: p.id,
+                    kind,
+                    seq: p.seq,
+                    payload: p.payload.clone().into_bytes(),
+                });
+            }
+        }
+        metrics.set_buffered(buffer.len());
+        Agent {
+            config,
+            creds,
+            store,
+            applier,
+            buffer,
+            metrics,
+        }
+    }
+
+    /// Run until `shutdown` resolves.
+    pub(crate) async fn run(mut self, shutdown: Shutdown<'_>) {
+        let mut shutdown = shutdown;
+        let interval = self.config.heartbeat_interval;
+        let first = rand::rng().random_range(Duration::ZERO..=interval);
+        let mut heartbeat = tokio::time::interval_at(Instant::now() + first, interval);
+        heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut backoff = Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
+        let mut connected_before = false;
+
+        loop {
+            let url = self.creds.broker_url.expose().clone();
+            let props = ConnectionProperties::default()
+                .with_connection_name(format!("mesh-agent {}", self.creds.node).into());
+            let connect = tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&url, props));
+            tokio::pin!(connect);
+            let attempt = loop {
+                tokio::select! {
+                    () = &mut shutdown => {
+                        info!("shutdown while disconnected; {} reports left unsent", self.buffer.len());
+                        return;
+                    }
+                    _ = heartbeat.tick() => self.push_heartbeat(),
+                    r = &mut connect => break r,
+                }
+            };
+            let conn = match attempt {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(e)) => {
+                    warn!(url = %self.creds.redacted_url(), error = %e, "cannot connect to the broker");
+                    if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
+                        return;
+                    }
+                    continue;
+                }
+                Err(_) => {
+                    warn!(url = %self.creds.redacted_url(), "connecting to the broker timed out");
+                    if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            if connected_before {
+                self.metrics.reconnected();
+            }
+            connected_before = true;
+            backoff.reset();
+            info!(url = %self.creds.redacted_url(), "connected to the broker");
+            match self.session(&conn, &mut heartbeat, &mut shutdown).await {
+                SessionEnd::Shutdown => {
+                    let _ = conn.close(200, "agent shutting down".into()).await;
+                    info!("shut down; {} reports left unsent", self.buffer.len());
+                    return;
+                }
+                SessionEnd::Lost(reason) => {
+                    warn!(%reason, "lost the broker connection");
+                    let _ = conn.close(200, "agent reconnecting".into()).await;
+                    self.buffer.reset_in_flight();
+                    if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Wait one backoff delay, still beating. False if shutdown came first.
+    async fn wait(
+        &mut self,
+        backoff: &mut Backoff,
+        heartbeat: &mut Interval,
+        shutdown: &mut Shutdown<'_>,
+    ) -> bool {
+        let until = Instant::now() + backoff.next_delay();
+        loop {
+            tokio::select! {
+                () = &mut *shutdown => {
+                    info!("shutdown while disconnected; {} reports left unsent", self.buffer.len());
+                    return false;
+                }
+                _ = heartbeat.tick() => self.push_heartbeat(),
+                () = sleep_until(until) => return true,
+            }
+        }
+    }
+
+    async fn session(
+        &mut self,
+        conn: &Connection,
+        heartbeat: &mut Interval,
+        shutdown: &mut Shutdown<'_>,
+    ) -> SessionEnd {
+        let mut publisher = match open_publisher(conn).await {
+            Ok(ch) => ch,
+            Err(e) => return SessionEnd::Lost(format!("cannot open the publishing channel: {e}")),
+        };
+        self.buffer.reset_in_flight();
+        self.push_hello();
+        let mut events = conn.events_listener();
+        let mut confirms: FuturesUnordered<ConfirmFuture> = FuturesUnordered::new();
+        let mut consumer: Option<(Channel, Consumer)> = None;
+        let mut consume_backoff =
+            Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
+        let mut consume_at = Instant::now();
+        let mut publish_backoff =
+            Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
+        let mut paused_until: Option<Instant> = None;
+        let queue = declaration_queue(&self.creds.node);
+
+        loop {
+            // Fill the window of unconfirmed publishes.
+            if paused_until.is_none_or(|t| t <= Instant::now()) {
+                paused_until = None;
+                while confirms.len() < PUBLISH_WINDOW {
+                    let Some(out) = self.buffer.next_to_send() else {
+                        break;
+                    };
+                    match self.publish(&publisher, &out).await {
+                        Ok(f) => confirms.push(f),
+                        Err(e) => {
+                            self.buffer.retry(out.id);
+                            warn!(error = %e, "publish failed");
+                            if !conn.status().connected() {
+                                return SessionEnd::Lost(e.to_string());
+                            }
+                            match open_publisher(conn).await {
+                                Ok(ch) => publisher = ch,
+                                Err(e) => {
+                                    return SessionEnd::Lost(format!(
+                                        "cannot reopen the publishing channel: {e}"
+                                    ));
+                                }
+                            }
+                            paused_until = Some(Instant::now() + publish_backoff.next_delay());
+                            break;
+                        }
+                    }
+                }
+            }
+
+            tokio::select! {
+                () = &mut *shutdown => {
+                    if let Some((ch, _)) = consumer.take() {
+                        // Unacked deliveries (there are none mid-apply) go back to the queue.
+                        let _ = ch.close(200, "agent shutting down".into()).await;
+                    }
+                    self.flush(&publisher, confirms).await;
+                    return SessionEnd::Shutdown;
+                }
+                Some((id, result)) = confirms.next(), if !confirms.is_empty() => {
+                    match self.confirmed(id, result) {
+                        Ok(()) => publish_backoff.reset(),
+                        Err(reason) => {
+                            warn!(%reason, "report not accepted; will retry");
+                            paused_until = Some(Instant::now() + publish_backoff.next_delay());
+                            if !conn.status().connected() {
+                                return SessionEnd::Lost(reason);
+                            }
+                            if !publisher.status().connected() {
+                                match open_publisher(conn).await {
+                                    Ok(ch) => publisher = ch,
+                                    Err(e) => return SessionEnd::Lost(format!("cannot reopen the publishing channel: {e}")),
+                                }
+                            }
+                        }
+                    }
+                }
+                _ = heartbeat.tick() => {
+                    self.push_heartbeat();
+                    if !conn.status().connected() {
+                        return SessionEnd::Lost("connection is no longer open".into());
+                    }
+                }
+                ev = events.next() => match ev {
+                    // Channel-level errors (a 404 on the declaration queue) arrive
+                    // here too; only a closed connection ends the session.
+                    Some(Event::Error(e)) => {
+                        if !conn.status().connected() {
+                            return SessionEnd::Lost(e.to_string());
+                        }
+                        debug!(error = %e, "channel error");
+                    }
+                    Some(Event::ConnectionBlocked(reason)) => warn!(%reason, "the broker blocked publishing"),
+                    Some(Event::ConnectionUnblocked) => info!("the broker unblocked publishing"),
+                    Some(_) => {}
+                    None => return SessionEnd::Lost("connection event stream ended".into()),
+                },
+                () = sleep_until(consume_at), if consumer.is_none() => {
+                    match start_consumer(conn, &queue, self.config.prefetch).await {
+                        Ok(c) => {
+                            info!(%queue, "consuming declarations");
+                            consume_backoff.reset();
+                            consumer = Some(c);
+                        }
+                        Err(e) => {
+                            if !conn.status().connected() {
+                                return SessionEnd::Lost(e.to_string());
+                            }
+                            let delay = consume_backoff.next_delay();
+                            info!(%queue, error = %e, retry_in = ?delay, "cannot consume declarations yet (the controller declares the queue when it first hears of this node)");
+                            consume_at = Instant::now() + delay;
+                        }
+                    }
+                }
+                () = sleep_until(paused_until.unwrap_or_else(Instant::now)), if paused_until.is_some() => {
+                    paused_until = None;
+                }
+                delivery = next_delivery(&mut consumer), if consumer.is_some() => match delivery {
+                    Some(Ok(d)) => {
+                        if let Err(e) = self.handle_delivery(d).await {
+                            if !conn.status().connected() {
+                                return SessionEnd::Lost(e);
+                            }
+                            warn!(error = %e, "declaration channel failed; re-consuming");
+                            consumer = None;
+                            consume_at = Instant::now() + consume_backoff.next_delay();
+                        }
+                    }
+                    other => {
+                        if !conn.status().connected() {
+                            return SessionEnd::Lost("connection closed".into());
+                        }
+                        let reason = match other {
+                            Some(Err(e)) => e.to_string(),
+                            _ => "consumer cancelled".into(),
+                        };
+                        warn!(%reason, "declaration consumer stopped; re-consuming");
+                        consumer = None;
+                        consume_at = Instant::now() + consume_backoff.next_delay();
+                    }
+                },
+            }
+        }
+    }
+
+    /// Publish what can be published before the shutdown deadline.
+    async fn flush(&mut self, publisher: &Channel, mut confirms: FuturesUnordered<ConfirmFuture>) {
+        let deadline = Instant::now() + self.config.shutdown_timeout;
+        let mut failed = false;
+        loop {
+            while !failed && confirms.len() < PUBLISH_WINDOW {
+                let Some(out) = self.buffer.next_to_send() else {
+                    break;
+                };
+                match self.publish(publisher, &out).await {
+                    Ok(f) => confirms.push(f),
+                    Err(_) => {
+                        self.buffer.retry(out.id);
+                        failed = true;
+                    }
+                }
+            }
+            if confirms.is_empty() {
+                return;
+            }
+            tokio::select! {
+                Some((id, result)) = confirms.next() => {
+                    if self.confirmed(id, result).is_err() {
+                        failed = true;
+                    }
+                }
+                () = sleep_until(deadline) => {
+                    warn!("shutdown deadline reached with {} reports unconfirmed", self.buffer.len());
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Hand one report to the broker; the returned future resolves to its confirm.
+    async fn publish(&self, ch: &Channel, out: &Outgoing) -> Result<ConfirmFuture, lapin::Error> {
+        let node = &self.creds.node;
+        let span = info_span!("report", message_id = %out.id, node = %node, kind = out.kind.as_str(), seq = out.seq);
+        let props = BasicProperties::default()
+            .with_message_id(out.id.to_string().into())
+            .with_type(out.kind.as_str().into())
+            .with_user_id(node.as_str().into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        let confirm = ch
+            .basic_publish(
+                REPORTS_EXCHANGE.into(),
+                report_routing_key(node, out.kind).into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &out.payload,
+                props,
+            )
+            .instrument(span.clone())
+            .await?;
+        span.in_scope(|| debug!("published, awaiting confirm"));
+        let id = out.id;
+        Ok(Box::pin(
+            async move { (id, confirm.await) }.instrument(span),
+        ))
+    }
+
+    /// Handle a publisher confirm. Err names why the report must be sent again.
+    fn confirmed(
+        &mut self,
+        id: Uuid,
+        result: Result<Confirmation, lapin::Error>,
+    ) -> Result<(), String> {
+        let outcome = match result {
+            Ok(Confirmation::Ack(None)) => Ok(()),
+            Ok(Confirmation::Ack(Some(returned))) => Err(format!(
+                "returned by the broker ({} {}): no queue bound for it yet",
+                returned.reply_code, returned.reply_text
+            )),
+            Ok(Confirmation::Nack(_)) => {
+                Err("refused by the broker (nack; queue full?)".to_owned())
+            }
+            Ok(Confirmation::NotRequested) => Err("publisher confirms are not enabled".to_owned()),
+            Err(e) => Err(e.to_string()),
+        };
+        match outcome {
+            Ok(()) => {
+                if let Some(out) = self.buffer.confirmed(id) {
+                    self.metrics.report_published(out.kind.as_str());
+                    debug!(message_id = %id, kind = out.kind.as_str(), "report confirmed");
+                    if out.kind == ReportKind::Applied
+                        && let Err(e) = self.store.remove_pending(&[id])
+                    {
+                        error!(error = %e, "cannot update the store");
+                    }
+                }
+                self.metrics.set_buffered(self.buffer.len());
+                Ok(())
+            }
+            Err(reason) => {
+                self.buffer.retry(id);
+                Err(reason)
+            }
+        }
+    }
+
+    /// Apply one declaration, keep its `applied` report, then ack it.
+    async fn handle_delivery(&mut self, delivery: Delivery) -> Result<(), String> {
+        let message_id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.as_str().to_owned())
+            .unwrap_or_default();
+        let span = info_span!("declaration", message_id = %message_id, node = %self.creds.node, kind = "declaration");
+        async {
+            let report = self.apply_bytes(&delivery.data).await;
+            self.push_applied(report);
+            delivery
+                .ack(BasicAckOptions::default())
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("ack failed: {e}"))
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Decode, apply, record. Never fails: every problem becomes the report.
+    async fn apply_bytes(&mut self, bytes: &[u8]) -> Applied {
+        let env = match apply::decode(bytes, &self.creds.node) {
+            Ok(env) => env,
+            Err(e) => {
+                let (section, generation) = apply::peek_section(bytes);
+                error!(error = %e, ?section, ?generation, size = bytes.len(), "declaration rejected");
+                self.metrics.declaration_applied("rejected");
+                return Applied {
+                    section,
+                    generation,
+                    outcome: Outcome::Rejected,
+                    items: Vec::new(),
+                    error: Some(truncate(&e.to_string(), 2000)),
+                };
+            }
+        };
+        let decl = env.body;
+        let prev = self.store.section(decl.section);
+        let applier = self.applier.clone();
+        let section = decl.section;
+        let generation = decl.generation;
+        let report: ApplyReport =
+            match tokio::task::spawn_blocking(move || applier.apply(&decl, &prev)).await {
+                Ok(r) => r,
+                Err(e) => {
+                    error!(error = %e, "applying panicked");
+                    return Applied {
+                        section: Some(section),
+                        generation: Some(generation),
+                        outcome: Outcome::Failed,
+                        items: Vec::new(),
+                        error: Some("the applier panicked".into()),
+                    };
+                }
+            };
+        let label = if report.stale {
+            "stale"
+        } else {
+            match report.outcome {
+                Outcome::Applied => "applied",
+                Outcome::Failed => "failed",
+                Outcome::Rejected => "rejected",
+            }
+        };
+        self.metrics.declaration_applied(label);
+        if report.stale {
+            info!(%section, declared = generation, applied = report.generation, "declaration not newer than what is applied; restating");
+        } else if report.outcome == Outcome::Applied {
+            info!(%section, generation, files = report.items.len(), "declaration applied");
+        } else {
+            warn!(%section, generation, outcome = label, error = report.error.as_deref().unwrap_or(""), "declaration not applied");
+        }
+        if let Some(state) = report.state
+            && let Err(e) = self
+                .store
+                .record(section, state, None, self.config.report_buffer)
+        {
+            error!(error = %e, "cannot record the applied state");
+        }
+        Applied {
+            section: Some(section),
+            generation: Some(report.generation),
+            outcome: report.outcome,
+            items: report.items,
+            error: report.error.map(|e| truncate(&e, 2000)),
+        }
+    }
+
+    fn envelope(&mut self, report: Report) -> Outgoing {
+        let seq = self.store.next_seq();
+        let env = Envelope::new(self.creds.node.clone(), seq, report);
+        Outgoing {
+            id: env.id,
+            kind: env.body.report_kind(),
+            seq,
+            payload: env.encode(),
+        }
+    }
+
+    fn push(&mut self, out: Outgoing) {
+        for d in self.buffer.push(out) {
+            if d.kind == ReportKind::Applied {
+                warn!(message_id = %d.id, "report buffer full: dropped an applied report");
+                if let Err(e) = self.store.remove_pending(&[d.id]) {
+                    error!(error = %e, "cannot update the store");
+                }
+            } else {
+                debug!(message_id = %d.id, kind = d.kind.as_str(), "dropped a buffered report");
+            }
+        }
+        self.metrics.set_buffered(self.buffer.len());
+    }
+
+    fn push_hello(&mut self) {
+        let hello = facts::hello(
+            self.config.hostname.as_deref(),
+            &self.config.labels,
+            self.store.applied_generations(),
+        );
+        let out = self.envelope(Report::Hello(hello));
+        self.push(out);
+    }
+
+    fn push_heartbeat(&mut self) {
+        let out = self.envelope(Report::Heartbeat(Heartbeat {
+            applied: self.store.applied_generations(),
+        }));
+        self.push(out);
+    }
+
+    /// Keep an applied report: in the store (so a restart does not lose it) and in
+    /// the buffer. Shrinks it if needed to fit the report size limit.
+    fn push_applied(&mut self, applied: Applied) {
+        let applied = fit_applied(applied, &self.creds.node);
+        let out = self.envelope(Report::Applied(applied));
+        let pending = PendingReport {
+            id: out.id,
+            kind: out.kind.as_str().to_owned(),
+            seq: out.seq,
+            payload: String::from_utf8_lossy(&out.payload).into_owned(),
+        };
+        if let Err(e) = self.store.add_pending(pending, self.config.report_buffer) {
+            error!(error = %e, "cannot persist the applied report; keeping it in memory only");
+        }
+        self.push(out);
+    }
+}
+
+/// Shrink an applied report until its envelope fits [`MAX_REPORT_BYTES`]: first
+/// keep only the failed items, then cut their messages, then drop them.
+fn fit_applied(mut a: Applied, node: &NodeId) -> Applied {
+    let fits = |a: &Applied| {
+        let probe = Envelope::new(node.clone(), u64::MAX, Report::Applied(a.clone()));
+        probe.encode().len() <= MAX_REPORT_BYTES
+    };
+    if fits(&a) {
+        return a;
+    }
+    a.items.retain(|i| !i.ok);
+    if fits(&a) {
+        return a;
+    }
+    a.items = a
+        .items
+        .into_iter()
+        .map(|i| ItemOutcome {
+            item: truncate(&i.item, 200),
+            ok: i.ok,
+            error: i.error.map(|e| truncate(&e, 200)),
+        })
+        .collect();
+    if fits(&a) {
+        return a;
+    }
+    let n = a.items.len();
+    a.items.clear();
+    a.error = Some(format!(
+        "{} ({n} item outcomes omitted for size)",
+        truncate(a.error.as_deref().unwrap_or(""), 1000)
+    ));
+    a
+}
+
+fn truncate(s: &str, max_chars: usize) -> String {
+    if s.chars().count() <= max_chars {
+        s.to_owned()
+    } else {
+        s.chars().take(max_chars).collect::<String>() + "…"
+    }
+}
+
+async fn open_publisher(conn: &Connection) -> Result<Channel, lapin::Error> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    Ok(ch)
+}
+
+async fn start_consumer(
+    conn: &Connection,
+    queue: &str,
+    prefetch: u16,
+) -> Result<(Channel, Consumer), lapin::Error> {
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
+    let tag = format!("mesh-agent-{}", Uuid::now_v7());
+    let consumer = ch
+        .basic_consume(
+            queue.into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await;
+    match consumer {
+        Ok(c) => Ok((ch, c)),
+        Err(e) => {
+            // The broker closed the channel (404 when the queue is missing); make sure
+            // it is gone on our side too.
+            let _ = ch.close(200, "retrying".into()).await;
+            Err(e)
+        }
+    }
+}
+
+async fn next_delivery(
+    consumer: &mut Option<(Channel, Consumer)>,
+) -> Option<Result<Delivery, lapin::Error>> {
+    match consumer {
+        Some((_, c)) => c.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_capped_and_jittered() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(800));
+        for _ in 0..20 {
+            assert!(b.next_delay() <= Duration::from_millis(800));
+        }
+        assert_eq!(b.cap, Duration::from_millis(800));
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn oversized_applied_reports_are_shrunk() {
+        let items = (0..1024)
+            .map(|i| ItemOutcome {
+                item: format!("/{}/{i}", "p".repeat(200)),
+                ok: i % 2 == 0,
+                error: Some("e".repeat(300)),
+            })
+            .collect();
+        let a = Applied {
+            section: Some(mesh_protocol::Section::Config),
+            generation: Some(1),
+            outcome: Outcome::Failed,
+            items,
+            error: Some("x".into()),
+        };
+        let node = NodeId::parse(&"n".repeat(63)).unwrap();
+        let small = fit_applied(a, &node);
+        let env = Envelope::new(node, 1, Report::Applied(small));
+        assert!(env.encode().len() <= MAX_REPORT_BYTES);
+    }
+}

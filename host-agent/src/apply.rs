@@ -1,0 +1,573 @@
+//! Applying a declaration to disk: the one place the agent changes the host.
+//!
+//! Level-triggered and idempotent: a declaration is a whole section, so applying
+//! it means "make these files exist with this content and mode, and remove the
+//! files this section declared before and no longer does". Everything is checked
+//! before anything is written; each file is written atomically; nothing is ever
+//! written outside the root.
+
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use chrono::Utc;
+use mesh_protocol::{
+    Declaration, DecodeError, Envelope, ItemOutcome, MAX_DECLARATION_BYTES, NodeId, Outcome,
+    Section, digest_items, validate_path,
+};
+
+use crate::store::{SectionState, write_atomic};
+
+/// Decode a delivery's body: the agent's one parse point for declarations. The
+/// envelope must be addressed to this node.
+pub fn decode(bytes: &[u8], node: &NodeId) -> Result<Envelope<Declaration>, DecodeError> {
+    let env = Envelope::<Declaration>::decode(bytes, MAX_DECLARATION_BYTES)?;
+    if &env.node != node {
+        return Err(DecodeError::Invalid {
+            field: "node".into(),
+            reason: format!("declaration is for `{}`, this node is `{node}`", env.node),
+        });
+    }
+    Ok(env)
+}
+
+/// Best effort: the section and generation of a message that could not be
+/// decoded, so that its rejection can still say what it was about.
+pub fn peek_section(bytes: &[u8]) -> (Option<Section>, Option<u64>) {
+    if bytes.len() > MAX_DECLARATION_BYTES {
+        return (None, None);
+    }
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        return (None, None);
+    };
+    let body = v.get("body");
+    let section = body
+        .and_then(|b| b.get("section"))
+        .and_then(|s| s.as_str())
+        .and_then(Section::parse);
+    let generation = body
+        .and_then(|b| b.get("generation"))
+        .and_then(serde_json::Value::as_u64);
+    (section, generation)
+}
+
+/// What came of handling one declaration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApplyReport {
+    pub section: Section,
+    /// The generation the `applied` report names: the declared one, or for a stale
+    /// declaration the one already applied.
+    pub generation: u64,
+    pub outcome: Outcome,
+    pub items: Vec<ItemOutcome>,
+    pub error: Option<String>,
+    /// True if the declaration was not newer than what is applied: nothing was
+    /// touched and the report restates the current generation.
+    pub stale: bool,
+    /// The section's state to record; `None` when nothing changed.
+    pub state: Option<SectionState>,
+}
+
+/// Applies declarations under a root directory.
+#[derive(Debug, Clone)]
+pub struct Applier {
+    root: PathBuf,
+    /// `root`, canonicalized: symlinks found under the root must resolve inside it.
+    canonical_root: PathBuf,
+    /// Directories nothing may be written into (the agent's state directory).
+    protected: Vec<PathBuf>,
+}
+
+/// Why one path cannot be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PathError(String);
+
+impl Applier {
+    /// `root` must exist. Paths under any of `protected` are refused.
+    pub fn new(root: &Path, protected: &[PathBuf]) -> std::io::Result<Applier> {
+        let canonical_root = root.canonicalize()?;
+        let protected = protected
+            .iter()
+            .map(|p| p.canonicalize().unwrap_or_else(|_| p.clone()))
+            .collect();
+        Ok(Applier {
+            root: root.to_owned(),
+            canonical_root,
+            protected,
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Apply `decl` on top of `prev`, the section's recorded state.
+    pub fn apply(&self, decl: &Declaration, prev: &SectionState) -> ApplyReport {
+        let section = decl.section;
+        if decl.generation <= prev.generation {
+            return ApplyReport {
+                section,
+                generation: prev.generation,
+                outcome: Outcome::Applied,
+                items: Vec::new(),
+                error: None,
+                stale: true,
+                state: None,
+            };
+        }
+        let rejected = |items: Vec<ItemOutcome>, error: String| {
+            let mut state = prev.clone();
+            state.last_generation = decl.generation;
+            state.last_outcome = Some(Outcome::Rejected);
+            state.last_error = Some(error.clone());
+            state.updated_at = Some(Utc::now());
+            ApplyReport {
+                section,
+                generation: decl.generation,
+                outcome: Outcome::Rejected,
+                items,
+                error: Some(error),
+                stale: false,
+                state: Some(state),
+            }
+        };
+
+        // 1. Validate everything before touching the disk.
+        if let Err(e) = decl.validate() {
+            return rejected(Vec::new(), e.to_string());
+        }
+        let mut targets = Vec::with_capacity(decl.items.files.len());
+        let mut items = Vec::new();
+        let mut first_error = None;
+        for f in &decl.items.files {
+            match self.resolve(&f.path) {
+                Ok(t) => {
+                    items.push(ItemOutcome {
+                        item: f.path.clone(),
+                        ok: true,
+                        error: None,
+                    });
+                    targets.push(t);
+                }
+                Err(e) => {
+                    first_error.get_or_insert_with(|| format!("{}: {e}", f.path));
+                    items.push(ItemOutcome {
+                        item: f.path.clone(),
+                        ok: false,
+                        error: Some(e.to_string()),
+                    });
+                }
+            }
+        }
+        if let Some(error) = first_error {
+            return rejected(items, error);
+        }
+
+        // 2. Write each file atomically.
+        let mut items = Vec::with_capacity(decl.items.files.len());
+        let mut written = BTreeSet::new();
+        let mut failed = false;
+        for (f, target) in decl.items.files.iter().zip(&targets) {
+            match write_file(target, f.content.as_bytes(), f.mode.bits()) {
+                Ok(()) => {
+                    written.insert(f.path.clone());
+                    items.push(ItemOutcome {
+                        item: f.path.clone(),
+                        ok: true,
+                        error: None,
+                    });
+                }
+                Err(e) => {
+                    failed = true;
+                    items.push(ItemOutcome {
+                        item: f.path.clone(),
+                        ok: false,
+                        error: Some(format!("write: {e}")),
+                    });
+                }
+            }
+        }
+
+        let mut state = prev.clone();
+        state.last_generation = decl.generation;
+        state.updated_at = Some(Utc::now());
+        if failed {
+            // Keep what is there; the older generation's files stay in place.
+            state.paths.extend(written);
+            state.last_outcome = Some(Outcome::Failed);
+            state.last_error = items
+                .iter()
+                .find(|i| !i.ok)
+                .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("")));
+            return ApplyReport {
+                section,
+                generation: decl.generation,
+                outcome: Outcome::Failed,
+                error: state.last_error.clone(),
+                items,
+                stale: false,
+                state: Some(state),
+            };
+        }
+
+        // 3. Remove what the previous generation declared and this one does not.
+        let mut kept = BTreeSet::new();
+        for path in prev.paths.difference(&written) {
+            let result = self
+                .resolve(path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| remove_file(&t).map_err(|e| e.to_string()));
+            if let Err(e) = result {
+                failed = true;
+                kept.insert(path.clone());
+                items.push(ItemOutcome {
+                    item: path.clone(),
+                    ok: false,
+                    error: Some(format!("remove: {e}")),
+                });
+            }
+        }
+        state.paths = written.into_iter().chain(kept).collect();
+        if failed {
+            state.last_outcome = Some(Outcome::Failed);
+            state.last_error = items
+                .iter()
+                .find(|i| !i.ok)
+                .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("")));
+        } else {
+            state.generation = decl.generation;
+            state.digest = digest_items(&decl.items);
+            state.last_outcome = Some(Outcome::Applied);
+            state.last_error = None;
+        }
+        ApplyReport {
+            section,
+            generation: decl.generation,
+            outcome: state.last_outcome.unwrap_or(Outcome::Failed),
+            error: state.last_error.clone(),
+            items,
+            stale: false,
+            state: Some(state),
+        }
+    }
+
+    /// Where a declared path lands, after checking that it stays under the root:
+    /// the path is absolute and normalized, no existing component under the root
+    /// is a symlink resolving outside it or a non-directory, the file itself is not
+    /// a directory, and it is not inside a protected directory.
+    pub fn resolve(&self, declared: &str) -> Result<PathBuf, PathError> {
+        let parts = validate_path("path", declared).map_err(|e| PathError(e.to_string()))?;
+        let mut cur = self.root.clone();
+        let last = parts.len() - 1;
+        let mut parent_exists = true;
+        for (i, part) in parts.iter().enumerate() {
+            cur.push(part);
+            if !parent_exists {
+                continue;
+            }
+            match std::fs::symlink_metadata(&cur) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => parent_exists = false,
+                Err(e) => return Err(PathError(format!("{}: {e}", cur.display()))),
+                Ok(m) if i == last => {
+                    if m.is_dir() {
+                        return Err(PathError(format!("{} is a directory", cur.display())));
+                    }
+                }
+                Ok(m) if m.file_type().is_symlink() => {
+                    let resolved = cur.canonicalize().map_err(|e| {
+                        PathError(format!(
+                            "{}: symlink cannot be resolved: {e}",
+                            cur.display()
+                        ))
+                    })?;
+                    if !resolved.starts_with(&self.canonical_root) {
+                        return Err(PathError(format!(
+                            "{} is a symlink leading outside the root",
+                            cur.display()
+                        )));
+                    }
+                    if !resolved.is_dir() {
+                        return Err(PathError(format!("{} is not a directory", cur.display())));
+                    }
+                }
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => return Err(PathError(format!("{} is not a directory", cur.display()))),
+            }
+        }
+        // The deepest existing ancestor, resolved, must not be a protected directory.
+        let mut probe = cur.parent().map(Path::to_path_buf);
+        while let Some(p) = probe {
+            if let Ok(c) = p.canonicalize() {
+                let full = c.join(cur.strip_prefix(&p).unwrap_or(Path::new("")));
+                if self.protected.iter().any(|d| full.starts_with(d)) {
+                    return Err(PathError("inside the agent's state directory".into()));
+                }
+                break;
+            }
+            probe = p.parent().map(Path::to_path_buf);
+        }
+        Ok(cur)
+    }
+}
+
+/// Write one file atomically, unless it already has this content and mode.
+fn write_file(target: &Path, content: &[u8], mode: u32) -> std::io::Result<()> {
+    if let Ok(m) = std::fs::symlink_metadata(target)
+        && m.is_file()
+        && m.len() == content.len() as u64
+        && m.permissions().mode() & 0o7777 == mode
+    {
+        let mut existing = Vec::with_capacity(content.len());
+        std::fs::File::open(target)?.read_to_end(&mut existing)?;
+        if existing == content {
+            return Ok(());
+        }
+    }
+    if let Some(parent) = target.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    write_atomic(target, content, mode)
+}
+
+/// Remove one file (already gone is fine) and make the removal durable.
+fn remove_file(target: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(target) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    if let Some(parent) = target.parent() {
+        std::fs::File::open(parent)?.sync_all()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mesh_protocol::{DeclarationItems, FileItem, FileMode, MAX_FILE_BYTES};
+
+    fn file(path: &str, content: &str, mode: u32) -> FileItem {
+        FileItem {
+            path: path.into(),
+            content: content.into(),
+            mode: FileMode::new(mode).unwrap(),
+        }
+    }
+
+    fn decl(generation: u64, files: Vec<FileItem>) -> Declaration {
+        Declaration {
+            section: Section::Config,
+            generation,
+            items: DeclarationItems { files },
+        }
+    }
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        root: PathBuf,
+        applier: Applier,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let state = dir.path().join("root/var/lib/mesh-agent");
+        std::fs::create_dir_all(&state).unwrap();
+        let applier = Applier::new(&root, std::slice::from_ref(&state)).unwrap();
+        Fixture {
+            _dir: dir,
+            root,
+            applier,
+        }
+    }
+
+    /// Every file under `dir`, relative, sorted.
+    fn tree(dir: &Path) -> Vec<String> {
+        fn walk(base: &Path, dir: &Path, out: &mut Vec<String>) {
+            for e in std::fs::read_dir(dir).unwrap() {
+                let e = e.unwrap();
+                let p = e.path();
+                if e.file_type().unwrap().is_dir() {
+                    walk(base, &p, out);
+                } else {
+                    out.push(p.strip_prefix(base).unwrap().display().to_string());
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(dir, dir, &mut out);
+        out.sort();
+        out
+    }
+
+    fn mode_of(p: &Path) -> u32 {
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    #[test]
+    fn writes_content_and_mode_atomically() {
+        let fx = fixture();
+        let d = decl(
+            1,
+            vec![
+                file("/etc/app/a.conf", "a=1\n", 0o644),
+                file("/etc/secret", "s", 0o600),
+            ],
+        );
+        let r = fx.applier.apply(&d, &SectionState::default());
+        assert_eq!(r.outcome, Outcome::Applied, "{r:?}");
+        assert!(r.items.iter().all(|i| i.ok));
+        assert_eq!(
+            std::fs::read_to_string(fx.root.join("etc/app/a.conf")).unwrap(),
+            "a=1\n"
+        );
+        assert_eq!(mode_of(&fx.root.join("etc/app/a.conf")), 0o644);
+        assert_eq!(mode_of(&fx.root.join("etc/secret")), 0o600);
+        let state = r.state.unwrap();
+        assert_eq!(state.generation, 1);
+        assert_eq!(state.digest, digest_items(&d.items));
+        assert_eq!(
+            state.paths,
+            ["/etc/app/a.conf".to_owned(), "/etc/secret".to_owned()].into()
+        );
+        // No temp file is left behind.
+        assert_eq!(tree(&fx.root), vec!["etc/app/a.conf", "etc/secret"]);
+    }
+
+    #[test]
+    fn bad_paths_and_oversize_are_rejected_with_nothing_written() {
+        let fx = fixture();
+        let big = "x".repeat(MAX_FILE_BYTES + 1);
+        for bad in [
+            vec![
+                file("/ok", "1", 0o644),
+                file("/etc/../../escape", "x", 0o644),
+            ],
+            vec![file("/ok", "1", 0o644), file("relative/path", "x", 0o644)],
+            vec![file("/ok", "1", 0o644), file("/big", &big, 0o644)],
+            vec![
+                file("/ok", "1", 0o644),
+                file("/var/lib/mesh-agent/credentials.toml", "x", 0o600),
+            ],
+            vec![file("/ok", "1", 0o644), file("/var/lib", "x", 0o600)],
+        ] {
+            let r = fx
+                .applier
+                .apply(&decl(1, bad.clone()), &SectionState::default());
+            assert_eq!(r.outcome, Outcome::Rejected, "{bad:?}");
+            assert!(r.error.is_some());
+            let state = r.state.unwrap();
+            assert_eq!(state.generation, 0);
+            assert_eq!(state.last_outcome, Some(Outcome::Rejected));
+            assert!(state.paths.is_empty());
+            assert!(
+                tree(&fx.root).is_empty(),
+                "{bad:?} wrote {:?}",
+                tree(&fx.root)
+            );
+        }
+    }
+
+    #[test]
+    fn symlinks_escaping_the_root_are_refused() {
+        let fx = fixture();
+        let outside = fx._dir.path().join("outside");
+        std::fs::create_dir_all(&outside).unwrap();
+        std::os::unix::fs::symlink(&outside, fx.root.join("link")).unwrap();
+        std::fs::create_dir_all(fx.root.join("inside")).unwrap();
+        std::os::unix::fs::symlink(fx.root.join("inside"), fx.root.join("ok-link")).unwrap();
+
+        let r = fx.applier.apply(
+            &decl(1, vec![file("/link/x", "x", 0o644)]),
+            &SectionState::default(),
+        );
+        assert_eq!(r.outcome, Outcome::Rejected, "{r:?}");
+        assert!(std::fs::read_dir(&outside).unwrap().next().is_none());
+
+        let r = fx.applier.apply(
+            &decl(1, vec![file("/ok-link/x", "x", 0o644)]),
+            &SectionState::default(),
+        );
+        assert_eq!(r.outcome, Outcome::Applied, "{r:?}");
+        assert_eq!(
+            std::fs::read_to_string(fx.root.join("inside/x")).unwrap(),
+            "x"
+        );
+    }
+
+    #[test]
+    fn dropped_files_are_removed_and_stale_generations_ignored() {
+        let fx = fixture();
+        let r1 = fx.applier.apply(
+            &decl(1, vec![file("/a", "1", 0o644), file("/b", "1", 0o644)]),
+            &SectionState::default(),
+        );
+        let s1 = r1.state.unwrap();
+        let r2 = fx
+            .applier
+            .apply(&decl(2, vec![file("/a", "2", 0o640)]), &s1);
+        assert_eq!(r2.outcome, Outcome::Applied);
+        let s2 = r2.state.unwrap();
+        assert_eq!(tree(&fx.root), vec!["a"]);
+        assert_eq!(std::fs::read_to_string(fx.root.join("a")).unwrap(), "2");
+        assert_eq!(mode_of(&fx.root.join("a")), 0o640);
+        assert_eq!(s2.paths, ["/a".to_owned()].into());
+
+        // A stale or duplicate generation changes nothing and restates generation 2.
+        for g in [1, 2] {
+            let r = fx
+                .applier
+                .apply(&decl(g, vec![file("/c", "c", 0o644)]), &s2);
+            assert!(r.stale);
+            assert_eq!(r.generation, 2);
+            assert_eq!(r.outcome, Outcome::Applied);
+            assert!(r.state.is_none());
+            assert_eq!(tree(&fx.root), vec!["a"]);
+        }
+    }
+
+    #[test]
+    fn failed_write_keeps_previous_generation() {
+        let fx = fixture();
+        let s1 = fx
+            .applier
+            .apply(
+                &decl(1, vec![file("/a", "1", 0o644)]),
+                &SectionState::default(),
+            )
+            .state
+            .unwrap();
+        // A read-only directory makes the write fail (unless running as root, where
+        // permissions do not bind: then the apply simply succeeds).
+        std::fs::create_dir_all(fx.root.join("ro")).unwrap();
+        std::fs::set_permissions(fx.root.join("ro"), std::fs::Permissions::from_mode(0o500))
+            .unwrap();
+        let r = fx
+            .applier
+            .apply(&decl(2, vec![file("/ro/x", "x", 0o644)]), &s1);
+        std::fs::set_permissions(fx.root.join("ro"), std::fs::Permissions::from_mode(0o700))
+            .unwrap();
+        let s2 = r.state.unwrap();
+        if r.outcome == Outcome::Failed {
+            assert_eq!(s2.generation, 1);
+            assert!(s2.paths.contains("/a"));
+            assert!(fx.root.join("a").exists());
+        } else {
+            assert_eq!(s2.generation, 2);
+        }
+    }
+
+    #[test]
+    fn decode_checks_the_node() {
+        let node = NodeId::parse("node-a").unwrap();
+        let other = NodeId::parse("node-b").unwrap();
+        let bytes = Envelope::new(other, 1, decl(1, vec![])).encode();
+        let err = decode(&bytes, &node).unwrap_err();
+        assert!(err.to_string().contains("node-b"), "{err}");
+        assert_eq!(peek_section(&bytes), (Some(Section::Config), Some(1)));
+        assert!(decode(b"{", &node).is_err());
+    }
+}

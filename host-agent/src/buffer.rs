@@ -1,0 +1,177 @@
+//! The bounded buffer of reports not yet confirmed by the broker.
+//!
+//! A report leaves the buffer only when the broker confirmed it (ack, not
+//! returned as unroutable). When the buffer is full the oldest heartbeat goes
+//! first (a newer one supersedes it), then the oldest hello (one is sent on every
+//! connect); an `applied` report goes only when nothing else is left, and the next
+//! heartbeat still carries the applied generations. A new hello replaces older
+//! hellos that are still waiting.
+
+use std::collections::VecDeque;
+
+use mesh_protocol::ReportKind;
+use uuid::Uuid;
+
+/// One encoded report, ready to publish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    pub id: Uuid,
+    pub kind: ReportKind,
+    pub seq: u64,
+    pub payload: Vec<u8>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    report: Outgoing,
+    in_flight: bool,
+}
+
+#[derive(Debug)]
+pub struct ReportBuffer {
+    entries: VecDeque<Entry>,
+    capacity: usize,
+}
+
+impl ReportBuffer {
+    pub fn new(capacity: usize) -> Self {
+        ReportBuffer {
+            entries: VecDeque::new(),
+            capacity: capacity.max(1),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.entries.iter().filter(|e| e.in_flight).count()
+    }
+
+    /// Add a report; returns the reports dropped to make room (or superseded).
+    pub fn push(&mut self, report: Outgoing) -> Vec<Outgoing> {
+        let mut dropped = Vec::new();
+        if report.kind == ReportKind::Hello {
+            let mut i = 0;
+            while i < self.entries.len() {
+                if self.entries[i].report.kind == ReportKind::Hello && !self.entries[i].in_flight {
+                    if let Some(e) = self.entries.remove(i) {
+                        dropped.push(e.report);
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        while self.entries.len() >= self.capacity {
+            let victim = [
+                ReportKind::Heartbeat,
+                ReportKind::Hello,
+                ReportKind::Applied,
+            ]
+            .into_iter()
+            .find_map(|k| {
+                self.entries
+                    .iter()
+                    .position(|e| e.report.kind == k && !e.in_flight)
+            })
+            .unwrap_or(0);
+            match self.entries.remove(victim) {
+                Some(e) => dropped.push(e.report),
+                None => break,
+            }
+        }
+        self.entries.push_back(Entry {
+            report,
+            in_flight: false,
+        });
+        dropped
+    }
+
+    /// The oldest report not yet handed to the broker, now marked in flight.
+    pub fn next_to_send(&mut self) -> Option<Outgoing> {
+        let e = self.entries.iter_mut().find(|e| !e.in_flight)?;
+        e.in_flight = true;
+        Some(e.report.clone())
+    }
+
+    /// The broker confirmed `id`: forget it.
+    pub fn confirmed(&mut self, id: Uuid) -> Option<Outgoing> {
+        let i = self.entries.iter().position(|e| e.report.id == id)?;
+        self.entries.remove(i).map(|e| e.report)
+    }
+
+    /// Publishing `id` failed (nack, returned, channel lost): send it again later.
+    pub fn retry(&mut self, id: Uuid) {
+        if let Some(e) = self.entries.iter_mut().find(|e| e.report.id == id) {
+            e.in_flight = false;
+        }
+    }
+
+    /// The connection is gone: nothing is in flight any more.
+    pub fn reset_in_flight(&mut self) {
+        for e in &mut self.entries {
+            e.in_flight = false;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(kind: ReportKind, seq: u64) -> Outgoing {
+        Outgoing {
+            id: Uuid::now_v7(),
+            kind,
+            seq,
+            payload: Vec::new(),
+        }
+    }
+
+    fn seqs(b: &ReportBuffer) -> Vec<u64> {
+        b.entries.iter().map(|e| e.report.seq).collect()
+    }
+
+    #[test]
+    fn drops_heartbeats_first_then_hellos() {
+        let mut b = ReportBuffer::new(3);
+        b.push(r(ReportKind::Applied, 1));
+        b.push(r(ReportKind::Heartbeat, 2));
+        b.push(r(ReportKind::Heartbeat, 3));
+        let dropped = b.push(r(ReportKind::Applied, 4));
+        assert_eq!(dropped.iter().map(|d| d.seq).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(seqs(&b), vec![1, 3, 4]);
+        b.push(r(ReportKind::Hello, 5));
+        assert_eq!(seqs(&b), vec![1, 4, 5]);
+        // A new hello supersedes the waiting one.
+        b.push(r(ReportKind::Hello, 6));
+        assert_eq!(seqs(&b), vec![1, 4, 6]);
+        // Only applied left: the oldest goes.
+        b.push(r(ReportKind::Applied, 7));
+        b.push(r(ReportKind::Applied, 8));
+        assert_eq!(seqs(&b), vec![4, 7, 8]);
+    }
+
+    #[test]
+    fn in_flight_and_confirm() {
+        let mut b = ReportBuffer::new(10);
+        let a = r(ReportKind::Applied, 1);
+        b.push(a.clone());
+        b.push(r(ReportKind::Heartbeat, 2));
+        assert_eq!(b.next_to_send().map(|o| o.seq), Some(1));
+        assert_eq!(b.next_to_send().map(|o| o.seq), Some(2));
+        assert_eq!(b.next_to_send(), None);
+        b.retry(a.id);
+        assert_eq!(b.next_to_send().map(|o| o.seq), Some(1));
+        assert_eq!(b.confirmed(a.id).map(|o| o.seq), Some(1));
+        assert_eq!(b.len(), 1);
+        b.reset_in_flight();
+        assert_eq!(b.in_flight(), 0);
+    }
+}

@@ -1,0 +1,308 @@
+//! The agent's configuration: a TOML file (every field optional, defaults below)
+//! with command-line flags layered on top.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use mesh_protocol::{Labels, validate_labels};
+use serde::{Deserialize, Deserializer};
+
+/// Why the configuration could not be loaded. Every variant names the file and,
+/// where there is one, the field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid config field `{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+}
+
+impl ConfigError {
+    fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The agent's configuration. Every field has a default; a config file may set any
+/// subset. Unknown fields are refused, so a typo is an error rather than a silently
+/// ignored setting.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Directory of the agent's own state: `credentials.toml` (written at enrolment)
+    /// and `store.json` (what has been applied, the report sequence counter, and
+    /// unconfirmed `applied` reports). Default `/var/lib/mesh-agent`.
+    pub state_dir: PathBuf,
+    /// The directory declared file paths are applied under: a declared `/etc/x`
+    /// lands at `<root>/etc/x`. Nothing is ever written outside it. Default `/`;
+    /// tests point it at a temporary directory.
+    pub root: PathBuf,
+    /// Labels this node gives itself, sent in every hello. Operator labels set on
+    /// the controller override them. Keys 1..=63 of `[a-z0-9._/-]`, values at most
+    /// 255 characters, at most 64 labels. Default: none.
+    pub labels: Labels,
+    /// How often a heartbeat is published (the first one is jittered uniformly
+    /// within one interval so a fleet restarted together does not beat in step).
+    /// Seconds, or a string such as `"10s"` / `"500ms"`. Default 10 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub heartbeat_interval: Duration,
+    /// Most reports kept while they cannot be published (disconnected, or not yet
+    /// confirmed by the broker). When full, the oldest heartbeat is dropped first
+    /// (a newer one supersedes it), then the oldest hello (one is sent on every
+    /// connect anyway); `applied` reports are dropped only if nothing else is left,
+    /// and the next heartbeat still carries the applied generations. Default 10000.
+    pub report_buffer: usize,
+    /// Smallest delay before reconnecting to the broker (and before retrying a
+    /// refused publish or a missing declaration queue). Default 0.5 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub reconnect_min: Duration,
+    /// Largest such delay. The delay doubles per failure up to this cap and each
+    /// actual wait is drawn uniformly from 0..=delay ("full jitter"), so a fleet
+    /// that lost its broker together does not return together. Default 30 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub reconnect_max: Duration,
+    /// Address to serve Prometheus metrics on (`GET /metrics`), e.g.
+    /// `"127.0.0.1:9464"`. Default: none, metrics are not served.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Hostname reported in hello instead of the kernel's. Default: none (read
+    /// `/proc/sys/kernel/hostname`). Meant for tests that run several agents on one
+    /// machine.
+    pub hostname: Option<String>,
+    /// How long graceful shutdown may spend publishing buffered reports before the
+    /// agent exits anyway. Default 5 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub shutdown_timeout: Duration,
+    /// Declarations handed to the agent at once by the broker (AMQP prefetch). The
+    /// agent applies one at a time; a small window only hides round trips.
+    /// Default 4.
+    pub prefetch: u16,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            state_dir: PathBuf::from("/var/lib/mesh-agent"),
+            root: PathBuf::from("/"),
+            labels: BTreeMap::new(),
+            heartbeat_interval: Duration::from_secs(10),
+            report_buffer: 10_000,
+            reconnect_min: Duration::from_millis(500),
+            reconnect_max: Duration::from_secs(30),
+            metrics_listen: None,
+            hostname: None,
+            shutdown_timeout: Duration::from_secs(5),
+            prefetch: 4,
+        }
+    }
+}
+
+impl Config {
+    /// Parse a config file's text; `path` is only used in error messages.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        Ok(config)
+    }
+
+    /// Read and parse a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
+            path: path.to_owned(),
+            error,
+        })?;
+        Config::parse(&text, path)
+    }
+
+    /// Check the values that types alone cannot: called by [`crate::run`].
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        validate_labels("labels", &self.labels).map_err(|e| match e {
+            mesh_protocol::DecodeError::Invalid { field, reason } => {
+                ConfigError::invalid(field, reason)
+            }
+            other => ConfigError::invalid("labels", other.to_string()),
+        })?;
+        if self.heartbeat_interval < Duration::from_millis(10) {
+            return Err(ConfigError::invalid(
+                "heartbeat_interval",
+                "must be at least 10ms",
+            ));
+        }
+        if self.report_buffer == 0 {
+            return Err(ConfigError::invalid("report_buffer", "must be at least 1"));
+        }
+        if self.reconnect_min.is_zero() {
+            return Err(ConfigError::invalid(
+                "reconnect_min",
+                "must be greater than zero",
+            ));
+        }
+        if self.reconnect_max < self.reconnect_min {
+            return Err(ConfigError::invalid(
+                "reconnect_max",
+                "must not be smaller than reconnect_min",
+            ));
+        }
+        if self.prefetch == 0 {
+            return Err(ConfigError::invalid("prefetch", "must be at least 1"));
+        }
+        if let Some(h) = &self.hostname
+            && (h.is_empty() || h.len() > 255 || h.chars().any(char::is_control))
+        {
+            return Err(ConfigError::invalid(
+                "hostname",
+                "must be 1 to 255 characters without control characters",
+            ));
+        }
+        if !self.root.is_absolute() {
+            return Err(ConfigError::invalid("root", "must be an absolute path"));
+        }
+        if !self.state_dir.is_absolute() {
+            return Err(ConfigError::invalid(
+                "state_dir",
+                "must be an absolute path",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A duration in a config file: a number of seconds (integer or float) or a string
+/// with a unit (`ms`, `s`, `m`, `h`).
+fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Int(u64),
+        Float(f64),
+        Str(String),
+    }
+    match Raw::deserialize(d)? {
+        Raw::Int(s) => Ok(Duration::from_secs(s)),
+        Raw::Float(f) => Duration::try_from_secs_f64(f).map_err(serde::de::Error::custom),
+        Raw::Str(s) => parse_duration(&s).map_err(serde::de::Error::custom),
+    }
+}
+
+/// Parse `"10"`, `"1.5"`, `"500ms"`, `"10s"`, `"2m"`, `"1h"`.
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
+    let s = s.trim();
+    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = s.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (s, 1.0)
+    };
+    let value: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| DurationError(s.to_owned()))?;
+    Duration::try_from_secs_f64(value * scale).map_err(|_| DurationError(s.to_owned()))
+}
+
+/// A duration that could not be parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DurationError(String);
+
+impl fmt::Display for DurationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "`{}` is not a duration (use seconds, or a number with ms, s, m or h)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for DurationError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, Path::new("agent.toml")).and_then(|c| c.validate().map(|()| c))
+    }
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        assert_eq!(parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn fields_parse() {
+        let c = parse(
+            r#"
+            state_dir = "/tmp/s"
+            root = "/tmp/r"
+            heartbeat_interval = "500ms"
+            reconnect_min = 1
+            reconnect_max = 2.5
+            report_buffer = 7
+            metrics_listen = "127.0.0.1:9464"
+            hostname = "h1"
+            [labels]
+            role = "web"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.heartbeat_interval, Duration::from_millis(500));
+        assert_eq!(c.reconnect_min, Duration::from_secs(1));
+        assert_eq!(c.reconnect_max, Duration::from_millis(2500));
+        assert_eq!(c.report_buffer, 7);
+        assert_eq!(c.labels.get("role").map(String::as_str), Some("web"));
+        assert_eq!(c.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        for (text, field) in [
+            ("heartbeat_intervall = 3", "heartbeat_intervall"),
+            ("heartbeat_interval = \"soon\"", "heartbeat_interval"),
+            ("report_buffer = -1", "report_buffer"),
+            ("report_buffer = 0", "report_buffer"),
+            ("metrics_listen = \"nowhere\"", "metrics_listen"),
+            ("[labels]\n\"Bad Key\" = \"x\"", "labels.Bad Key"),
+            ("reconnect_min = 5\nreconnect_max = 1", "reconnect_max"),
+            ("root = \"relative\"", "root"),
+        ] {
+            let err = parse(text).unwrap_err().to_string();
+            assert!(
+                err.contains(field),
+                "{text:?}: error `{err}` does not name `{field}`"
+            );
+        }
+    }
+
+    #[test]
+    fn example_file_states_the_defaults() {
+        let text = include_str!("../agent.example.toml");
+        assert_eq!(parse(text).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10").unwrap(), Duration::from_secs(10));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("x").is_err());
+        assert!(parse_duration("-1").is_err());
+    }
+}

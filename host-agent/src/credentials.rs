@@ -1,0 +1,205 @@
+//! `<state_dir>/credentials.toml`: who this node is and how it reaches the broker.
+//! Written at enrolment (by the bundle today), mode 0600; read once at start.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use lapin::uri::AMQPUri;
+use mesh_protocol::NodeId;
+use serde::Deserialize;
+
+/// The file name inside the state directory.
+pub const CREDENTIALS_FILE: &str = "credentials.toml";
+
+/// A value that must never reach a log: `Debug` and `Display` print `[redacted]`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret<T>(T);
+
+impl<T> Secret<T> {
+    pub fn new(value: T) -> Self {
+        Secret(value)
+    }
+
+    /// The secret itself: call only where it is handed to the broker client.
+    pub fn expose(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> fmt::Debug for Secret<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl<T> fmt::Display for Secret<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+/// Why the credentials could not be used. Names the file and the field.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    #[error("cannot read credentials file {path}: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("credentials file {path}: {message}")]
+    Malformed { path: PathBuf, message: String },
+    #[error("credentials file {path}: field `{field}`: {reason}")]
+    Invalid {
+        path: PathBuf,
+        field: &'static str,
+        reason: String,
+    },
+}
+
+/// The node's identity and broker URL.
+#[derive(Debug, Clone)]
+pub struct Credentials {
+    /// This node's id, which is also its broker user.
+    pub node: NodeId,
+    /// `amqp://<node>:<password>@host:port/<vhost>`; the password makes the whole
+    /// URL a secret. Log [`Credentials::redacted_url`] instead.
+    pub broker_url: Secret<String>,
+}
+
+#[derive(Deserialize)]
+struct RawCredentials {
+    node: Option<String>,
+    broker_url: Option<String>,
+}
+
+impl Credentials {
+    /// Read `<state_dir>/credentials.toml`.
+    pub fn load(state_dir: &Path) -> Result<Credentials, CredentialsError> {
+        let path = state_dir.join(CREDENTIALS_FILE);
+        let text = std::fs::read_to_string(&path).map_err(|error| CredentialsError::Read {
+            path: path.clone(),
+            error,
+        })?;
+        Credentials::parse(&text, &path)
+    }
+
+    /// Parse the file's text; `path` is only used in error messages. Errors never
+    /// contain the password: the URL is not echoed back.
+    pub fn parse(text: &str, path: &Path) -> Result<Credentials, CredentialsError> {
+        let raw: RawCredentials =
+            toml::from_str(text).map_err(|e| CredentialsError::Malformed {
+                path: path.to_owned(),
+                // toml's message quotes the offending line, which may hold the password.
+                message: e.message().to_owned(),
+            })?;
+        let invalid = |field, reason: String| CredentialsError::Invalid {
+            path: path.to_owned(),
+            field,
+            reason,
+        };
+        let node = raw.node.ok_or_else(|| invalid("node", "missing".into()))?;
+        let node = NodeId::parse(&node).map_err(|e| invalid("node", e.to_string()))?;
+        let url = raw
+            .broker_url
+            .ok_or_else(|| invalid("broker_url", "missing".into()))?;
+        let uri: AMQPUri = url
+            .parse()
+            .map_err(|_| invalid("broker_url", "not an amqp:// or amqps:// URL".into()))?;
+        if uri.authority.userinfo.username != node.as_str() {
+            return Err(invalid(
+                "broker_url",
+                format!(
+                    "its user must be the node id `{node}` (the broker checks the user_id of every report against it)"
+                ),
+            ));
+        }
+        Ok(Credentials {
+            node,
+            broker_url: Secret::new(url),
+        })
+    }
+
+    /// The broker URL with the password replaced by `***`, for logs.
+    pub fn redacted_url(&self) -> String {
+        redact_url(self.broker_url.expose())
+    }
+}
+
+/// Replace the password of a `scheme://user:password@host/...` URL with `***`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "[unparseable url]".to_owned();
+    };
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            format!("{scheme}://{user}:***@{host}{tail}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Credentials, CredentialsError> {
+        Credentials::parse(text, Path::new("/s/credentials.toml"))
+    }
+
+    #[test]
+    fn good_file() {
+        let c =
+            parse("node = \"node-a\"\nbroker_url = \"amqp://node-a:s3cret@127.0.0.1:5672/mesh\"\n")
+                .unwrap();
+        assert_eq!(c.node.as_str(), "node-a");
+        assert_eq!(c.redacted_url(), "amqp://node-a:***@127.0.0.1:5672/mesh");
+        let debug = format!("{c:?}");
+        assert!(!debug.contains("s3cret"), "{debug}");
+        assert!(debug.contains("[redacted]"));
+    }
+
+    #[test]
+    fn errors_name_file_and_field() {
+        for (text, field) in [
+            ("broker_url = \"amqp://a:b@h/v\"", "`node`"),
+            ("node = \"node-a\"", "`broker_url`"),
+            (
+                "node = \"Node_A\"\nbroker_url = \"amqp://a:b@h/v\"",
+                "`node`",
+            ),
+            (
+                "node = \"node-a\"\nbroker_url = \"http://x\"",
+                "`broker_url`",
+            ),
+            (
+                "node = \"node-a\"\nbroker_url = \"amqp://node-b:pw@h/v\"",
+                "`broker_url`",
+            ),
+            ("node = ", "credentials.toml"),
+        ] {
+            let err = parse(text).unwrap_err().to_string();
+            assert!(err.contains(field), "{text:?}: `{err}` lacks {field}");
+            assert!(err.contains("/s/credentials.toml"), "{err}");
+            assert!(!err.contains("pw@"), "{err}");
+        }
+    }
+
+    #[test]
+    fn malformed_file_does_not_echo_password() {
+        let err = parse("node = \"node-a\"\nbroker_url = \"amqp://node-a:hunter2@h/v\" junk")
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn redaction() {
+        assert_eq!(redact_url("amqp://u:p@h:1/v?x=1"), "amqp://u:***@h:1/v?x=1");
+        assert_eq!(redact_url("amqp://h:1/v"), "amqp://h:1/v");
+        assert_eq!(redact_url("amqp://u@h"), "amqp://u:***@h");
+        assert_eq!(redact_url("junk"), "[unparseable url]");
+    }
+}

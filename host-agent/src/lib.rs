@@ -1,0 +1,125 @@
+//! The mesh host agent: runs on every node, states what the node is and has
+//! applied, and applies what the controller declares for it.
+//!
+//! What it does:
+//! - publishes reports to the `reports` exchange: a `hello` with the host's facts
+//!   on every connect, a `heartbeat` on an interval, an `applied` after every
+//!   declaration; each carries `user_id` = the node's broker user and counts as
+//!   sent only once the broker confirmed it (reports wait in a bounded buffer,
+//!   across disconnects, until then);
+//! - consumes its own queue `decl.<node>` and applies each declaration — a whole
+//!   section at a generation — idempotently: validated first, files written
+//!   atomically under its root, files the section no longer declares removed,
+//!   stale generations ignored, the result kept in a local store;
+//! - keeps running when the broker or the controller is away, reconnecting with
+//!   capped, jittered backoff.
+//!
+//! What it never does:
+//! - **It never touches a database.** It holds no database credential and this
+//!   crate depends on no database driver (sqlx, tokio-postgres, refinery).
+//! - **It never asks.** It states (reports) and is told (declarations); there is
+//!   no request/response, no query of controller state.
+//! - It never declares broker topology (exchanges, queues, bindings): the
+//!   controller does; the agent's broker user may not.
+//! - It never writes outside its root, nor into its own state directory.
+//! - It never logs its broker password.
+//!
+//! Entry point: [`run`]. The `mesh-agent` binary is a thin wrapper around it.
+
+mod agent;
+pub mod apply;
+pub mod buffer;
+pub mod config;
+pub mod credentials;
+pub mod facts;
+pub mod metrics;
+pub mod store;
+
+use std::future::Future;
+
+pub use agent::Backoff;
+pub use config::{Config, ConfigError};
+pub use credentials::{Credentials, CredentialsError, Secret};
+pub use store::{Store, StoreError};
+
+use tracing::{error, info};
+
+/// Why the agent could not start. Once running it does not fail: it reconnects.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Credentials(#[from] CredentialsError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("root {path}: {error}")]
+    Root {
+        path: std::path::PathBuf,
+        error: std::io::Error,
+    },
+    #[error("cannot serve metrics on {addr}: {error}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        error: std::io::Error,
+    },
+}
+
+/// Run the agent until `shutdown` resolves, then stop consuming, publish what
+/// can be published within `config.shutdown_timeout`, and return.
+///
+/// Fails only at start: invalid config, missing or malformed credentials, an
+/// unreadable store, a missing root, or a metrics address that cannot be bound.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), AgentError> {
+    config.validate()?;
+    let creds = Credentials::load(&config.state_dir)?;
+    let store = Store::open(&config.state_dir)?;
+    let applier = apply::Applier::new(&config.root, std::slice::from_ref(&config.state_dir))
+        .map_err(|error| AgentError::Root {
+            path: config.root.clone(),
+            error,
+        })?;
+    let metrics = metrics::Metrics::new();
+
+    let (stop_metrics, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+    let metrics_task = match config.metrics_listen {
+        Some(addr) => {
+            let listener = metrics::Metrics::bind(addr)
+                .await
+                .map_err(|error| AgentError::Metrics { addr, error })?;
+            info!(addr = %listener.local_addr().unwrap_or(addr), "serving metrics");
+            let m = metrics.clone();
+            Some(tokio::spawn(async move {
+                let stopped = async {
+                    let _ = metrics_stopped.await;
+                };
+                if let Err(e) = m.serve(listener, stopped).await {
+                    error!(error = %e, "metrics server failed");
+                }
+            }))
+        }
+        None => None,
+    };
+
+    info!(
+        node = %creds.node,
+        broker = %creds.redacted_url(),
+        root = %config.root.display(),
+        state_dir = %config.state_dir.display(),
+        version = facts::AGENT_VERSION,
+        "mesh agent starting"
+    );
+    let agent = agent::Agent::new(config, creds, store, applier, metrics);
+    let shutdown = std::pin::pin!(shutdown);
+    agent.run(shutdown).await;
+
+    let _ = stop_metrics.send(());
+    if let Some(t) = metrics_task {
+        let _ = t.await;
+    }
+    info!("mesh agent stopped");
+    Ok(())
+}

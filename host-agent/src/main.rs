@@ -1,0 +1,133 @@
+//! `mesh-agent`: the host agent binary. All behaviour lives in the library.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use mesh_host_agent::{Config, config::parse_duration};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(
+    name = "mesh-agent",
+    version,
+    about = "The mesh host agent: states reports, applies declarations."
+)]
+struct Cli {
+    /// Log format. The level comes from RUST_LOG (default `info`).
+    #[arg(long, value_enum, default_value_t = LogFormat::Pretty, env = "MESH_LOG_FORMAT", global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Pretty,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the agent until SIGTERM or SIGINT.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Config file (TOML). Every field is optional; flags below override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// State directory (credentials.toml, store.json). Default /var/lib/mesh-agent.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Directory declared paths are applied under. Default /.
+    #[arg(long)]
+    root: Option<PathBuf>,
+    /// A label `key=value` (repeatable); added to (and overriding) the config's labels.
+    #[arg(long = "label", value_parser = parse_label)]
+    labels: Vec<(String, String)>,
+    /// Heartbeat interval: seconds, or with a unit (500ms, 10s, 1m). Default 10s.
+    #[arg(long, value_parser = parse_duration)]
+    heartbeat_interval: Option<std::time::Duration>,
+    /// Serve Prometheus metrics on this address (GET /metrics). Default: off.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// Report this hostname instead of the kernel's (tests).
+    #[arg(long)]
+    hostname: Option<String>,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("`{s}` is not key=value"))
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Pretty => builder.init(),
+        LogFormat::Json => builder.json().with_current_span(true).init(),
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM; only SIGINT will stop the agent");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received; shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received; shutting down"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let Command::Run(args) = cli.command;
+
+    let mut config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    if let Some(v) = args.state_dir {
+        config.state_dir = v;
+    }
+    if let Some(v) = args.root {
+        config.root = v;
+    }
+    config.labels.extend(args.labels);
+    if let Some(v) = args.heartbeat_interval {
+        config.heartbeat_interval = v;
+    }
+    if let Some(v) = args.metrics_listen {
+        config.metrics_listen = Some(v);
+    }
+    if let Some(v) = args.hostname {
+        config.hostname = Some(v);
+    }
+
+    // A second signal during the graceful shutdown forces the exit.
+    let shutdown = async {
+        shutdown_signal().await;
+        tokio::spawn(async {
+            shutdown_signal().await;
+            tracing::warn!("second signal: exiting now");
+            std::process::exit(130);
+        });
+    };
+    mesh_host_agent::run(config, shutdown)
+        .await
+        .context("mesh-agent could not start")?;
+    Ok(())
+}

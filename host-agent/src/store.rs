@@ -1,0 +1,382 @@
+//! The agent's local store: one JSON file, `<state_dir>/store.json`, rewritten
+//! atomically (temp file, fsync, rename, fsync of the directory) on every change.
+//!
+//! It holds, per section, what was last applied (generation, digest, the paths
+//! the agent wrote, so files dropped from a later generation get removed) and how
+//! the last attempt went; the upper bound of report sequence numbers handed out;
+//! and `applied` reports not yet confirmed by the broker, so a declaration can be
+//! acknowledged as soon as its report is here and a restart loses none of them.
+//!
+//! The format is versioned: a store with a `version` this agent does not know is
+//! refused, never guessed at.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use chrono::{DateTime, Utc};
+use mesh_protocol::{AppliedGenerations, Outcome, Section};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The file name inside the state directory.
+pub const STORE_FILE: &str = "store.json";
+
+/// The store format this agent reads and writes.
+pub const STORE_VERSION: u32 = 1;
+
+/// Sequence numbers are reserved in blocks so that the store is not rewritten for
+/// every heartbeat; a restart skips the rest of the block (seq stays monotonic,
+/// with gaps).
+pub const SEQ_BLOCK: u64 = 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store {path}: {error}")]
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("store {path} is not valid: {message}")]
+    Malformed { path: PathBuf, message: String },
+    #[error(
+        "store {path} has format version {found}; this agent knows only version {STORE_VERSION}"
+    )]
+    UnknownVersion { path: PathBuf, found: u64 },
+}
+
+/// What the agent knows about one section.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SectionState {
+    /// Newest generation applied completely (0: none yet).
+    pub generation: u64,
+    /// Digest ([`mesh_protocol::digest_items`]) of that generation's items.
+    pub digest: String,
+    /// Declared paths of files the agent has written for this section and not
+    /// removed since. After a complete apply this is exactly that generation's
+    /// files; after a failed one it also keeps the older ones.
+    pub paths: BTreeSet<String>,
+    /// The generation last attempted, whatever came of it.
+    pub last_generation: u64,
+    /// How the last attempt went (`None` before the first).
+    pub last_outcome: Option<Outcome>,
+    /// What went wrong in the last attempt, if anything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    pub updated_at: Option<DateTime<Utc>>,
+}
+
+/// A report that was built but not yet confirmed by the broker. Only `applied`
+/// reports are persisted: hellos and heartbeats are rebuilt from current state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PendingReport {
+    pub id: Uuid,
+    /// Report kind (`applied`).
+    pub kind: String,
+    pub seq: u64,
+    /// The encoded envelope, exactly as it will be published.
+    pub payload: String,
+}
+
+/// The on-disk document.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreData {
+    /// Format version, [`STORE_VERSION`].
+    pub version: u32,
+    /// Every sequence number handed out so far is at most this.
+    pub seq_reserved: u64,
+    pub sections: BTreeMap<Section, SectionState>,
+    #[serde(default)]
+    pub pending_reports: Vec<PendingReport>,
+}
+
+impl Default for StoreData {
+    fn default() -> Self {
+        StoreData {
+            version: STORE_VERSION,
+            seq_reserved: 0,
+            sections: BTreeMap::new(),
+            pending_reports: Vec::new(),
+        }
+    }
+}
+
+/// The store, loaded, with the path it is saved to.
+#[derive(Debug)]
+pub struct Store {
+    path: PathBuf,
+    data: StoreData,
+    next_seq: u64,
+}
+
+impl Store {
+    /// Load `<state_dir>/store.json`, or start empty if there is none. Creates the
+    /// state directory if it is missing.
+    pub fn open(state_dir: &Path) -> Result<Store, StoreError> {
+        let path = state_dir.join(STORE_FILE);
+        let io = |error| StoreError::Io {
+            path: path.clone(),
+            error,
+        };
+        std::fs::create_dir_all(state_dir).map_err(io)?;
+        let data = match std::fs::read(&path) {
+            Ok(bytes) => parse(&bytes, &path)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => StoreData::default(),
+            Err(e) => return Err(io(e)),
+        };
+        let next_seq = data.seq_reserved + 1;
+        Ok(Store {
+            path,
+            data,
+            next_seq,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn data(&self) -> &StoreData {
+        &self.data
+    }
+
+    pub fn section(&self, section: Section) -> SectionState {
+        self.data
+            .sections
+            .get(&section)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Newest completely applied generation per section (sections never applied
+    /// are absent).
+    pub fn applied_generations(&self) -> AppliedGenerations {
+        self.data
+            .sections
+            .iter()
+            .filter(|(_, s)| s.generation > 0)
+            .map(|(k, s)| (*k, s.generation))
+            .collect()
+    }
+
+    /// The next report sequence number; reserves (and saves) a new block when the
+    /// current one is used up. If that save fails the number is still handed out
+    /// (monotonic within this process) and the failure logged: a report is worth
+    /// more than a gap-free sequence across a crash.
+    pub fn next_seq(&mut self) -> u64 {
+        if self.next_seq > self.data.seq_reserved {
+            self.data.seq_reserved = self.next_seq + SEQ_BLOCK - 1;
+            if let Err(e) = self.save() {
+                tracing::error!(error = %e, "cannot save the sequence reservation");
+            }
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        seq
+    }
+
+    /// Record a section's new state and, in the same write, a report to keep
+    /// until it is confirmed.
+    pub fn record(
+        &mut self,
+        section: Section,
+        state: SectionState,
+        report: Option<PendingReport>,
+        max_pending: usize,
+    ) -> Result<(), StoreError> {
+        self.data.sections.insert(section, state);
+        if let Some(r) = report {
+            self.data.pending_reports.push(r);
+            let excess = self.data.pending_reports.len().saturating_sub(max_pending);
+            self.data.pending_reports.drain(..excess);
+        }
+        self.save()
+    }
+
+    /// Keep a report until it is confirmed.
+    pub fn add_pending(
+        &mut self,
+        report: PendingReport,
+        max_pending: usize,
+    ) -> Result<(), StoreError> {
+        self.data.pending_reports.push(report);
+        let excess = self.data.pending_reports.len().saturating_sub(max_pending);
+        self.data.pending_reports.drain(..excess);
+        self.save()
+    }
+
+    /// Forget reports that were confirmed or dropped. Saves only if one was kept.
+    pub fn remove_pending(&mut self, ids: &[Uuid]) -> Result<(), StoreError> {
+        let before = self.data.pending_reports.len();
+        self.data.pending_reports.retain(|r| !ids.contains(&r.id));
+        if self.data.pending_reports.len() != before {
+            self.save()
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Write the store atomically.
+    pub fn save(&self) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec_pretty(&self.data).map_err(|e| StoreError::Malformed {
+            path: self.path.clone(),
+            message: e.to_string(),
+        })?;
+        write_atomic(&self.path, &bytes, 0o600).map_err(|error| StoreError::Io {
+            path: self.path.clone(),
+            error,
+        })
+    }
+}
+
+fn parse(bytes: &[u8], path: &Path) -> Result<StoreData, StoreError> {
+    let malformed = |e: serde_json::Error| StoreError::Malformed {
+        path: path.to_owned(),
+        message: e.to_string(),
+    };
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(malformed)?;
+    let version = value.get("version").and_then(serde_json::Value::as_u64);
+    match version {
+        Some(v) if v == u64::from(STORE_VERSION) => {
+            serde_json::from_value(value).map_err(malformed)
+        }
+        Some(found) => Err(StoreError::UnknownVersion {
+            path: path.to_owned(),
+            found,
+        }),
+        None => Err(StoreError::Malformed {
+            path: path.to_owned(),
+            message: "no numeric `version` field".into(),
+        }),
+    }
+}
+
+/// Write `bytes` to `path` atomically: a temp file in the same directory, written,
+/// fsynced, given `mode`, renamed over `path`, then the directory fsynced. Readers
+/// see the old content or the new, never a mix; a crash leaves at most a stray
+/// temp file (named `.<name>.mesh-tmp-<random>`), never a torn file.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let dir = path
+        .parent()
+        .ok_or_else(|| std::io::Error::other("path has no parent directory"))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::other("path has no file name"))?;
+    let tmp = dir.join(format!(
+        ".{}.mesh-tmp-{:016x}",
+        name.to_string_lossy(),
+        rand::random::<u64>()
+    ));
+    let result = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        // Set the mode explicitly: the open mode is filtered by the umask.
+        f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)?;
+        std::fs::File::open(dir)?.sync_all()
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.next_seq(), 1);
+        assert_eq!(s.next_seq(), 2);
+        let state = SectionState {
+            generation: 3,
+            digest: "abc".into(),
+            paths: ["/etc/a".to_owned()].into(),
+            last_generation: 3,
+            last_outcome: Some(Outcome::Applied),
+            last_error: None,
+            updated_at: Some(Utc::now()),
+        };
+        let report = PendingReport {
+            id: Uuid::now_v7(),
+            kind: "applied".into(),
+            seq: 2,
+            payload: "{}".into(),
+        };
+        s.record(Section::Config, state.clone(), Some(report.clone()), 10)
+            .unwrap();
+        drop(s);
+
+        let mut s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.section(Section::Config), state);
+        assert_eq!(s.data().pending_reports, vec![report.clone()]);
+        assert_eq!(s.applied_generations().get(&Section::Config), Some(&3));
+        // Sequence numbers stay monotonic across a restart.
+        assert!(s.next_seq() > 2);
+        s.remove_pending(&[report.id]).unwrap();
+        drop(s);
+        assert!(
+            Store::open(dir.path())
+                .unwrap()
+                .data()
+                .pending_reports
+                .is_empty()
+        );
+        // Nothing but the store itself is left in the directory.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from(STORE_FILE)]);
+    }
+
+    #[test]
+    fn pending_is_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Store::open(dir.path()).unwrap();
+        for seq in 0..5 {
+            let r = PendingReport {
+                id: Uuid::now_v7(),
+                kind: "applied".into(),
+                seq,
+                payload: "{}".into(),
+            };
+            s.add_pending(r, 3).unwrap();
+        }
+        let seqs: Vec<u64> = s.data().pending_reports.iter().map(|r| r.seq).collect();
+        assert_eq!(seqs, vec![2, 3, 4]);
+    }
+
+    #[test]
+    fn unknown_version_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(STORE_FILE),
+            r#"{"version": 99, "whatever": true}"#,
+        )
+        .unwrap();
+        let err = Store::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, StoreError::UnknownVersion { found: 99, .. }),
+            "{err}"
+        );
+        std::fs::write(dir.path().join(STORE_FILE), "not json").unwrap();
+        assert!(matches!(
+            Store::open(dir.path()).unwrap_err(),
+            StoreError::Malformed { .. }
+        ));
+    }
+}

@@ -1,0 +1,607 @@
+//! The agent against the real broker, in-process: it says hello with its broker
+//! identity, waits for its declaration queue, applies declarations to disk and
+//! reports them, serves metrics, and shuts down gracefully.
+//!
+//! The controller is not here: the test declares the topology itself, as the
+//! environment's admin user (full permissions on the test vhost).
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
+use mesh_bundle::testkit::TestEnv;
+use mesh_host_agent::{Config, Store};
+use mesh_protocol::topology::{
+    DECLARATION_QUEUE_MAX_LEN, DECLARATIONS_EXCHANGE, REPORTS_EXCHANGE, declaration_queue,
+};
+use mesh_protocol::{
+    Declaration, DeclarationItems, Envelope, FileItem, FileMode, MAX_REPORT_BYTES, NodeId, Outcome,
+    Report, Section,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::{Instant, timeout};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+struct Received {
+    user_id: Option<String>,
+    kind: Option<String>,
+    message_id: Option<String>,
+    content_type: Option<String>,
+    delivery_mode: Option<u8>,
+    envelope: Envelope<Report>,
+}
+
+/// The next report matching `pred`, within the deadline.
+async fn wait_report(
+    consumer: &mut Consumer,
+    what: &str,
+    pred: impl Fn(&Received) -> bool,
+) -> anyhow::Result<Received> {
+    let until = Instant::now() + DEADLINE;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let d = match timeout(left, consumer.next()).await {
+            Ok(Some(d)) => d?,
+            Ok(None) => bail!("report consumer ended while waiting for {what}"),
+            Err(_) => bail!("no {what} within {DEADLINE:?}"),
+        };
+        let p = &d.properties;
+        let r = Received {
+            user_id: p.user_id().as_ref().map(|s| s.to_string()),
+            kind: p.kind().as_ref().map(|s| s.to_string()),
+            message_id: p.message_id().as_ref().map(|s| s.to_string()),
+            content_type: p.content_type().as_ref().map(|s| s.to_string()),
+            delivery_mode: *p.delivery_mode(),
+            envelope: Envelope::<Report>::decode(&d.data, MAX_REPORT_BYTES)
+                .context("report decodes")?,
+        };
+        if pred(&r) {
+            return Ok(r);
+        }
+    }
+}
+
+fn file(path: &str, content: &str, mode: u32) -> FileItem {
+    FileItem {
+        path: path.into(),
+        content: content.into(),
+        mode: FileMode::new(mode).unwrap(),
+    }
+}
+
+async fn declare(
+    ch: &Channel,
+    node: &NodeId,
+    generation: u64,
+    files: Vec<FileItem>,
+) -> anyhow::Result<()> {
+    let decl = Declaration {
+        section: Section::Config,
+        generation,
+        items: DeclarationItems { files },
+    };
+    publish_raw(
+        ch,
+        node,
+        &Envelope::new(node.clone(), generation, decl).encode(),
+    )
+    .await
+}
+
+async fn publish_raw(ch: &Channel, node: &NodeId, bytes: &[u8]) -> anyhow::Result<()> {
+    let confirm = ch
+        .basic_publish(
+            DECLARATIONS_EXCHANGE.into(),
+            node.as_str().into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            bytes,
+            BasicProperties::default()
+                .with_message_id(uuid::Uuid::now_v7().to_string().into())
+                .with_type("declaration".into())
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2),
+        )
+        .await?
+        .await?;
+    anyhow::ensure!(
+        matches!(confirm, lapin::Confirmation::Ack(None)),
+        "declaration not routed: {confirm:?}"
+    );
+    Ok(())
+}
+
+fn applied(r: &Received) -> Option<&mesh_protocol::Applied> {
+    match &r.envelope.body {
+        Report::Applied(a) => Some(a),
+        _ => None,
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn scrape(port: u16) -> anyhow::Result<String> {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    Ok(out)
+}
+
+fn mode_of(p: &Path) -> u32 {
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+/// The controller's part: the exchanges, and a queue watching every report.
+async fn controller_side(env: &TestEnv) -> anyhow::Result<(Connection, Channel, Consumer)> {
+    let admin = Connection::connect(&env.admin_amqp_url(), ConnectionProperties::default()).await?;
+    let ch = admin.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.exchange_declare(
+        REPORTS_EXCHANGE.into(),
+        ExchangeKind::Topic,
+        durable,
+        FieldTable::default(),
+    )
+    .await?;
+    ch.exchange_declare(
+        DECLARATIONS_EXCHANGE.into(),
+        ExchangeKind::Direct,
+        durable,
+        FieldTable::default(),
+    )
+    .await?;
+    let watch = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    ch.queue_bind(
+        watch.name().clone(),
+        REPORTS_EXCHANGE.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    let reports = ch
+        .basic_consume(
+            watch.name().clone(),
+            "watch".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((admin, ch, reports))
+}
+
+/// Declare `decl.<node>` as the controller does, bound to `declarations`.
+async fn declaration_queue_for(ch: &Channel, node: &NodeId) -> anyhow::Result<()> {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-max-length".into(),
+        AMQPValue::LongLongInt(DECLARATION_QUEUE_MAX_LEN),
+    );
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("drop-head".into()),
+    );
+    let q = declaration_queue(node);
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await?;
+    ch.queue_bind(
+        q.as_str().into(),
+        DECLARATIONS_EXCHANGE.into(),
+        node.as_str().into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hello_declarations_and_shutdown() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("a").await?;
+    let node = creds.node.clone();
+
+    let (admin, ch, mut reports) = controller_side(&env).await?;
+
+    // The agent, in-process.
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let metrics_port = free_port();
+    let config = Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        labels: [("role".to_owned(), "test".to_owned())].into(),
+        heartbeat_interval: Duration::from_millis(300),
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(400),
+        metrics_listen: Some(([127, 0, 0, 1], metrics_port).into()),
+        hostname: Some("test-host".into()),
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config, async {
+        let _ = stopped.await;
+    }));
+
+    // 1. Hello, with the broker-validated identity and the documented properties.
+    let hello = wait_report(&mut reports, "hello", |r| {
+        r.kind.as_deref() == Some("hello")
+    })
+    .await?;
+    assert_eq!(hello.user_id.as_deref(), Some(node.as_str()));
+    assert_eq!(hello.message_id, Some(hello.envelope.id.to_string()));
+    assert_eq!(hello.content_type.as_deref(), Some("application/json"));
+    assert_eq!(hello.delivery_mode, Some(2));
+    assert_eq!(hello.envelope.node, node);
+    let Report::Hello(h) = &hello.envelope.body else {
+        bail!("not a hello")
+    };
+    assert_eq!(h.hostname, "test-host");
+    assert_eq!(h.labels.get("role").map(String::as_str), Some("test"));
+    assert!(h.applied.is_empty());
+    assert!(h.memory_bytes > 0);
+
+    // 2. The declaration queue appears only now (the agent has been retrying).
+    declaration_queue_for(&ch, &node).await?;
+
+    declare(
+        &ch,
+        &node,
+        1,
+        vec![
+            file("/etc/mesh-test/a.conf", "a=1\n", 0o640),
+            file("/etc/mesh-test/b", "b", 0o600),
+        ],
+    )
+    .await?;
+    let r = wait_report(&mut reports, "applied generation 1", |r| {
+        applied(r).is_some_and(|a| a.generation == Some(1))
+    })
+    .await?;
+    let a = applied(&r).unwrap();
+    assert_eq!(a.outcome, Outcome::Applied, "{a:?}");
+    assert_eq!(a.section, Some(Section::Config));
+    assert_eq!(r.user_id.as_deref(), Some(node.as_str()));
+    assert_eq!(
+        std::fs::read_to_string(root.path().join("etc/mesh-test/a.conf"))?,
+        "a=1\n"
+    );
+    assert_eq!(mode_of(&root.path().join("etc/mesh-test/a.conf")), 0o640);
+    assert_eq!(mode_of(&root.path().join("etc/mesh-test/b")), 0o600);
+
+    // 3. Generation 2 drops b.
+    declare(
+        &ch,
+        &node,
+        2,
+        vec![file("/etc/mesh-test/a.conf", "a=2\n", 0o644)],
+    )
+    .await?;
+    let r = wait_report(&mut reports, "applied generation 2", |r| {
+        applied(r).is_some_and(|a| a.generation == Some(2))
+    })
+    .await?;
+    assert_eq!(applied(&r).unwrap().outcome, Outcome::Applied);
+    assert_eq!(
+        std::fs::read_to_string(root.path().join("etc/mesh-test/a.conf"))?,
+        "a=2\n"
+    );
+    assert!(!root.path().join("etc/mesh-test/b").exists());
+
+    // 4. Garbage is rejected, acked, and changes nothing.
+    publish_raw(&ch, &node, b"{not json").await?;
+    let r = wait_report(&mut reports, "rejected", |r| {
+        applied(r).is_some_and(|a| a.outcome == Outcome::Rejected)
+    })
+    .await?;
+    assert!(
+        applied(&r)
+            .unwrap()
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .contains("malformed"),
+        "{:?}",
+        applied(&r)
+    );
+
+    // 5. A stale generation restates generation 2, touching nothing.
+    declare(
+        &ch,
+        &node,
+        1,
+        vec![file("/etc/mesh-test/stale", "x", 0o644)],
+    )
+    .await?;
+    let r = wait_report(&mut reports, "restated generation 2", |r| {
+        applied(r).is_some_and(|a| a.generation == Some(2) && a.items.is_empty())
+    })
+    .await?;
+    assert_eq!(applied(&r).unwrap().outcome, Outcome::Applied);
+    assert!(!root.path().join("etc/mesh-test/stale").exists());
+
+    // 6. Heartbeats carry the applied generation.
+    let r = wait_report(&mut reports, "heartbeat with config 2", |r| {
+        matches!(&r.envelope.body, Report::Heartbeat(h) if h.applied.get(&Section::Config) == Some(&2))
+    })
+    .await?;
+    assert_eq!(r.user_id.as_deref(), Some(node.as_str()));
+
+    // 7. Metrics.
+    let text = scrape(metrics_port).await?;
+    assert!(
+        text.contains("mesh_agent_reports_published_total{kind=\"hello\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("mesh_agent_declarations_applied_total{outcome=\"applied\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("mesh_agent_declarations_applied_total{outcome=\"rejected\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("mesh_agent_declarations_applied_total{outcome=\"stale\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("mesh_agent_reconnects_total 0"), "{text}");
+
+    // 8. Graceful shutdown, then the store says what was applied.
+    let _ = stop.send(());
+    timeout(Duration::from_secs(15), agent)
+        .await
+        .context("agent did not stop")???;
+    let store = Store::open(state.path())?;
+    let s = store.section(Section::Config);
+    assert_eq!(s.generation, 2);
+    assert_eq!(s.paths, ["/etc/mesh-test/a.conf".to_owned()].into());
+    assert!(
+        store.data().pending_reports.is_empty(),
+        "{:?}",
+        store.data().pending_reports
+    );
+
+    // 9. A restarted agent says hello with what it has applied.
+    let config = Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        hostname: Some("test-host".into()),
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config, async {
+        let _ = stopped.await;
+    }));
+    let r = wait_report(&mut reports, "hello after restart", |r| {
+        r.kind.as_deref() == Some("hello")
+    })
+    .await?;
+    let Report::Hello(h) = &r.envelope.body else {
+        bail!("not a hello")
+    };
+    assert_eq!(h.applied.get(&Section::Config), Some(&2));
+    assert!(r.envelope.seq > hello.envelope.seq);
+    let _ = stop.send(());
+    timeout(Duration::from_secs(15), agent)
+        .await
+        .context("agent did not stop")???;
+
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}
+
+/// Closes every broker connection of `user` through the management API, as a
+/// broker restart or a network cut would.
+async fn kill_connections(env: &TestEnv, user: &str) -> anyhow::Result<usize> {
+    let a = env.admin_credentials();
+    let http = reqwest::Client::new();
+    let conns: Vec<serde_json::Value> = http
+        .get(format!(
+            "{}/api/connections",
+            a.rabbitmq_api.trim_end_matches('/')
+        ))
+        .basic_auth(&a.rabbitmq_user, Some(&a.rabbitmq_password))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let mut n = 0;
+    for c in conns.iter().filter(|c| c["user"] == user) {
+        let name = c["name"].as_str().unwrap_or_default();
+        http.delete(format!(
+            "{}/api/connections/{}",
+            a.rabbitmq_api.trim_end_matches('/'),
+            urlencoding::encode(name)
+        ))
+        .basic_auth(&a.rabbitmq_user, Some(&a.rabbitmq_password))
+        .send()
+        .await?
+        .error_for_status()?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnects_after_losing_the_broker() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("r").await?;
+    let node = creds.node.clone();
+    let (admin, ch, mut reports) = controller_side(&env).await?;
+    declaration_queue_for(&ch, &node).await?;
+
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let metrics_port = free_port();
+    let config = Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        heartbeat_interval: Duration::from_millis(200),
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(300),
+        metrics_listen: Some(([127, 0, 0, 1], metrics_port).into()),
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config, async {
+        let _ = stopped.await;
+    }));
+    let first = wait_report(&mut reports, "hello", |r| {
+        r.kind.as_deref() == Some("hello")
+    })
+    .await?;
+
+    // The management API lists a connection a moment after it opened.
+    let until = Instant::now() + DEADLINE;
+    while kill_connections(&env, node.as_str()).await? == 0 {
+        anyhow::ensure!(
+            Instant::now() < until,
+            "the agent's connection never showed up"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // A new hello on the new connection, and declarations flow again.
+    let second = wait_report(&mut reports, "hello after reconnect", |r| {
+        r.kind.as_deref() == Some("hello")
+    })
+    .await?;
+    assert!(second.envelope.seq > first.envelope.seq);
+    declare(
+        &ch,
+        &node,
+        1,
+        vec![file("/etc/after-reconnect", "ok", 0o644)],
+    )
+    .await?;
+    wait_report(&mut reports, "applied after reconnect", |r| {
+        applied(r).is_some_and(|a| a.generation == Some(1) && a.outcome == Outcome::Applied)
+    })
+    .await?;
+    assert_eq!(
+        std::fs::read_to_string(root.path().join("etc/after-reconnect"))?,
+        "ok"
+    );
+    let text = scrape(metrics_port).await?;
+    assert!(text.contains("mesh_agent_reconnects_total 1"), "{text}");
+
+    let _ = stop.send(());
+    timeout(Duration::from_secs(15), agent)
+        .await
+        .context("agent did not stop")???;
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}
+
+/// The real binary: flags over a config file, a hello with them, and a graceful
+/// exit on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_runs_and_stops_on_sigterm() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("bin").await?;
+    let (admin, _ch, mut reports) = controller_side(&env).await?;
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let config_file = state.path().join("agent.toml");
+    std::fs::write(
+        &config_file,
+        "hostname = \"from-file\"\nheartbeat_interval = \"1h\"\n[labels]\nzone = \"a\"\nrole = \"file\"\n",
+    )?;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mesh-agent"))
+        .args(["--log-format", "json", "run", "--config"])
+        .arg(&config_file)
+        .arg("--state-dir")
+        .arg(state.path())
+        .arg("--root")
+        .arg(root.path())
+        .args([
+            "--label",
+            "role=flag",
+            "--heartbeat-interval",
+            "0.2",
+            "--hostname",
+            "from-flag",
+        ])
+        .kill_on_drop(true)
+        .spawn()?;
+
+    let hello = wait_report(&mut reports, "hello", |r| {
+        r.kind.as_deref() == Some("hello")
+    })
+    .await?;
+    let Report::Hello(h) = &hello.envelope.body else {
+        bail!("not a hello")
+    };
+    assert_eq!(h.hostname, "from-flag");
+    assert_eq!(h.labels.get("zone").map(String::as_str), Some("a"));
+    assert_eq!(h.labels.get("role").map(String::as_str), Some("flag"));
+    // The flag's interval, not the file's hour.
+    wait_report(&mut reports, "heartbeat", |r| {
+        r.kind.as_deref() == Some("heartbeat")
+    })
+    .await?;
+
+    let pid = child.id().context("child has a pid")?;
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()?;
+    anyhow::ensure!(status.success(), "kill failed");
+    let exit = timeout(Duration::from_secs(15), child.wait())
+        .await
+        .context("agent did not exit on SIGTERM")??;
+    assert!(exit.success(), "{exit}");
+
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}
