@@ -52,7 +52,9 @@ enum Command {
         admin_password: String,
     },
     /// Write the admin credentials; provision db `mesh`, roles, schemas, vhost
-    /// `mesh`, user `mesh-controller`; write the controller credentials.
+    /// `mesh`, user `mesh_controller`; write the controller credentials.
+    /// Create a node's broker user and its agent's credentials file.
+    NodeAdd(NodeAdd),
     Up {
         #[command(flatten)]
         endpoints: Endpoints,
@@ -66,6 +68,64 @@ enum Command {
         #[arg(long, env = "MESH_ADMIN_RABBITMQ_PASSWORD", hide_env_values = true)]
         admin_rabbitmq_password: String,
     },
+}
+
+/// Until enrolment (identity) exists: create a node's broker user on vhost `mesh`
+/// with a node's rights and write `<state-dir>/credentials.toml` for its agent.
+/// Idempotent: an existing credentials file's password is kept.
+#[derive(clap::Args)]
+struct NodeAdd {
+    /// The node's id (its broker user): `[a-z0-9-]`, 1 to 63 characters.
+    name: String,
+    /// The agent's state directory.
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// Directory of the credential files (default /etc/mesh).
+    #[arg(long, env = "MESH_ETC")]
+    etc: Option<PathBuf>,
+}
+
+async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
+    use mesh_bundle::provision::{Rabbit, Secret, Steps};
+    let node = mesh_protocol::NodeId::parse(&args.name)?;
+    let etc = args.etc.unwrap_or_else(etc_dir);
+    let admin: AdminCredentials = read_toml(&etc.join(ADMIN_FILE))?.with_context(|| {
+        format!(
+            "{} is missing: run bundle/up first",
+            etc.join(ADMIN_FILE).display()
+        )
+    })?;
+    #[derive(serde::Deserialize)]
+    struct Existing {
+        node: String,
+        broker_url: String,
+    }
+    let path = args.state_dir.join("credentials.toml");
+    let existing: Option<Existing> = read_toml(&path)?;
+    let secret = match existing.as_ref().filter(|e| e.node == node.as_str()) {
+        Some(e) => Secret::known(
+            provision::password_in_url(&e.broker_url)
+                .context("password in the existing broker_url")?,
+        ),
+        None => Secret::generate(),
+    };
+    let vhost = Names::production().vhost;
+    let mut steps = Steps::default();
+    provision::ensure_node_user(&Rabbit::new(&admin), &vhost, &node, &secret, &mut steps).await?;
+    let broker_url = provision::amqp_url(&admin, node.as_str(), &secret.value, &vhost)?;
+    std::fs::create_dir_all(&args.state_dir)?;
+    mesh_bundle::testkit::NodeCredentials {
+        node: node.clone(),
+        broker_url,
+        password: secret.value,
+    }
+    .write_to(&args.state_dir)?;
+    println!(
+        "node {node}: {} change(s); credentials in {}",
+        steps.changed(),
+        path.display()
+    );
+    Ok(())
 }
 
 fn admin_for(
@@ -118,6 +178,13 @@ async fn main() -> ExitCode {
                 }
             }
         }
+        Command::NodeAdd(args) => match node_add(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mesh-bundle node-add failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Up {
             endpoints,
             etc,

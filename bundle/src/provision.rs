@@ -65,13 +65,13 @@ pub struct Names {
 }
 
 impl Names {
-    /// db `mesh`, roles `mesh_<context>`, vhost `mesh`, broker user `mesh-controller`.
+    /// db `mesh`, roles `mesh_<context>`, vhost `mesh`, broker user `mesh_controller` (never a valid node id).
     pub fn production() -> Names {
         Names {
             database: "mesh".into(),
             role_prefix: "mesh".into(),
             vhost: "mesh".into(),
-            controller_user: "mesh-controller".into(),
+            controller_user: "mesh_controller".into(),
         }
     }
 
@@ -896,6 +896,14 @@ pub async fn provision(
         )
         .await?;
     Ok(steps)
+}
+
+/// The password in `scheme://user:password@host/...`, percent-decoded.
+pub fn password_in_url(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let userinfo = rest.rsplit_once('@')?.0;
+    let pw = userinfo.split_once(':')?.1;
+    urlencoding::decode(pw).ok().map(|p| p.into_owned())
 }
 
 /// Node `node`'s broker permissions on `vhost`: publish to `reports` with routing
