@@ -1,42 +1,14 @@
 //! `<state_dir>/credentials.toml`: who this node is and how it reaches the broker.
 //! Written at enrolment (by the bundle today), mode 0600; read once at start.
 
-use std::fmt;
 use std::path::{Path, PathBuf};
 
 use lapin::uri::AMQPUri;
-use mesh_protocol::NodeId;
+pub use mesh_protocol::{NodeId, Secret, redact_url};
 use serde::Deserialize;
 
 /// The file name inside the state directory.
 pub const CREDENTIALS_FILE: &str = "credentials.toml";
-
-/// A value that must never reach a log: `Debug` and `Display` print `[redacted]`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret<T>(T);
-
-impl<T> Secret<T> {
-    pub fn new(value: T) -> Self {
-        Secret(value)
-    }
-
-    /// The secret itself: call only where it is handed to the broker client.
-    pub fn expose(&self) -> &T {
-        &self.0
-    }
-}
-
-impl<T> fmt::Debug for Secret<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
-
-impl<T> fmt::Display for Secret<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
 
 /// Why the credentials could not be used. Names the file and the field.
 #[derive(Debug, thiserror::Error)]
@@ -119,25 +91,9 @@ impl Credentials {
         })
     }
 
-    /// The broker URL with the password replaced by `***`, for logs.
+    /// The broker URL with the password replaced by `[redacted]`, for logs.
     pub fn redacted_url(&self) -> String {
         redact_url(self.broker_url.expose())
-    }
-}
-
-/// Replace the password of a `scheme://user:password@host/...` URL with `***`.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return "[unparseable url]".to_owned();
-    };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            format!("{scheme}://{user}:***@{host}{tail}")
-        }
-        None => url.to_owned(),
     }
 }
 
@@ -155,7 +111,10 @@ mod tests {
             parse("node = \"node-a\"\nbroker_url = \"amqp://node-a:s3cret@127.0.0.1:5672/mesh\"\n")
                 .unwrap();
         assert_eq!(c.node.as_str(), "node-a");
-        assert_eq!(c.redacted_url(), "amqp://node-a:***@127.0.0.1:5672/mesh");
+        assert_eq!(
+            c.redacted_url(),
+            "amqp://node-a:[redacted]@127.0.0.1:5672/mesh"
+        );
         let debug = format!("{c:?}");
         assert!(!debug.contains("s3cret"), "{debug}");
         assert!(debug.contains("[redacted]"));
@@ -197,9 +156,12 @@ mod tests {
 
     #[test]
     fn redaction() {
-        assert_eq!(redact_url("amqp://u:p@h:1/v?x=1"), "amqp://u:***@h:1/v?x=1");
+        assert_eq!(
+            redact_url("amqp://u:p@h:1/v?x=1"),
+            "amqp://u:[redacted]@h:1/v?x=1"
+        );
         assert_eq!(redact_url("amqp://h:1/v"), "amqp://h:1/v");
-        assert_eq!(redact_url("amqp://u@h"), "amqp://u:***@h");
+        assert_eq!(redact_url("amqp://u@h"), "amqp://u:[redacted]@h");
         assert_eq!(redact_url("junk"), "[unparseable url]");
     }
 }

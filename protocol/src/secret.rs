@@ -39,12 +39,14 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Secret<T> {
 /// `scheme://user:password@host/...` → `scheme://user:[redacted]@host/...`, for logs.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return "[redacted]".to_owned();
+        return "[unparseable url]".to_owned();
     };
-    match rest.rsplit_once('@') {
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
         Some((userinfo, host)) => {
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{scheme}://{user}:[redacted]@{host}")
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            format!("{scheme}://{user}:[redacted]@{host}{tail}")
         }
         None => url.to_owned(),
     }
