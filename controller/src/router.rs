@@ -122,6 +122,8 @@ impl Contexts {
                 run(&*self.inventory, batch, false).await?;
                 run(&*self.config, batch, false).await
             }
+            // units: what runs where (inventory owns assignments and units).
+            ReportKind::Units => run(&*self.inventory, batch, true).await,
             // applied: the applied generation (inventory) and the section's status (config).
             ReportKind::Applied => {
                 run(&*self.inventory, batch, true).await?;

@@ -361,7 +361,10 @@ mod tests {
         Declaration {
             section: Section::Config,
             generation,
-            items: DeclarationItems { files },
+            items: DeclarationItems {
+                files,
+                ..Default::default()
+            },
         }
     }
 

@@ -87,7 +87,10 @@ async fn declare(
     let decl = Declaration {
         section: Section::Config,
         generation,
-        items: DeclarationItems { files },
+        items: DeclarationItems {
+            files,
+            ..Default::default()
+        },
     };
     publish_raw(
         ch,

@@ -147,6 +147,10 @@ impl FileItem {
 pub struct DeclarationItems {
     #[serde(default)]
     pub files: Vec<FileItem>,
+    /// Processes to supervise (the inventory section). Absent when empty, so the
+    /// digest of a files-only section is what it always was.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub units: Vec<crate::UnitItem>,
 }
 
 impl DeclarationItems {
@@ -156,6 +160,23 @@ impl DeclarationItems {
                 "body.items.files",
                 format!("more than {MAX_ITEMS} files"),
             ));
+        }
+        if self.units.len() > MAX_ITEMS {
+            return Err(DecodeError::invalid(
+                "body.items.units",
+                format!("more than {MAX_ITEMS} units"),
+            ));
+        }
+        let mut names = BTreeSet::new();
+        for (i, u) in self.units.iter().enumerate() {
+            let field = format!("body.items.units[{i}]");
+            u.validate(&field)?;
+            if !names.insert(u.name.as_str()) {
+                return Err(DecodeError::invalid(
+                    format!("{field}.name"),
+                    format!("`{}` is declared twice", u.name),
+                ));
+            }
         }
         let mut seen = BTreeSet::new();
         for (i, f) in self.files.iter().enumerate() {
@@ -177,6 +198,7 @@ impl DeclarationItems {
 pub fn digest_items(items: &DeclarationItems) -> String {
     let mut sorted = items.clone();
     sorted.files.sort_by(|a, b| a.path.cmp(&b.path));
+    sorted.units.sort_by(|a, b| a.name.cmp(&b.name));
     let bytes = serde_json::to_vec(&sorted).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }

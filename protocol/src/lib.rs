@@ -17,6 +17,7 @@ mod record;
 mod report;
 mod secret;
 pub mod topology;
+mod unit;
 
 pub use declaration::{
     Declaration, DeclarationItems, FileItem, FileMode, Section, digest_items, validate_path,
@@ -30,6 +31,9 @@ pub use report::{
     Applied, AppliedGenerations, Heartbeat, Hello, ItemOutcome, Outcome, Report, ReportKind,
 };
 pub use secret::{Secret, redact_url};
+pub use unit::{
+    DesiredState, RestartPolicy, UnitItem, UnitState, UnitStatus, Units, validate_unit_name,
+};
 
 /// Largest report (hello, heartbeat, applied) the controller accepts, in bytes of
 /// encoded JSON. A hello with a few hundred labels fits with room to spare.

@@ -15,13 +15,15 @@ pub enum ReportKind {
     Hello,
     Heartbeat,
     Applied,
+    Units,
 }
 
 impl ReportKind {
-    pub const ALL: [ReportKind; 3] = [
+    pub const ALL: [ReportKind; 4] = [
         ReportKind::Hello,
         ReportKind::Heartbeat,
         ReportKind::Applied,
+        ReportKind::Units,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -29,6 +31,7 @@ impl ReportKind {
             ReportKind::Hello => "hello",
             ReportKind::Heartbeat => "heartbeat",
             ReportKind::Applied => "applied",
+            ReportKind::Units => "units",
         }
     }
 
@@ -46,6 +49,7 @@ pub enum Report {
     Hello(Hello),
     Heartbeat(Heartbeat),
     Applied(Applied),
+    Units(crate::Units),
 }
 
 impl Report {
@@ -54,6 +58,7 @@ impl Report {
             Report::Hello(_) => ReportKind::Hello,
             Report::Heartbeat(_) => ReportKind::Heartbeat,
             Report::Applied(_) => ReportKind::Applied,
+            Report::Units(_) => ReportKind::Units,
         }
     }
 }
@@ -68,6 +73,7 @@ impl Body for Report {
             Report::Hello(b) => serde_json::to_value(b),
             Report::Heartbeat(b) => serde_json::to_value(b),
             Report::Applied(b) => serde_json::to_value(b),
+            Report::Units(b) => serde_json::to_value(b),
         };
         v.unwrap_or(serde_json::Value::Null)
     }
@@ -77,6 +83,7 @@ impl Body for Report {
             ReportKind::Hello => Report::Hello(parse_body(kind, body)?),
             ReportKind::Heartbeat => Report::Heartbeat(parse_body(kind, body)?),
             ReportKind::Applied => Report::Applied(parse_body(kind, body)?),
+            ReportKind::Units => Report::Units(parse_body(kind, body)?),
         };
         report.validate()?;
         Ok(report)
@@ -89,6 +96,12 @@ impl Report {
             Report::Hello(h) => h.validate(),
             Report::Heartbeat(_) => Ok(()),
             Report::Applied(a) => a.validate(),
+            Report::Units(u) => {
+                if u.units.len() > crate::MAX_ITEMS {
+                    return Err(DecodeError::invalid("body.units", "too many units"));
+                }
+                Ok(())
+            }
         }
     }
 }

@@ -33,6 +33,9 @@ pub const HEARTBEAT_QUEUE_MAX_LEN: i64 = 200_000;
 /// Bound of the hello and applied queues (messages); overflow refuses the publish
 /// (reject-publish), so the agent keeps the report in its buffer and retries.
 pub const REPORT_QUEUE_MAX_LEN: i64 = 100_000;
+/// Bound of the units queue (messages); overflow drops the oldest: a units report
+/// is a node's whole list, superseded by its next one.
+pub const UNITS_QUEUE_MAX_LEN: i64 = 100_000;
 /// Bound of each node's declaration queue (messages); overflow drops the oldest:
 /// declarations are whole sections and a behind node is re-sent the newest.
 pub const DECLARATION_QUEUE_MAX_LEN: i64 = 64;

@@ -42,7 +42,7 @@ pub(crate) async fn handle(
                 *entry = (*entry).max(g);
             }
             Report::Applied(a) if a.section == Some(Section::Config) => applied.push((env, a)),
-            Report::Applied(_) => {}
+            Report::Applied(_) | Report::Units(_) => {}
         }
     }
     heartbeat_batch(tx, heartbeats, settings).await?;

@@ -28,6 +28,8 @@ pub(crate) async fn handle(
             Report::Hello(h) => hello(tx, env, h).await?,
             Report::Heartbeat(_) => heartbeats.push(env),
             Report::Applied(a) => applied.push((env, a)),
+            // Unit states: recorded once modules and assignments exist (fleet lifecycle).
+            Report::Units(_) => {}
         }
     }
     heartbeat_batch(tx, &heartbeats).await?;

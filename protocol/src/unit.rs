@@ -1,0 +1,150 @@
+//! Units: processes a node must run (declared in its inventory section) and the
+//! state it reports about them (the `units` report).
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::DecodeError;
+
+/// What the agent does when a unit's process exits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RestartPolicy {
+    /// Restart whatever the exit status (with capped backoff).
+    #[default]
+    Always,
+    /// Restart only after a non-zero exit or a signal.
+    OnFailure,
+    /// Never restart.
+    Never,
+}
+
+/// Whether the unit should run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DesiredState {
+    #[default]
+    Running,
+    Stopped,
+}
+
+/// A process a node must supervise. `name` is unique per node; it is the
+/// assignment's name (`<module>` or `<module>-<replica>`), so a unit is always
+/// traceable to the module that asked for it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnitItem {
+    pub name: String,
+    /// The module this unit runs.
+    pub module: String,
+    /// Executable: an absolute path, or a name looked up in the agent's PATH.
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_dir: Option<String>,
+    #[serde(default)]
+    pub restart: RestartPolicy,
+    #[serde(default)]
+    pub desired: DesiredState,
+}
+
+/// Unit names: 1 to 63 characters of `[a-z0-9-_.]`, starting with a letter or digit.
+pub fn validate_unit_name(field: &str, name: &str) -> Result<(), DecodeError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(DecodeError::Invalid {
+            field: field.to_owned(),
+            reason: format!(
+                "`{}`: 1 to 63 characters of a-z 0-9 - _ . starting with a letter or digit",
+                name.chars().take(80).collect::<String>()
+            ),
+        })
+    }
+}
+
+impl UnitItem {
+    pub fn validate(&self, field: &str) -> Result<(), DecodeError> {
+        let invalid = |f: &str, reason: &str| DecodeError::Invalid {
+            field: format!("{field}.{f}"),
+            reason: reason.to_owned(),
+        };
+        validate_unit_name(&format!("{field}.name"), &self.name)?;
+        validate_unit_name(&format!("{field}.module"), &self.module)?;
+        if self.command.is_empty() || self.command.len() > 4096 || self.command.contains('\0') {
+            return Err(invalid("command", "must be 1 to 4096 bytes without NUL"));
+        }
+        if self.args.len() > 256 || self.args.iter().any(|a| a.len() > 4096 || a.contains('\0')) {
+            return Err(invalid(
+                "args",
+                "at most 256 arguments of at most 4096 bytes, without NUL",
+            ));
+        }
+        if self.env.len() > 256
+            || self.env.iter().any(|(k, v)| {
+                k.is_empty() || k.contains(['=', '\0']) || v.contains('\0') || v.len() > 4096
+            })
+        {
+            return Err(invalid(
+                "env",
+                "at most 256 variables; names non-empty without = or NUL; values without NUL",
+            ));
+        }
+        if let Some(dir) = &self.working_dir {
+            crate::validate_path(&format!("{field}.working_dir"), dir)?;
+        }
+        Ok(())
+    }
+}
+
+/// A unit's observed state on its node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnitState {
+    Starting,
+    Running,
+    /// Exited and will not be restarted (policy, or desired stopped).
+    Exited,
+    /// Exited abnormally; a restart is pending (backoff) or the policy gave up.
+    Failed,
+    Stopped,
+}
+
+/// One unit as the agent sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnitStatus {
+    pub name: String,
+    pub module: String,
+    pub state: UnitState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Restarts since the unit was (re)declared.
+    pub restarts: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<DateTime<Utc>>,
+}
+
+/// Body of the `units` report: the state of every unit the node supervises.
+/// Sent when a unit changes state; a whole list, never a delta.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Units {
+    pub units: Vec<UnitStatus>,
+}
