@@ -13,20 +13,41 @@
 //! labels (an operator label cannot remove a reported key, only change its value).
 //! A node's `version` grows by one whenever its effective labels change; it is the
 //! `version` of the events, so a receiver ignores an event older than what it has.
+//!
+//! Fleet lifecycle: inventory also owns modules (what to run), their intent layers,
+//! assignments (which replica runs on which node), node liveness and drains, and
+//! declares each node's `inventory` section (the units it must run). Liveness is
+//! judged by [`Inventory::sweep`] only after the controller has observed reports
+//! for a full grace period ([`Inventory::observe_from`]); placement is the pure
+//! function in [`placement`].
 
 mod api;
 mod error;
+mod fleet;
+pub mod module;
+mod modules_api;
+pub mod placement;
 mod query;
 mod reports;
+mod sections;
+mod sweep;
+mod units;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
 
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
-use mesh_protocol::{Envelope, Report};
+use mesh_protocol::{Envelope, NodeId, Report};
 use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
-pub use query::{AppliedView, LabelsView, NodeSummary, NodeView};
+pub use fleet::ReconcileReport;
+pub use query::{
+    AlertView, AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView,
+};
+pub use sweep::SweepReport;
 
 /// The schema (and record context name) this crate owns.
 pub const SCHEMA: &str = "inventory";
@@ -47,11 +68,29 @@ pub struct InventorySettings {
     /// Largest page `GET /v1/nodes` returns (its `limit` is capped to this).
     /// Default 1000.
     pub max_page: i64,
+    /// A node not heard from for this long is judged unreachable (and heard from
+    /// again, alive). Default 30 s: three heartbeat intervals of 10 s
+    /// (docs/decisions/0005-liveness-grace.md says why).
+    pub grace: Duration,
+    /// Largest share of (non-revoked) nodes that may be unreachable at once before
+    /// automatic re-placement pauses. Default 0.3.
+    pub max_unreachable_share: f64,
+    /// The node the controller runs on (placement `controller_node`). Default none.
+    pub controller_node: Option<NodeId>,
+    /// A node whose heartbeat says it is behind on its inventory section is sent
+    /// the section again at most once per this interval. Default 30 s.
+    pub resend_after: Duration,
 }
 
 impl Default for InventorySettings {
     fn default() -> Self {
-        InventorySettings { max_page: 1000 }
+        InventorySettings {
+            max_page: 1000,
+            grace: Duration::from_secs(30),
+            max_unreachable_share: 0.3,
+            controller_node: None,
+            resend_after: Duration::from_secs(30),
+        }
     }
 }
 
@@ -60,6 +99,9 @@ pub struct Inventory {
     pool: PgPool,
     signal: OutboxSignal,
     settings: InventorySettings,
+    /// Since when the controller has been consuming reports without a break
+    /// (none: it is not). Liveness is judged only after a full grace of it.
+    observing_since: Mutex<Option<DateTime<Utc>>>,
 }
 
 impl Inventory {
@@ -70,6 +112,45 @@ impl Inventory {
             pool,
             signal,
             settings,
+            observing_since: Mutex::new(None),
+        }
+    }
+
+    /// The controller started consuming reports at `at` (its broker session is up).
+    /// Until a full grace has passed since, no node is judged.
+    pub fn observe_from(&self, at: DateTime<Utc>) {
+        *self
+            .observing_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(at);
+    }
+
+    /// The controller stopped consuming reports (its broker session ended): what
+    /// it last heard says nothing about the nodes until it observes again.
+    pub fn observe_stop(&self) {
+        *self
+            .observing_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Why liveness cannot be judged at `now` (none: it can).
+    pub fn not_observed(&self, now: DateTime<Utc>) -> Option<String> {
+        let since = *self
+            .observing_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let grace =
+            chrono::Duration::from_std(self.settings.grace).unwrap_or(chrono::Duration::MAX);
+        match since {
+            None => Some(
+                "the controller is not receiving reports (broker session down or starting)".into(),
+            ),
+            Some(since) if now.signed_duration_since(since) < grace => Some(format!(
+                "the controller has observed reports only since {since}, less than the grace ({} s)",
+                self.settings.grace.as_secs()
+            )),
+            Some(_) => None,
         }
     }
 
@@ -78,9 +159,11 @@ impl Inventory {
     }
 
     /// The API routes this context serves: `GET /v1/nodes`,
-    /// `PUT /v1/nodes/{id}/labels`.
+    /// `PUT /v1/nodes/{id}/labels`, `POST /v1/nodes/{id}/drain|undrain`,
+    /// `GET /v1/modules`, `GET|PUT|DELETE /v1/modules/{name}`,
+    /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`, `GET /v1/alerts`.
     pub fn routes(self: Arc<Self>) -> axum::Router {
-        api::routes(self)
+        api::routes(self.clone()).merge(modules_api::routes(self))
     }
 }
 
@@ -96,7 +179,7 @@ impl Context for Inventory {
         tx: &mut PgConnection,
         reports: &[Envelope<Report>],
     ) -> Result<(), HandlerError> {
-        reports::handle(tx, reports)
+        reports::handle(tx, reports, &self.settings)
             .await
             .map_err(HandlerError::from)
     }

@@ -7,6 +7,8 @@ use mesh_protocol::{Labels, NodeId};
 use serde::Serialize;
 use sqlx::types::Json;
 
+use crate::module::{AutoscalerIntent, ModuleSpec};
+use crate::placement::{Intent, effective_replicas};
 use crate::reports::effective;
 use crate::{Error, Inventory};
 
@@ -67,7 +69,19 @@ pub struct NodeView {
     pub agent_version: String,
     pub public_key: Option<String>,
     pub labels: LabelsView,
+    /// `revoked`, else `unreachable`, else `draining` / `drained`, else `alive`.
     pub state: String,
+    /// `alive` or `unreachable`, as the controller judges it.
+    pub liveness: String,
+    /// `active`, `draining`, `drained` or `revoked`, as operators decided.
+    pub admin_state: String,
+    /// Why a drain cannot finish yet.
+    pub drain_blocked: Option<String>,
+    pub unreachable_since: Option<DateTime<Utc>>,
+    /// When the controller last handled a report of the node (its own clock).
+    pub heard_at: DateTime<Utc>,
+    /// The units assigned to the node.
+    pub units: Vec<AssignmentView>,
     pub first_seen: DateTime<Utc>,
     pub last_seen: DateTime<Utc>,
     pub last_seq: i64,
@@ -89,6 +103,11 @@ struct NodeRow {
     reported_labels: Json<Labels>,
     operator_labels: Json<Labels>,
     state: String,
+    liveness: String,
+    admin_state: String,
+    drain_blocked: Option<String>,
+    unreachable_since: Option<DateTime<Utc>>,
+    heard_at: DateTime<Utc>,
     first_seen: DateTime<Utc>,
     last_seen: DateTime<Utc>,
     last_seq: i64,
@@ -111,7 +130,8 @@ impl Inventory {
     pub async fn node(&self, id: &NodeId) -> Result<Option<NodeView>, Error> {
         let row: Option<NodeRow> = sqlx::query_as(
             "SELECT id, hostname, arch, cpus, memory_bytes, agent_version, public_key, reported_labels, \
-             operator_labels, state, first_seen, last_seen, last_seq, version FROM inventory.nodes WHERE id = $1",
+             operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, state AS liveness, admin_state, drain_blocked, unreachable_since, heard_at, \
+             first_seen, last_seen, last_seq, version FROM inventory.nodes WHERE id = $1",
         )
         .bind(id.as_str())
         .fetch_optional(&self.pool)
@@ -124,7 +144,14 @@ impl Inventory {
         .bind(id.as_str())
         .fetch_all(&self.pool)
         .await?;
+        let units = self.assignments(None, Some(id.as_str())).await?;
         Ok(Some(NodeView {
+            units,
+            liveness: n.liveness,
+            admin_state: n.admin_state,
+            drain_blocked: n.drain_blocked,
+            unreachable_since: n.unreachable_since,
+            heard_at: n.heard_at,
             id: n.id,
             hostname: n.hostname,
             arch: n.arch,
@@ -167,7 +194,7 @@ impl Inventory {
             DateTime<Utc>,
         );
         let rows: Vec<Row> = sqlx::query_as(
-            "SELECT id, hostname, reported_labels, operator_labels, state, last_seen FROM inventory.nodes \
+            "SELECT id, hostname, reported_labels, operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, last_seen FROM inventory.nodes \
              WHERE $1::text IS NULL OR id > $1 ORDER BY id LIMIT $2",
         )
         .bind(after)
@@ -186,5 +213,170 @@ impl Inventory {
                 },
             )
             .collect())
+    }
+}
+
+/// One assignment: a replica of a module on a node, and its unit as last reported.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct AssignmentView {
+    pub module: String,
+    pub replica: i32,
+    pub node: String,
+    /// The unit's name on the node.
+    pub name: String,
+    /// `active` (part of the replica set) or `retiring` (replaced; runs until its
+    /// replacement runs).
+    pub role: String,
+    pub placed_at: DateTime<Utc>,
+    /// Last reported unit state (none: not reported yet): `starting`, `running`,
+    /// `exited`, `failed`, `stopped`.
+    pub unit_state: Option<String>,
+    pub pid: Option<i64>,
+    pub exit_code: Option<i32>,
+    pub restarts: i64,
+    pub started_at: Option<DateTime<Utc>>,
+    pub reported_at: Option<DateTime<Utc>>,
+}
+
+/// A module with its revision, intent layers, effective replicas and assignments.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModuleView {
+    pub name: String,
+    #[serde(flatten)]
+    pub spec: ModuleSpec,
+    /// Grows with every write; the ETag is `"<revision>"`.
+    pub revision: i64,
+    pub intent: Intent,
+    pub effective_replicas: u32,
+    /// Why the last reconcile could not place it as asked.
+    pub placement_error: Option<String>,
+    pub assignments: Vec<AssignmentView>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// An open alert.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct AlertView {
+    pub key: String,
+    /// `pinned_unreachable`, `placement_unsatisfied`, `replacement_paused`.
+    pub kind: String,
+    pub node: Option<String>,
+    pub module: Option<String>,
+    pub message: String,
+    pub raised_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[derive(sqlx::FromRow)]
+struct ModuleRow {
+    name: String,
+    spec: Json<ModuleSpec>,
+    revision: i64,
+    placement_error: Option<String>,
+    created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+}
+
+impl Inventory {
+    /// Assignments of one module and/or one node, by module, replica, node.
+    pub async fn assignments(
+        &self,
+        module: Option<&str>,
+        node: Option<&str>,
+    ) -> Result<Vec<AssignmentView>, Error> {
+        Ok(sqlx::query_as(
+            "SELECT module, replica, node, name, role, placed_at, unit_state, pid, exit_code, restarts, \
+             started_at, reported_at FROM inventory.assignments \
+             WHERE ($1::text IS NULL OR module = $1) AND ($2::text IS NULL OR node = $2) \
+             ORDER BY module, replica, node",
+        )
+        .bind(module)
+        .bind(node)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// The intent layers of a module (user from its spec).
+    pub(crate) async fn intent(&self, name: &str, spec: &ModuleSpec) -> Result<Intent, Error> {
+        let rows: Vec<(String, Json<serde_json::Value>)> =
+            sqlx::query_as("SELECT layer, value FROM inventory.intents WHERE module = $1")
+                .bind(name)
+                .fetch_all(&self.pool)
+                .await?;
+        let mut intent = Intent {
+            user: spec.user_replicas(),
+            ..Intent::default()
+        };
+        for (layer, value) in rows {
+            let corrupt = |e: serde_json::Error| Error::Corrupt {
+                node: name.to_owned(),
+                reason: format!("intent {layer}: {e}"),
+            };
+            match layer.as_str() {
+                "policy" => intent.policy = Some(serde_json::from_value(value.0).map_err(corrupt)?),
+                "autoscaler" => {
+                    let a: AutoscalerIntent = serde_json::from_value(value.0).map_err(corrupt)?;
+                    intent.autoscaler = Some(a.replicas);
+                }
+                _ => {}
+            }
+        }
+        Ok(intent)
+    }
+
+    /// One module with everything known of it; `None` if there is none.
+    pub async fn module(&self, name: &str) -> Result<Option<ModuleView>, Error> {
+        let row: Option<ModuleRow> = sqlx::query_as(
+            "SELECT name, spec, revision, placement_error, created_at, updated_at FROM inventory.modules \
+             WHERE name = $1",
+        )
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(m) = row else { return Ok(None) };
+        let intent = self.intent(name, &m.spec.0).await?;
+        let effective_replicas = if m.spec.0.placement.is_pinned() {
+            1
+        } else {
+            effective_replicas(&intent)
+        };
+        Ok(Some(ModuleView {
+            assignments: self.assignments(Some(name), None).await?,
+            name: m.name,
+            spec: m.spec.0,
+            revision: m.revision,
+            intent,
+            effective_replicas,
+            placement_error: m.placement_error,
+            created_at: m.created_at,
+            updated_at: m.updated_at,
+        }))
+    }
+
+    /// Module names after `after`, at most `limit`, in name order.
+    pub async fn module_names(
+        &self,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<String>, Error> {
+        let limit = limit.clamp(1, self.settings.max_page.max(1));
+        Ok(sqlx::query_scalar(
+            "SELECT name FROM inventory.modules WHERE $1::text IS NULL OR name > $1 ORDER BY name LIMIT $2",
+        )
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Every open alert, oldest first.
+    pub async fn alerts(&self) -> Result<Vec<AlertView>, Error> {
+        Ok(sqlx::query_as(
+            "SELECT key, kind, node, module, message, raised_at, updated_at FROM inventory.alerts \
+             ORDER BY raised_at, key",
+        )
+        .fetch_all(&self.pool)
+        .await?)
     }
 }

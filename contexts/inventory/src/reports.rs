@@ -12,7 +12,8 @@ use mesh_protocol::{
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use crate::{Error, SCHEMA};
+use crate::sweep::{NodeLiveness, emit_liveness};
+use crate::{Error, InventorySettings, SCHEMA};
 
 /// Longest error text kept per applied outcome.
 const MAX_ERROR_CHARS: usize = 4000;
@@ -20,21 +21,54 @@ const MAX_ERROR_CHARS: usize = 4000;
 pub(crate) async fn handle(
     tx: &mut PgConnection,
     reports: &[Envelope<Report>],
+    settings: &InventorySettings,
 ) -> Result<(), Error> {
+    // The controller's clock when it handled the batch: liveness is judged on it,
+    // never on the node's clock.
+    let heard_at = Utc::now();
     let mut heartbeats = Vec::new();
     let mut applied = Vec::new();
+    let mut units = Vec::new();
     for env in reports {
         match &env.body {
-            Report::Hello(h) => hello(tx, env, h).await?,
+            Report::Hello(h) => {
+                hello(tx, env, h, heard_at).await?;
+                crate::sections::on_hello(tx, &env.node, h).await?;
+            }
             Report::Heartbeat(_) => heartbeats.push(env),
             Report::Applied(a) => applied.push((env, a)),
-            // Unit states: recorded once modules and assignments exist (fleet lifecycle).
-            Report::Units(_) => {}
+            Report::Units(u) => units.push((env, u)),
         }
     }
-    heartbeat_batch(tx, &heartbeats).await?;
+    heartbeat_batch(tx, &heartbeats, heard_at).await?;
+    crate::sections::on_heartbeats(tx, &heartbeats, settings.resend_after).await?;
     applied_batch(tx, &applied).await?;
+    crate::units::record(tx, &units, heard_at).await?;
     Ok(())
+}
+
+/// A node heard again after it was judged unreachable: say so on the record.
+async fn revived(
+    tx: &mut PgConnection,
+    node: &str,
+    heard_at: DateTime<Utc>,
+    last_heard: DateTime<Utc>,
+) -> Result<(), Error> {
+    let node = NodeId::parse(node).map_err(|e| Error::Corrupt {
+        node: node.to_owned(),
+        reason: e.to_string(),
+    })?;
+    tracing::info!(node = %node, "node alive again");
+    emit_liveness(
+        tx,
+        NodeLiveness {
+            node,
+            state: "alive",
+            at: heard_at,
+            last_heard: Some(last_heard),
+        },
+    )
+    .await
 }
 
 /// Effective labels: reported, overridden key by key by the operator's.
@@ -70,14 +104,19 @@ pub(crate) async fn emit(
     Ok(())
 }
 
-async fn hello(tx: &mut PgConnection, env: &Envelope<Report>, hello: &Hello) -> Result<(), Error> {
+async fn hello(
+    tx: &mut PgConnection,
+    env: &Envelope<Report>,
+    hello: &Hello,
+    heard_at: DateTime<Utc>,
+) -> Result<(), Error> {
     let node = &env.node;
     let sent_at = clamp(env.sent_at);
     let seq = to_i64(env.seq);
     let inserted: Option<String> = sqlx::query_scalar(
         "INSERT INTO inventory.nodes (id, hostname, arch, cpus, memory_bytes, agent_version, public_key, \
-         reported_labels, last_seen, hello_at, last_seq) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10) \
+         reported_labels, last_seen, hello_at, last_seq, heard_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10, $11) \
          ON CONFLICT (id) DO NOTHING RETURNING id",
     )
     .bind(node.as_str())
@@ -90,18 +129,40 @@ async fn hello(tx: &mut PgConnection, env: &Envelope<Report>, hello: &Hello) -> 
     .bind(Json(&hello.labels))
     .bind(sent_at)
     .bind(seq)
+    .bind(heard_at)
     .fetch_optional(&mut *tx)
     .await?;
 
     if inserted.is_some() {
         emit(tx, "node.joined", node, hello.labels.clone(), 1).await?;
     } else {
-        let (reported, operator, version, hello_at): (Json<Labels>, Json<Labels>, i64, DateTime<Utc>) = sqlx::query_as(
-            "SELECT reported_labels, operator_labels, version, hello_at FROM inventory.nodes WHERE id = $1 FOR UPDATE",
+        type Row = (
+            Json<Labels>,
+            Json<Labels>,
+            i64,
+            DateTime<Utc>,
+            String,
+            DateTime<Utc>,
+        );
+        let (reported, operator, version, hello_at, state, last_heard): Row = sqlx::query_as(
+            "SELECT reported_labels, operator_labels, version, hello_at, state, heard_at FROM inventory.nodes \
+             WHERE id = $1 FOR UPDATE",
         )
         .bind(node.as_str())
         .fetch_one(&mut *tx)
         .await?;
+        // Any report proves the node is there now, old or new.
+        sqlx::query(
+            "UPDATE inventory.nodes SET state = 'alive', unreachable_since = NULL, \
+             heard_at = greatest(heard_at, $2) WHERE id = $1",
+        )
+        .bind(node.as_str())
+        .bind(heard_at)
+        .execute(&mut *tx)
+        .await?;
+        if state == "unreachable" {
+            revived(tx, node.as_str(), heard_at, last_heard).await?;
+        }
         if sent_at < hello_at {
             // An older hello arriving late: it proves the node was alive, no more.
             sqlx::query(
@@ -121,7 +182,7 @@ async fn hello(tx: &mut PgConnection, env: &Envelope<Report>, hello: &Hello) -> 
             sqlx::query(
                 "UPDATE inventory.nodes SET hostname = $2, arch = $3, cpus = $4, memory_bytes = $5, \
                  agent_version = $6, public_key = $7, reported_labels = $8, hello_at = $9, \
-                 last_seen = greatest(last_seen, $9), last_seq = greatest(last_seq, $10), state = 'alive', \
+                 last_seen = greatest(last_seen, $9), last_seq = greatest(last_seq, $10), \
                  version = $11 WHERE id = $1",
             )
             .bind(node.as_str())
@@ -157,6 +218,7 @@ async fn hello(tx: &mut PgConnection, env: &Envelope<Report>, hello: &Hello) -> 
 async fn heartbeat_batch(
     tx: &mut PgConnection,
     heartbeats: &[&Envelope<Report>],
+    heard_at: DateTime<Utc>,
 ) -> Result<(), Error> {
     if heartbeats.is_empty() {
         return Ok(());
@@ -186,16 +248,28 @@ async fn heartbeat_batch(
         times.push(at);
         seqs.push(seq);
     }
-    sqlx::query(
-        "UPDATE inventory.nodes AS n SET last_seen = greatest(n.last_seen, u.sent_at), \
-         last_seq = greatest(n.last_seq, u.seq), state = 'alive' \
-         FROM UNNEST($1::text[], $2::timestamptz[], $3::bigint[]) AS u(id, sent_at, seq) WHERE n.id = u.id",
+    // The previous state comes from the statement's snapshot (the CTE), locked
+    // first, so a node judged unreachable and heard again is seen once.
+    let revivals: Vec<(String, String, DateTime<Utc>)> = sqlx::query_as(
+        "WITH u AS (SELECT * FROM UNNEST($1::text[], $2::timestamptz[], $3::bigint[]) AS u(id, sent_at, seq)), \
+         prev AS (SELECT n.id, n.state, n.heard_at FROM inventory.nodes n JOIN u ON u.id = n.id \
+                  ORDER BY n.id FOR UPDATE OF n) \
+         UPDATE inventory.nodes AS n SET last_seen = greatest(n.last_seen, u.sent_at), \
+         last_seq = greatest(n.last_seq, u.seq), state = 'alive', unreachable_since = NULL, \
+         heard_at = greatest(n.heard_at, $4) \
+         FROM u, prev WHERE n.id = u.id AND prev.id = n.id RETURNING n.id, prev.state, prev.heard_at",
     )
     .bind(&ids)
     .bind(&times)
     .bind(&seqs)
-    .execute(&mut *tx)
+    .bind(heard_at)
+    .fetch_all(&mut *tx)
     .await?;
+    for (id, state, last_heard) in revivals {
+        if state == "unreachable" {
+            revived(tx, &id, heard_at, last_heard).await?;
+        }
+    }
     upsert_generations(tx, generations).await
 }
 

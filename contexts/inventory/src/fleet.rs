@@ -1,0 +1,664 @@
+//! The fleet reconcile: from modules, intent layers, nodes and current
+//! assignments, compute where every replica runs, apply the difference
+//! (make-before-break where the old node is reachable), advance drains, raise and
+//! clear alerts, and declare each node's inventory section whose units changed.
+//!
+//! Level-triggered and idempotent: it does not care why it was called. The
+//! controller's sweeper calls it periodically (after judging liveness); module and
+//! node API writes call it in their own transaction. A PostgreSQL advisory lock
+//! serializes reconciles, so two never decide from the same stale read.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{DateTime, Utc};
+use mesh_plumbing::outbox;
+use mesh_protocol::{
+    Declaration, DeclarationItems, DesiredState, Labels, NodeId, Section, digest_items,
+};
+use serde::Serialize;
+use sqlx::PgConnection;
+use sqlx::types::Json;
+
+use crate::module::{ModuleSpec, unit_name};
+use crate::placement::{
+    Bounds, Intent, NodeFacts, PlacementError, Request, Resources, Snapshot, effective_replicas,
+    place,
+};
+use crate::reports::effective;
+use crate::{Error, SCHEMA};
+
+/// Advisory lock of the fleet reconcile ("invf" in ASCII).
+const LOCK_FLEET: i64 = 0x696e_7666;
+
+/// What a reconcile needs besides the database.
+#[derive(Debug, Clone)]
+pub(crate) struct Pass {
+    pub now: DateTime<Utc>,
+    /// Why liveness cannot be judged yet (none: it can).
+    pub not_observed: Option<String>,
+    pub controller_node: Option<String>,
+    pub max_unreachable_share: f64,
+}
+
+/// What one reconcile did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ReconcileReport {
+    /// Replicas placed on a node (new, or replacing one).
+    pub placed: usize,
+    /// Assignments removed (scaled down, module deleted, replaced, surplus).
+    pub removed: usize,
+    /// Nodes a new inventory section generation was declared to.
+    pub declared: usize,
+    /// Nodes whose drain finished in this pass.
+    pub drained: Vec<String>,
+    /// Why placement is paused (none: it is not).
+    pub paused: Option<String>,
+}
+
+impl ReconcileReport {
+    pub fn changed(&self) -> bool {
+        self.placed > 0 || self.removed > 0 || self.declared > 0 || !self.drained.is_empty()
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct NodeRow {
+    id: String,
+    reported_labels: Json<Labels>,
+    operator_labels: Json<Labels>,
+    cpus: i64,
+    memory_bytes: i64,
+    state: String,
+    admin_state: String,
+    drain_blocked: Option<String>,
+}
+
+#[derive(sqlx::FromRow)]
+struct ModuleRow {
+    name: String,
+    spec: Json<ModuleSpec>,
+    placement_error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+struct Assignment {
+    node: String,
+    name: String,
+    module: String,
+    replica: i32,
+    role: String,
+    placed_at: DateTime<Utc>,
+    unit_state: Option<String>,
+}
+
+const ACTIVE: &str = "active";
+const RETIRING: &str = "retiring";
+
+struct Module {
+    spec: ModuleSpec,
+    intent: Intent,
+    placement_error: Option<String>,
+}
+
+/// One alert as the reconcile wants it open.
+struct Alert {
+    kind: &'static str,
+    node: Option<String>,
+    module: Option<String>,
+    message: String,
+}
+
+pub(crate) async fn lock(tx: &mut PgConnection) -> Result<(), Error> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(LOCK_FLEET)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
+async fn load_modules(tx: &mut PgConnection) -> Result<BTreeMap<String, Module>, Error> {
+    let rows: Vec<ModuleRow> =
+        sqlx::query_as("SELECT name, spec, placement_error FROM inventory.modules ORDER BY name")
+            .fetch_all(&mut *tx)
+            .await?;
+    let intents: Vec<(String, String, Json<serde_json::Value>)> =
+        sqlx::query_as("SELECT module, layer, value FROM inventory.intents")
+            .fetch_all(&mut *tx)
+            .await?;
+    let mut modules: BTreeMap<String, Module> = rows
+        .into_iter()
+        .map(|m| {
+            let intent = Intent {
+                user: m.spec.0.user_replicas(),
+                ..Intent::default()
+            };
+            (
+                m.name,
+                Module {
+                    spec: m.spec.0,
+                    intent,
+                    placement_error: m.placement_error,
+                },
+            )
+        })
+        .collect();
+    for (module, layer, value) in intents {
+        let Some(m) = modules.get_mut(&module) else {
+            continue;
+        };
+        let corrupt = |e: serde_json::Error| Error::Corrupt {
+            node: module.clone(),
+            reason: format!("intent {layer}: {e}"),
+        };
+        match layer.as_str() {
+            "policy" => {
+                m.intent.policy = Some(serde_json::from_value::<Bounds>(value.0).map_err(corrupt)?)
+            }
+            "autoscaler" => {
+                let a: crate::module::AutoscalerIntent =
+                    serde_json::from_value(value.0).map_err(corrupt)?;
+                m.intent.autoscaler = Some(a.replicas);
+            }
+            _ => {}
+        }
+    }
+    Ok(modules)
+}
+
+/// The effective replica count of a module (pinned placements run one).
+fn replicas_of(m: &Module) -> u32 {
+    if m.spec.placement.is_pinned() {
+        1
+    } else {
+        effective_replicas(&m.intent)
+    }
+}
+
+fn replica_u32(a: &Assignment) -> u32 {
+    u32::try_from(a.replica).unwrap_or(0)
+}
+
+/// Reconcile the whole fleet inside `tx` (which it locks).
+pub(crate) async fn reconcile(
+    tx: &mut PgConnection,
+    pass: &Pass,
+) -> Result<ReconcileReport, Error> {
+    lock(tx).await?;
+    let nodes: Vec<NodeRow> = sqlx::query_as(
+        "SELECT id, reported_labels, operator_labels, cpus, memory_bytes, state, admin_state, drain_blocked \
+         FROM inventory.nodes ORDER BY id",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    let nodes: BTreeMap<String, NodeRow> = nodes.into_iter().map(|n| (n.id.clone(), n)).collect();
+    let mut modules = load_modules(tx).await?;
+    let before: Vec<Assignment> = sqlx::query_as(
+        "SELECT node, name, module, replica, role, placed_at, unit_state FROM inventory.assignments \
+         ORDER BY node, name",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    let reachable = |id: &str| nodes.get(id).is_some_and(|n| n.state == "alive");
+
+    let mut report = ReconcileReport::default();
+    let mut alerts: BTreeMap<String, Alert> = BTreeMap::new();
+    // The assignments after this pass, keyed (node, unit name).
+    let mut after: BTreeMap<(String, String), Assignment> = before
+        .iter()
+        .filter(|a| modules.contains_key(&a.module))
+        .map(|a| ((a.node.clone(), a.name.clone()), a.clone()))
+        .collect();
+
+    // Surplus: two active copies of one replica (a node came back after its
+    // replica was placed elsewhere). The newest placement wins; ties by node id.
+    let mut newest: BTreeMap<(String, i32), (DateTime<Utc>, String)> = BTreeMap::new();
+    for a in after.values().filter(|a| a.role == ACTIVE) {
+        let key = (a.module.clone(), a.replica);
+        let candidate = (a.placed_at, a.node.clone());
+        let wins = match newest.get(&key) {
+            None => true,
+            Some((at, node)) => candidate.0 > *at || (candidate.0 == *at && candidate.1 < *node),
+        };
+        if wins {
+            newest.insert(key, candidate);
+        }
+    }
+    after.retain(|_, a| {
+        a.role != ACTIVE
+            || newest
+                .get(&(a.module.clone(), a.replica))
+                .is_none_or(|(_, node)| *node == a.node)
+    });
+
+    // Make-before-break: a retiring copy goes once its replacement runs, or at
+    // once if its node is unreachable (it cannot be told) or nothing replaces it.
+    let running: BTreeSet<(String, i32)> = after
+        .values()
+        .filter(|a| a.role == ACTIVE && a.unit_state.as_deref() == Some("running"))
+        .map(|a| (a.module.clone(), a.replica))
+        .collect();
+    let replaced: BTreeSet<(String, i32)> = after
+        .values()
+        .filter(|a| a.role == ACTIVE)
+        .map(|a| (a.module.clone(), a.replica))
+        .collect();
+    after.retain(|_, a| {
+        a.role != RETIRING
+            || (reachable(&a.node)
+                && replaced.contains(&(a.module.clone(), a.replica))
+                && !running.contains(&(a.module.clone(), a.replica)))
+    });
+
+    // Authority: observed long enough, and not too many unreachable at once.
+    let counted: Vec<&NodeRow> = nodes
+        .values()
+        .filter(|n| n.admin_state != "revoked")
+        .collect();
+    let unreachable = counted.iter().filter(|n| n.state != "alive").count();
+    let mut not_authoritative = pass.not_observed.clone();
+    if not_authoritative.is_none() && !counted.is_empty() {
+        #[allow(clippy::cast_precision_loss)]
+        let share = unreachable as f64 / counted.len() as f64;
+        if share > pass.max_unreachable_share {
+            let reason = format!(
+                "{unreachable} of {} nodes are unreachable ({:.0}%, more than {:.0}%): that looks like a partition \
+                 or a control-plane problem, not dead machines; automatic re-placement is paused",
+                counted.len(),
+                share * 100.0,
+                pass.max_unreachable_share * 100.0
+            );
+            alerts.insert(
+                "replacement_paused".into(),
+                Alert {
+                    kind: "replacement_paused",
+                    node: None,
+                    module: None,
+                    message: reason.clone(),
+                },
+            );
+            report.paused = Some(reason.clone());
+            not_authoritative = Some(reason);
+        }
+    }
+
+    // What every node already holds, by module.
+    let mut used: BTreeMap<String, Resources> = BTreeMap::new();
+    for a in after.values() {
+        if let Some(m) = modules.get(&a.module) {
+            let u = used.entry(a.node.clone()).or_default();
+            *u = u.saturating_add(m.spec.unit.resources);
+        }
+    }
+
+    let names: Vec<String> = modules.keys().cloned().collect();
+    for name in &names {
+        let Some(m) = modules.get_mut(name) else {
+            continue;
+        };
+        let replicas = replicas_of(m);
+        let resources = m.spec.unit.resources;
+        // Scale down: replicas beyond the count go, whatever the snapshot.
+        after.retain(|_, a| a.module != *name || replica_u32(a) < replicas);
+        let current: Vec<(u32, String)> = after
+            .values()
+            .filter(|a| a.module == *name && a.role == ACTIVE)
+            .map(|a| (replica_u32(a), a.node.clone()))
+            .collect();
+        let mine: BTreeMap<String, Resources> =
+            after
+                .values()
+                .filter(|a| a.module == *name)
+                .fold(BTreeMap::new(), |mut acc, a| {
+                    let r: &mut Resources = acc.entry(a.node.clone()).or_default();
+                    *r = r.saturating_add(resources);
+                    acc
+                });
+        let snapshot = Snapshot {
+            not_authoritative: not_authoritative.clone(),
+            nodes: nodes
+                .values()
+                .map(|n| NodeFacts {
+                    id: n.id.clone(),
+                    labels: effective(&n.reported_labels.0, &n.operator_labels.0),
+                    reachable: n.state == "alive",
+                    schedulable: n.admin_state == "active",
+                    capacity: Resources {
+                        cpu_millis: u64::try_from(n.cpus).unwrap_or(0).saturating_mul(1000),
+                        memory_bytes: u64::try_from(n.memory_bytes).unwrap_or(0),
+                    },
+                    used: used
+                        .get(&n.id)
+                        .copied()
+                        .unwrap_or_default()
+                        .saturating_sub(mine.get(&n.id).copied().unwrap_or_default()),
+                })
+                .collect(),
+            controller_node: pass.controller_node.clone(),
+        };
+        let request = Request {
+            placement: &m.spec.placement,
+            stateful: m.spec.stateful,
+            resources,
+            replicas,
+            current: &current,
+        };
+        match place(&request, &snapshot) {
+            Ok(targets) => {
+                m.placement_error = None;
+                for (replica, target) in targets.into_iter().enumerate() {
+                    let replica = u32::try_from(replica).unwrap_or(u32::MAX);
+                    let old = current
+                        .iter()
+                        .find(|(r, _)| *r == replica)
+                        .map(|(_, n)| n.clone());
+                    if old.as_deref() == Some(target.as_str()) {
+                        continue;
+                    }
+                    let unit = unit_name(name, &m.spec.placement, replica);
+                    if let Some(old) = old
+                        && let Some(a) = after.get_mut(&(old.clone(), unit.clone()))
+                    {
+                        if reachable(&old) {
+                            a.role = RETIRING.into();
+                        } else {
+                            after.remove(&(old, unit.clone()));
+                        }
+                    }
+                    let replica_i32 = i32::try_from(replica).unwrap_or(i32::MAX);
+                    let entry = after
+                        .entry((target.clone(), unit.clone()))
+                        .or_insert_with(|| Assignment {
+                            node: target.clone(),
+                            name: unit.clone(),
+                            module: name.clone(),
+                            replica: replica_i32,
+                            role: ACTIVE.into(),
+                            placed_at: pass.now,
+                            unit_state: None,
+                        });
+                    // A retiring copy on the target comes back to life.
+                    entry.role = ACTIVE.into();
+                    entry.placed_at = pass.now;
+                    let u = used.entry(target).or_default();
+                    *u = u.saturating_add(resources);
+                }
+            }
+            Err(PlacementError::NotAuthoritative(_)) => {}
+            Err(e) => {
+                let message = format!("module `{name}` cannot be placed: {e}");
+                alerts.insert(
+                    format!("unplaced:{name}"),
+                    Alert {
+                        kind: "placement_unsatisfied",
+                        node: None,
+                        module: Some(name.clone()),
+                        message,
+                    },
+                );
+                m.placement_error = Some(e.to_string());
+            }
+        }
+        // A pinned module on an unreachable node is never moved: say so.
+        if m.spec.placement.is_pinned() {
+            for (_, node) in &current {
+                if !reachable(node) {
+                    let what = if m.spec.stateful {
+                        "stateful module"
+                    } else {
+                        "module"
+                    };
+                    alerts.insert(
+                        format!("pinned_unreachable:{name}"),
+                        Alert {
+                            kind: "pinned_unreachable",
+                            node: Some(node.clone()),
+                            module: Some(name.clone()),
+                            message: format!(
+                                "{what} `{name}` is pinned to unreachable node `{node}` and is not moved; \
+                                 bring the node back, or move the module (change its exact_node) or stop it"
+                            ),
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    // Drains: finished when nothing that must run is left on the node.
+    let mut drains: BTreeMap<String, (Option<String>, bool)> = BTreeMap::new();
+    for n in nodes.values().filter(|n| n.admin_state == "draining") {
+        let mut reasons = Vec::new();
+        let mut left = false;
+        for a in after.values().filter(|a| a.node == n.id) {
+            let Some(m) = modules.get(&a.module) else {
+                continue;
+            };
+            if a.role == RETIRING {
+                left = true;
+                reasons.push(format!(
+                    "`{}` waits for its replacement to run elsewhere",
+                    a.name
+                ));
+            } else if m.spec.placement.is_pinned() {
+                if m.spec.desired == DesiredState::Running {
+                    left = true;
+                    let what = if m.spec.stateful {
+                        "stateful and pinned"
+                    } else {
+                        "pinned"
+                    };
+                    reasons.push(format!(
+                        "module `{}` is {what} to this node: move it (change its exact_node) or stop it \
+                         (desired stopped, or delete it) to let the drain finish",
+                        a.module
+                    ));
+                }
+            } else {
+                left = true;
+                reasons.push(format!(
+                    "`{}` cannot be moved yet: {}",
+                    a.name,
+                    m.placement_error
+                        .clone()
+                        .or_else(|| not_authoritative.clone())
+                        .unwrap_or_else(|| "no eligible node".into())
+                ));
+            }
+        }
+        let reason = (!reasons.is_empty()).then(|| reasons.join("; "));
+        drains.insert(n.id.clone(), (reason, !left));
+    }
+
+    // Module placement errors and node drains (nodes before assignments before
+    // sections: every writer locks in that order).
+    for (name, m) in &modules {
+        sqlx::query(
+            "UPDATE inventory.modules SET placement_error = $2 WHERE name = $1 \
+             AND placement_error IS DISTINCT FROM $2",
+        )
+        .bind(name)
+        .bind(&m.placement_error)
+        .execute(&mut *tx)
+        .await?;
+    }
+    for (id, (reason, done)) in drains {
+        let was = nodes.get(&id).and_then(|n| n.drain_blocked.clone());
+        if done {
+            sqlx::query(
+                "UPDATE inventory.nodes SET admin_state = 'drained', drain_blocked = NULL WHERE id = $1",
+            )
+            .bind(&id)
+            .execute(&mut *tx)
+            .await?;
+            report.drained.push(id);
+        } else if was != reason {
+            sqlx::query("UPDATE inventory.nodes SET drain_blocked = $2 WHERE id = $1")
+                .bind(&id)
+                .bind(&reason)
+                .execute(&mut *tx)
+                .await?;
+        }
+    }
+
+    // Write the assignments that changed.
+    let before_map: BTreeMap<(String, String), &Assignment> = before
+        .iter()
+        .map(|a| ((a.node.clone(), a.name.clone()), a))
+        .collect();
+    let (mut del_nodes, mut del_names) = (Vec::new(), Vec::new());
+    for key in before_map.keys() {
+        if !after.contains_key(key) {
+            del_nodes.push(key.0.clone());
+            del_names.push(key.1.clone());
+        }
+    }
+    report.removed = del_nodes.len();
+    if !del_nodes.is_empty() {
+        sqlx::query(
+            "DELETE FROM inventory.assignments a USING UNNEST($1::text[], $2::text[]) AS d(node, name) \
+             WHERE a.node = d.node AND a.name = d.name",
+        )
+        .bind(&del_nodes)
+        .bind(&del_names)
+        .execute(&mut *tx)
+        .await?;
+    }
+    for (key, a) in &after {
+        match before_map.get(key) {
+            Some(b) if *b == a => {}
+            Some(b) => {
+                if b.placed_at != a.placed_at {
+                    report.placed += 1;
+                }
+                sqlx::query(
+                    "UPDATE inventory.assignments SET role = $3, placed_at = $4 WHERE node = $1 AND name = $2",
+                )
+                .bind(&a.node)
+                .bind(&a.name)
+                .bind(&a.role)
+                .bind(a.placed_at)
+                .execute(&mut *tx)
+                .await?;
+            }
+            None => {
+                report.placed += 1;
+                sqlx::query(
+                    "INSERT INTO inventory.assignments (node, name, module, replica, role, placed_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6)",
+                )
+                .bind(&a.node)
+                .bind(&a.name)
+                .bind(&a.module)
+                .bind(a.replica)
+                .bind(&a.role)
+                .bind(a.placed_at)
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+    }
+
+    // Sections of every node that holds or held units.
+    let mut touched: BTreeSet<String> = before.iter().map(|a| a.node.clone()).collect();
+    touched.extend(after.keys().map(|(node, _)| node.clone()));
+    report.declared = declare(tx, &touched, &after, &modules).await?;
+
+    sync_alerts(tx, alerts).await?;
+    Ok(report)
+}
+
+/// Declare a new inventory section generation to each node of `touched` whose
+/// units differ from what was declared.
+async fn declare(
+    tx: &mut PgConnection,
+    touched: &BTreeSet<String>,
+    after: &BTreeMap<(String, String), Assignment>,
+    modules: &BTreeMap<String, Module>,
+) -> Result<usize, Error> {
+    if touched.is_empty() {
+        return Ok(0);
+    }
+    let ids: Vec<&str> = touched.iter().map(String::as_str).collect();
+    let sections: Vec<(String, i64, String)> = sqlx::query_as(
+        "SELECT node, generation, digest FROM inventory.sections WHERE node = ANY($1)",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *tx)
+    .await?;
+    let sections: BTreeMap<String, (i64, String)> =
+        sections.into_iter().map(|(n, g, d)| (n, (g, d))).collect();
+    let mut declarations = Vec::new();
+    for node in touched {
+        let mut items = DeclarationItems::default();
+        for a in after.values().filter(|a| a.node == *node) {
+            if let Some(m) = modules.get(&a.module) {
+                items.units.push(m.spec.unit_item(&a.module, &a.name));
+            }
+        }
+        items.units.sort_by(|a, b| a.name.cmp(&b.name));
+        let digest = digest_items(&items);
+        let generation = match sections.get(node) {
+            Some((_, d)) if *d == digest => continue,
+            Some((g, _)) => g + 1,
+            None if items.units.is_empty() => continue,
+            None => 1,
+        };
+        let json = serde_json::to_value(&items).map_err(|e| Error::Corrupt {
+            node: node.clone(),
+            reason: e.to_string(),
+        })?;
+        sqlx::query(
+            "INSERT INTO inventory.sections AS s (node, generation, digest, items) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (node) DO UPDATE SET generation = excluded.generation, digest = excluded.digest, \
+             items = excluded.items, declared_at = now(), last_sent_at = now()",
+        )
+        .bind(node)
+        .bind(generation)
+        .bind(&digest)
+        .bind(json)
+        .execute(&mut *tx)
+        .await?;
+        let id = NodeId::parse(node).map_err(|e| Error::Corrupt {
+            node: node.clone(),
+            reason: e.to_string(),
+        })?;
+        declarations.push((
+            id,
+            Declaration {
+                section: Section::Inventory,
+                generation: u64::try_from(generation).unwrap_or(0),
+                items,
+            },
+        ));
+    }
+    let n = declarations.len();
+    if n > 0 {
+        outbox::declare_many(tx, SCHEMA, declarations).await?;
+    }
+    Ok(n)
+}
+
+/// Make the open alerts exactly `alerts`: new ones raised, gone ones cleared,
+/// the rest keep when they were raised.
+async fn sync_alerts(tx: &mut PgConnection, alerts: BTreeMap<String, Alert>) -> Result<(), Error> {
+    let keys: Vec<&str> = alerts.keys().map(String::as_str).collect();
+    sqlx::query("DELETE FROM inventory.alerts WHERE NOT (key = ANY($1))")
+        .bind(&keys)
+        .execute(&mut *tx)
+        .await?;
+    for (key, a) in &alerts {
+        sqlx::query(
+            "INSERT INTO inventory.alerts AS a (key, kind, node, module, message) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (key) DO UPDATE SET message = excluded.message, node = excluded.node, \
+             updated_at = CASE WHEN a.message = excluded.message THEN a.updated_at ELSE now() END",
+        )
+        .bind(key)
+        .bind(a.kind)
+        .bind(&a.node)
+        .bind(&a.module)
+        .bind(&a.message)
+        .execute(&mut *tx)
+        .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,189 @@
+//! Modules: what operators ask the fleet to run. A module is a unit spec, a
+//! stateful flag, a desired state and exactly one placement; its replica count
+//! comes from intent layers (see [`crate::placement::effective_replicas`]).
+
+use std::collections::BTreeMap;
+
+use mesh_protocol::{DesiredState, RestartPolicy, UnitItem};
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+use crate::placement::{Bounds, Placement, Resources};
+
+/// How the unit of each replica runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnitSpec {
+    /// Executable: an absolute path, or a name looked up in the agent's PATH.
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_dir: Option<String>,
+    /// `always` (default), `on_failure` or `never`.
+    #[serde(default)]
+    pub restart: RestartPolicy,
+    /// Requests of one replica; placement only puts it where they fit.
+    #[serde(default)]
+    pub resources: Resources,
+}
+
+/// A module as `PUT /v1/modules/{name}` takes it and stores it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModuleSpec {
+    pub unit: UnitSpec,
+    /// Holds data on its node: must use `exact_node`, and is never moved.
+    #[serde(default)]
+    pub stateful: bool,
+    /// `running` (default) or `stopped`.
+    #[serde(default)]
+    pub desired: DesiredState,
+    pub placement: Placement,
+}
+
+/// The largest replica count any layer may ask for.
+pub const MAX_REPLICAS: u32 = 1000;
+
+/// Module names: 1 to 48 of `[a-z0-9-]`, starting with a letter or digit, and not
+/// ending in `-<digits>` (unit names are `<module>-<replica>`, so `web-1` could be
+/// replica 1 of `web`).
+pub fn validate_name(name: &str) -> Result<(), Error> {
+    let invalid = |reason: &str| Error::Invalid {
+        field: "name".to_owned(),
+        reason: format!("`{}`: {reason}", name.chars().take(80).collect::<String>()),
+    };
+    let ok = !name.is_empty()
+        && name.len() <= 48
+        && name
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !ok {
+        return Err(invalid(
+            "1 to 48 characters of a-z 0-9 -, starting with a letter or digit",
+        ));
+    }
+    if let Some((_, tail)) = name.rsplit_once('-')
+        && !tail.is_empty()
+        && tail.bytes().all(|b| b.is_ascii_digit())
+    {
+        return Err(invalid(
+            "must not end in -<digits>: replica units are named <module>-<replica>",
+        ));
+    }
+    Ok(())
+}
+
+impl ModuleSpec {
+    /// Check everything the types do not: the unit fields (as an agent would),
+    /// the stateful rule, replica bounds.
+    pub fn validate(&self, name: &str) -> Result<(), Error> {
+        validate_name(name)?;
+        self.unit_item(name, name).validate("unit").map_err(|e| {
+            // The agent's field names are the unit's: `unit.command`, ...
+            Error::from(e)
+        })?;
+        if self.stateful && !matches!(self.placement, Placement::ExactNode { .. }) {
+            return Err(Error::Invalid {
+                field: "placement".to_owned(),
+                reason: "a stateful module must use exact_node: its data lives on one node and it is never moved".to_owned(),
+            });
+        }
+        if let Placement::MatchLabels { labels, replicas } = &self.placement {
+            mesh_protocol::validate_labels("placement.match_labels.labels", labels)?;
+            if *replicas > MAX_REPLICAS {
+                return Err(Error::Invalid {
+                    field: "placement.match_labels.replicas".to_owned(),
+                    reason: format!("at most {MAX_REPLICAS}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The user intent layer: the module's own replica count.
+    pub fn user_replicas(&self) -> Option<u32> {
+        match &self.placement {
+            Placement::MatchLabels { replicas, .. } => Some(*replicas),
+            _ => None,
+        }
+    }
+
+    /// The unit one replica runs, under the name `unit_name`.
+    pub fn unit_item(&self, module: &str, unit_name: &str) -> UnitItem {
+        UnitItem {
+            name: unit_name.to_owned(),
+            module: module.to_owned(),
+            command: self.unit.command.clone(),
+            args: self.unit.args.clone(),
+            env: self.unit.env.clone(),
+            working_dir: self.unit.working_dir.clone(),
+            restart: self.unit.restart,
+            desired: self.desired,
+        }
+    }
+}
+
+/// The unit name of `replica` of `module`: pinned placements run one unit named
+/// as the module; labelled ones `<module>-<replica>`.
+pub fn unit_name(module: &str, placement: &Placement, replica: u32) -> String {
+    if placement.is_pinned() {
+        module.to_owned()
+    } else {
+        format!("{module}-{replica}")
+    }
+}
+
+/// Body of `PUT /v1/modules/{name}/intent/policy`.
+pub type PolicyIntent = Bounds;
+
+/// Body of `PUT /v1/modules/{name}/intent/autoscaler`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AutoscalerIntent {
+    pub replicas: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(validate_name("web").is_ok());
+        assert!(validate_name("web-v2").is_ok());
+        assert!(validate_name("0web").is_ok());
+        assert!(validate_name("web-2").is_err());
+        assert!(validate_name("Web").is_err());
+        assert!(validate_name("-web").is_err());
+        assert!(validate_name("").is_err());
+        assert!(validate_name(&"a".repeat(49)).is_err());
+    }
+
+    #[test]
+    fn stateful_must_be_exact() {
+        let spec: ModuleSpec = serde_json::from_str(
+            r#"{"unit": {"command": "/bin/sleep", "args": ["100"]}, "stateful": true,
+                "placement": {"match_labels": {"labels": {}, "replicas": 2}}}"#,
+        )
+        .unwrap();
+        match spec.validate("db").unwrap_err() {
+            Error::Invalid { field, .. } => assert_eq!(field, "placement"),
+            other => panic!("{other}"),
+        }
+        let spec: ModuleSpec = serde_json::from_str(
+            r#"{"unit": {"command": ""}, "placement": {"controller_node": {}}}"#,
+        )
+        .unwrap();
+        match spec.validate("x").unwrap_err() {
+            Error::Invalid { field, .. } => assert_eq!(field, "unit.command"),
+            other => panic!("{other}"),
+        }
+    }
+}

@@ -1,0 +1,559 @@
+//! HTTP routes of the fleet: modules (with ETag / If-Match), their intent
+//! layers, node drains, alerts. Every write reconciles the fleet in its own
+//! transaction, so the answer already shows where replicas go.
+//!
+//! Optimistic concurrency: a module's ETag is `"<revision>"`. A `PUT` that
+//! replaces an existing module must say which revision it replaces (`If-Match`),
+//! else 428; a stale one gets 412. `If-Match: *` replaces whatever is there;
+//! `If-None-Match: *` only creates. `DELETE` checks `If-Match` when given.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::header::{ETAG, IF_MATCH, IF_NONE_MATCH};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use mesh_plumbing::api::{ApiJson, Problem};
+use mesh_protocol::NodeId;
+use serde::{Deserialize, Serialize};
+use sqlx::types::Json as SqlJson;
+
+use crate::fleet;
+use crate::module::{AutoscalerIntent, MAX_REPLICAS, ModuleSpec, PolicyIntent, validate_name};
+use crate::query::{AlertView, ModuleView};
+use crate::{Error, Inventory};
+
+pub(crate) fn routes(inventory: Arc<Inventory>) -> Router {
+    Router::new()
+        .route("/v1/modules", get(list_modules))
+        .route(
+            "/v1/modules/{name}",
+            get(get_module).put(put_module).delete(delete_module),
+        )
+        .route(
+            "/v1/modules/{name}/intent/{layer}",
+            get(get_intent).put(put_intent).delete(delete_intent),
+        )
+        .route("/v1/nodes/{id}/drain", post(drain))
+        .route("/v1/nodes/{id}/undrain", post(undrain))
+        .route("/v1/alerts", get(alerts))
+        .with_state(inventory)
+}
+
+fn etag(revision: i64) -> HeaderValue {
+    HeaderValue::from_str(&format!("\"{revision}\"")).unwrap_or(HeaderValue::from_static("\"0\""))
+}
+
+/// A precondition header: `*`, or the revisions it lists (weak tags compare too).
+enum Precondition {
+    Any,
+    Revisions(Vec<i64>),
+}
+
+fn precondition(
+    headers: &HeaderMap,
+    name: axum::http::HeaderName,
+) -> Result<Option<Precondition>, Problem> {
+    let Some(value) = headers.get(&name) else {
+        return Ok(None);
+    };
+    let bad = || {
+        Problem::field(
+            StatusCode::BAD_REQUEST,
+            name.as_str(),
+            "expected `*` or quoted revisions such as `\"3\"`",
+        )
+    };
+    let text = value.to_str().map_err(|_| bad())?.trim();
+    if text == "*" {
+        return Ok(Some(Precondition::Any));
+    }
+    let mut revisions = Vec::new();
+    for tag in text.split(',') {
+        let tag = tag.trim();
+        let tag = tag.strip_prefix("W/").unwrap_or(tag);
+        let inner = tag
+            .strip_prefix('"')
+            .and_then(|t| t.strip_suffix('"'))
+            .ok_or_else(bad)?;
+        revisions.push(inner.parse::<i64>().map_err(|_| bad())?);
+    }
+    Ok(Some(Precondition::Revisions(revisions)))
+}
+
+fn precondition_failed(detail: impl Into<String>) -> Problem {
+    Problem::new(StatusCode::PRECONDITION_FAILED, detail)
+}
+
+fn parse_name(name: &str) -> Result<(), Problem> {
+    validate_name(name).map_err(Problem::from)
+}
+
+fn with_etag(status: StatusCode, view: ModuleView) -> Response {
+    let tag = etag(view.revision);
+    (status, [(ETAG, tag)], Json(view)).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListParams {
+    after: Option<String>,
+    limit: Option<i64>,
+}
+
+#[derive(Debug, Serialize)]
+struct ModuleList {
+    modules: Vec<ModuleView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next: Option<String>,
+}
+
+async fn list_modules(
+    State(inventory): State<Arc<Inventory>>,
+    params: Result<Query<ListParams>, QueryRejection>,
+) -> Result<Json<ModuleList>, Problem> {
+    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let limit = params.limit.unwrap_or(100);
+    if limit < 1 {
+        return Err(Problem::unprocessable("limit", "must be at least 1"));
+    }
+    let names = inventory
+        .module_names(params.after.as_deref(), limit)
+        .await?;
+    let full =
+        i64::try_from(names.len()).unwrap_or(i64::MAX) >= limit.min(inventory.settings.max_page);
+    let next = if full { names.last().cloned() } else { None };
+    let mut modules = Vec::with_capacity(names.len());
+    for name in names {
+        if let Some(m) = inventory.module(&name).await? {
+            modules.push(m);
+        }
+    }
+    Ok(Json(ModuleList { modules, next }))
+}
+
+async fn get_module(
+    State(inventory): State<Arc<Inventory>>,
+    Path(name): Path<String>,
+) -> Result<Response, Problem> {
+    parse_name(&name)?;
+    let view = inventory
+        .module(&name)
+        .await?
+        .ok_or_else(|| Problem::not_found(format!("no module `{name}`")))?;
+    Ok(with_etag(StatusCode::OK, view))
+}
+
+async fn put_module(
+    State(inventory): State<Arc<Inventory>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    ApiJson(spec): ApiJson<ModuleSpec>,
+) -> Result<Response, Problem> {
+    spec.validate(&name)?;
+    let if_match = precondition(&headers, IF_MATCH)?;
+    let if_none_match = precondition(&headers, IF_NONE_MATCH)?;
+    let created = inventory
+        .put_module(&name, &spec, if_match, if_none_match)
+        .await?;
+    let view = inventory
+        .module(&name)
+        .await?
+        .ok_or_else(|| Problem::internal("module vanished after its write"))?;
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok(with_etag(status, view))
+}
+
+async fn delete_module(
+    State(inventory): State<Arc<Inventory>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Result<StatusCode, Problem> {
+    parse_name(&name)?;
+    let if_match = precondition(&headers, IF_MATCH)?;
+    inventory.delete_module(&name, if_match).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The writable intent layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layer {
+    Policy,
+    Autoscaler,
+}
+
+fn parse_layer(layer: &str) -> Result<Layer, Problem> {
+    match layer {
+        "policy" => Ok(Layer::Policy),
+        "autoscaler" => Ok(Layer::Autoscaler),
+        "user" => Err(Problem::unprocessable(
+            "layer",
+            "the user layer is the module's own placement.match_labels.replicas: PUT the module",
+        )),
+        other => Err(Problem::not_found(format!(
+            "no intent layer `{}` (policy, autoscaler)",
+            other.chars().take(40).collect::<String>()
+        ))),
+    }
+}
+
+impl Layer {
+    fn as_str(self) -> &'static str {
+        match self {
+            Layer::Policy => "policy",
+            Layer::Autoscaler => "autoscaler",
+        }
+    }
+}
+
+async fn get_intent(
+    State(inventory): State<Arc<Inventory>>,
+    Path((name, layer)): Path<(String, String)>,
+) -> Result<Response, Problem> {
+    parse_name(&name)?;
+    let layer = parse_layer(&layer)?;
+    let row: Option<(SqlJson<serde_json::Value>, i64)> = sqlx::query_as(
+        "SELECT value, revision FROM inventory.intents WHERE module = $1 AND layer = $2",
+    )
+    .bind(&name)
+    .bind(layer.as_str())
+    .fetch_optional(&inventory.pool)
+    .await
+    .map_err(Error::from)?;
+    let (value, revision) = row.ok_or_else(|| {
+        Problem::not_found(format!("module `{name}` has no {} intent", layer.as_str()))
+    })?;
+    Ok(([(ETAG, etag(revision))], Json(value.0)).into_response())
+}
+
+async fn put_intent(
+    State(inventory): State<Arc<Inventory>>,
+    Path((name, layer)): Path<(String, String)>,
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> Result<Response, Problem> {
+    parse_name(&name)?;
+    let layer = parse_layer(&layer)?;
+    let value = match layer {
+        Layer::Policy => {
+            let p: PolicyIntent = serde_json::from_value(body)
+                .map_err(|e| Problem::unprocessable("body", e.to_string()))?;
+            if let (Some(min), Some(max)) = (p.min, p.max)
+                && min > max
+            {
+                return Err(Problem::unprocessable("min", "must not exceed max"));
+            }
+            if p.min.unwrap_or(0) > MAX_REPLICAS || p.max.unwrap_or(0) > MAX_REPLICAS {
+                return Err(Problem::unprocessable(
+                    "max",
+                    format!("at most {MAX_REPLICAS}"),
+                ));
+            }
+            serde_json::to_value(p)
+        }
+        Layer::Autoscaler => {
+            let a: AutoscalerIntent = serde_json::from_value(body)
+                .map_err(|e| Problem::unprocessable("replicas", e.to_string()))?;
+            if a.replicas > MAX_REPLICAS {
+                return Err(Problem::unprocessable(
+                    "replicas",
+                    format!("at most {MAX_REPLICAS}"),
+                ));
+            }
+            serde_json::to_value(a)
+        }
+    }
+    .map_err(Problem::internal)?;
+    let revision = inventory.put_intent(&name, layer.as_str(), &value).await?;
+    Ok(([(ETAG, etag(revision))], Json(value)).into_response())
+}
+
+async fn delete_intent(
+    State(inventory): State<Arc<Inventory>>,
+    Path((name, layer)): Path<(String, String)>,
+) -> Result<StatusCode, Problem> {
+    parse_name(&name)?;
+    let layer = parse_layer(&layer)?;
+    inventory.delete_intent(&name, layer.as_str()).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Answer of drain / undrain.
+#[derive(Debug, Serialize)]
+struct DrainView {
+    id: String,
+    admin_state: String,
+    drain_blocked: Option<String>,
+}
+
+async fn drain(
+    State(inventory): State<Arc<Inventory>>,
+    Path(id): Path<String>,
+) -> Result<Json<DrainView>, Problem> {
+    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
+    let (admin_state, drain_blocked) = inventory.set_drain(&id, true).await?;
+    Ok(Json(DrainView {
+        id: id.to_string(),
+        admin_state,
+        drain_blocked,
+    }))
+}
+
+async fn undrain(
+    State(inventory): State<Arc<Inventory>>,
+    Path(id): Path<String>,
+) -> Result<Json<DrainView>, Problem> {
+    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
+    let (admin_state, drain_blocked) = inventory.set_drain(&id, false).await?;
+    Ok(Json(DrainView {
+        id: id.to_string(),
+        admin_state,
+        drain_blocked,
+    }))
+}
+
+#[derive(Debug, Serialize)]
+struct AlertList {
+    alerts: Vec<AlertView>,
+}
+
+async fn alerts(State(inventory): State<Arc<Inventory>>) -> Result<Json<AlertList>, Problem> {
+    Ok(Json(AlertList {
+        alerts: inventory.alerts().await?,
+    }))
+}
+
+impl Inventory {
+    /// Create or replace a module under the preconditions given, then reconcile.
+    /// True if it was created.
+    async fn put_module(
+        &self,
+        name: &str,
+        spec: &ModuleSpec,
+        if_match: Option<Precondition>,
+        if_none_match: Option<Precondition>,
+    ) -> Result<bool, Problem> {
+        let mut tx = self.pool.begin().await.map_err(Error::from)?;
+        // The fleet lock first, as every fleet writer takes it: no lock cycles
+        // with the sweeper.
+        fleet::lock(&mut tx).await?;
+        let current: Option<i64> =
+            sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
+                .bind(name)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(Error::from)?;
+        let created = match (current, if_match, if_none_match) {
+            (None, Some(_), _) => {
+                return Err(precondition_failed(format!(
+                    "If-Match given, but there is no module `{name}`"
+                )));
+            }
+            (None, None, _) => {
+                sqlx::query("INSERT INTO inventory.modules (name, spec) VALUES ($1, $2)")
+                    .bind(name)
+                    .bind(SqlJson(spec))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(Error::from)?;
+                true
+            }
+            (Some(rev), _, Some(_)) => {
+                return Err(precondition_failed(format!(
+                    "If-None-Match given, but module `{name}` exists (revision {rev})"
+                )));
+            }
+            (Some(rev), None, None) => {
+                return Err(Problem::new(
+                    StatusCode::PRECONDITION_REQUIRED,
+                    format!(
+                        "module `{name}` exists (revision {rev}): say which revision you replace with \
+                         If-Match: \"{rev}\" (or If-Match: * to replace whatever is there)"
+                    ),
+                ));
+            }
+            (Some(rev), Some(p), None) => {
+                let ok = match p {
+                    Precondition::Any => true,
+                    Precondition::Revisions(r) => r.contains(&rev),
+                };
+                if !ok {
+                    return Err(precondition_failed(format!(
+                        "module `{name}` is at revision {rev}: re-read it and apply your change again"
+                    )));
+                }
+                sqlx::query(
+                    "UPDATE inventory.modules SET spec = $2, revision = revision + 1, updated_at = now() \
+                     WHERE name = $1",
+                )
+                .bind(name)
+                .bind(SqlJson(spec))
+                .execute(&mut *tx)
+                .await
+                .map_err(Error::from)?;
+                false
+            }
+        };
+        let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        tx.commit().await.map_err(Error::from)?;
+        if report.changed() {
+            self.signal.notify();
+        }
+        Ok(created)
+    }
+
+    async fn delete_module(
+        &self,
+        name: &str,
+        if_match: Option<Precondition>,
+    ) -> Result<(), Problem> {
+        let mut tx = self.pool.begin().await.map_err(Error::from)?;
+        fleet::lock(&mut tx).await?;
+        let current: Option<i64> =
+            sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
+                .bind(name)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(Error::from)?;
+        let Some(rev) = current else {
+            return Err(Problem::not_found(format!("no module `{name}`")));
+        };
+        if let Some(Precondition::Revisions(r)) = if_match
+            && !r.contains(&rev)
+        {
+            return Err(precondition_failed(format!(
+                "module `{name}` is at revision {rev}"
+            )));
+        }
+        sqlx::query("DELETE FROM inventory.modules WHERE name = $1")
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .map_err(Error::from)?;
+        let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        tx.commit().await.map_err(Error::from)?;
+        if report.changed() {
+            self.signal.notify();
+        }
+        Ok(())
+    }
+
+    async fn put_intent(
+        &self,
+        name: &str,
+        layer: &str,
+        value: &serde_json::Value,
+    ) -> Result<i64, Problem> {
+        let mut tx = self.pool.begin().await.map_err(Error::from)?;
+        fleet::lock(&mut tx).await?;
+        let exists: Option<String> =
+            sqlx::query_scalar("SELECT name FROM inventory.modules WHERE name = $1 FOR UPDATE")
+                .bind(name)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(Error::from)?;
+        if exists.is_none() {
+            return Err(Problem::not_found(format!("no module `{name}`")));
+        }
+        let revision: i64 = sqlx::query_scalar(
+            "INSERT INTO inventory.intents AS i (module, layer, value) VALUES ($1, $2, $3) \
+             ON CONFLICT (module, layer) DO UPDATE SET value = excluded.value, revision = i.revision + 1, \
+             updated_at = now() RETURNING revision",
+        )
+        .bind(name)
+        .bind(layer)
+        .bind(SqlJson(value))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(Error::from)?;
+        let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        tx.commit().await.map_err(Error::from)?;
+        if report.changed() {
+            self.signal.notify();
+        }
+        Ok(revision)
+    }
+
+    async fn delete_intent(&self, name: &str, layer: &str) -> Result<(), Problem> {
+        let mut tx = self.pool.begin().await.map_err(Error::from)?;
+        fleet::lock(&mut tx).await?;
+        let gone: Option<String> = sqlx::query_scalar(
+            "DELETE FROM inventory.intents WHERE module = $1 AND layer = $2 RETURNING module",
+        )
+        .bind(name)
+        .bind(layer)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(Error::from)?;
+        if gone.is_none() {
+            return Err(Problem::not_found(format!(
+                "module `{name}` has no {layer} intent"
+            )));
+        }
+        let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        tx.commit().await.map_err(Error::from)?;
+        if report.changed() {
+            self.signal.notify();
+        }
+        Ok(())
+    }
+
+    /// Start (`drain`) or end a node's drain, then reconcile. Returns the node's
+    /// administrative state and what blocks its drain.
+    pub async fn set_drain(
+        &self,
+        id: &NodeId,
+        drain: bool,
+    ) -> Result<(String, Option<String>), Problem> {
+        let mut tx = self.pool.begin().await.map_err(Error::from)?;
+        fleet::lock(&mut tx).await?;
+        let admin: Option<String> =
+            sqlx::query_scalar("SELECT admin_state FROM inventory.nodes WHERE id = $1 FOR UPDATE")
+                .bind(id.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(Error::from)?;
+        let Some(admin) = admin else {
+            return Err(Error::NodeNotFound(id.to_string()).into());
+        };
+        if admin == "revoked" {
+            return Err(Problem::new(
+                StatusCode::CONFLICT,
+                format!("node `{id}` is revoked"),
+            ));
+        }
+        let next = match (drain, admin.as_str()) {
+            (true, "drained") => "drained",
+            (true, _) => "draining",
+            (false, _) => "active",
+        };
+        sqlx::query(
+            "UPDATE inventory.nodes SET admin_state = $2, \
+             drain_blocked = CASE WHEN $2 = 'draining' THEN drain_blocked ELSE NULL END WHERE id = $1",
+        )
+        .bind(id.as_str())
+        .bind(next)
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::from)?;
+        let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        let (admin, blocked): (String, Option<String>) =
+            sqlx::query_as("SELECT admin_state, drain_blocked FROM inventory.nodes WHERE id = $1")
+                .bind(id.as_str())
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(Error::from)?;
+        tx.commit().await.map_err(Error::from)?;
+        if report.changed() {
+            self.signal.notify();
+        }
+        Ok((admin, blocked))
+    }
+}

@@ -1,0 +1,125 @@
+//! The sweeper: judge liveness (rule 8: only after a full grace of observation),
+//! then reconcile the fleet. The controller calls [`Inventory::sweep`] on a timer.
+
+use chrono::{DateTime, Utc};
+use mesh_plumbing::outbox;
+use mesh_protocol::{NodeId, RecordEvent};
+use serde::Serialize;
+use sqlx::PgConnection;
+
+use crate::fleet::{self, Pass, ReconcileReport};
+use crate::{Error, Inventory, SCHEMA};
+
+/// Body of `inventory.node.unreachable` and `inventory.node.alive`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NodeLiveness {
+    pub node: NodeId,
+    /// `unreachable` or `alive`.
+    pub state: &'static str,
+    /// When the controller judged it (unreachable) or heard it again (alive).
+    pub at: DateTime<Utc>,
+    /// When the controller last heard from the node before this transition.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_heard: Option<DateTime<Utc>>,
+}
+
+/// Write `inventory.node.<state>` for a liveness transition to the outbox.
+pub(crate) async fn emit_liveness(tx: &mut PgConnection, body: NodeLiveness) -> Result<(), Error> {
+    let event = format!("node.{}", body.state);
+    outbox::record(tx, SCHEMA, &RecordEvent::new(SCHEMA, &event, &body)).await?;
+    Ok(())
+}
+
+/// What one sweep did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SweepReport {
+    /// Why liveness was not judged (none: it was).
+    pub not_judged: Option<String>,
+    /// Nodes judged unreachable in this sweep.
+    pub unreachable: Vec<String>,
+    pub reconcile: ReconcileReport,
+}
+
+impl Inventory {
+    pub(crate) fn pass(&self, now: DateTime<Utc>) -> Pass {
+        Pass {
+            now,
+            not_observed: self.not_observed(now),
+            controller_node: self
+                .settings
+                .controller_node
+                .as_ref()
+                .map(|n| n.as_str().to_owned()),
+            max_unreachable_share: self.settings.max_unreachable_share,
+        }
+    }
+
+    /// Judge liveness at `now` and reconcile, in one transaction. A node not heard
+    /// from for longer than the grace becomes unreachable (record event
+    /// `inventory.node.unreachable`) — but only once the controller has observed
+    /// reports for a full grace: after a controller or broker outage what it last
+    /// heard is stale for every node, and judging on it would mark the whole fleet
+    /// unreachable.
+    pub async fn sweep(&self, now: DateTime<Utc>) -> Result<SweepReport, Error> {
+        let pass = self.pass(now);
+        let mut tx = self.pool.begin().await?;
+        fleet::lock(&mut tx).await?;
+        let mut report = SweepReport {
+            not_judged: pass.not_observed.clone(),
+            ..SweepReport::default()
+        };
+        if pass.not_observed.is_none() {
+            let grace =
+                chrono::Duration::from_std(self.settings.grace).unwrap_or(chrono::Duration::MAX);
+            let cutoff = now
+                .checked_sub_signed(grace)
+                .unwrap_or(DateTime::<Utc>::MIN_UTC);
+            let judged: Vec<(String, DateTime<Utc>)> = sqlx::query_as(
+                "UPDATE inventory.nodes SET state = 'unreachable', unreachable_since = $1 \
+                 WHERE state = 'alive' AND admin_state <> 'revoked' AND heard_at < $2 \
+                 RETURNING id, heard_at",
+            )
+            .bind(now)
+            .bind(cutoff)
+            .fetch_all(&mut *tx)
+            .await?;
+            for (id, heard_at) in judged {
+                let node = NodeId::parse(&id).map_err(|e| Error::Corrupt {
+                    node: id.clone(),
+                    reason: e.to_string(),
+                })?;
+                tracing::warn!(node = %id, last_heard = %heard_at, "node unreachable");
+                emit_liveness(
+                    &mut tx,
+                    NodeLiveness {
+                        node,
+                        state: "unreachable",
+                        at: now,
+                        last_heard: Some(heard_at),
+                    },
+                )
+                .await?;
+                report.unreachable.push(id);
+            }
+        }
+        report.reconcile = fleet::reconcile(&mut tx, &pass).await?;
+        tx.commit().await?;
+        if !report.unreachable.is_empty() || report.reconcile.changed() {
+            self.signal.notify();
+        }
+        Ok(report)
+    }
+
+    /// Reconcile the fleet now (what the API does after a write), and wake the
+    /// relay if anything was declared.
+    pub async fn reconcile(&self) -> Result<ReconcileReport, Error> {
+        let pass = self.pass(Utc::now());
+        let mut tx = self.pool.begin().await?;
+        let report = fleet::reconcile(&mut tx, &pass).await?;
+        tx.commit().await?;
+        if report.changed() {
+            self.signal.notify();
+        }
+        Ok(report)
+    }
+}
