@@ -115,14 +115,36 @@ async fn node(
         .section(&id)
         .await
         .map_err(Problem::internal)?;
-    let applied = node.applied.get(Section::Config.as_str());
-    let view = SectionView {
-        declared: config.as_ref().map(|c| c.generation),
-        applied: applied.map(|a| a.generation).filter(|g| *g > 0),
-        outcome: applied.and_then(|a| a.outcome.clone()),
-        error: applied.and_then(|a| a.error.clone()),
-        declared_at: config.as_ref().map(|c| c.declared_at),
+    let inventory = state
+        .contexts
+        .inventory
+        .section(&id)
+        .await
+        .map_err(Problem::internal)?;
+    let section = |section: Section, declared: Option<(i64, chrono::DateTime<chrono::Utc>)>| {
+        let applied = node.applied.get(section.as_str());
+        SectionView {
+            declared: declared.map(|d| d.0),
+            applied: applied.map(|a| a.generation).filter(|g| *g > 0),
+            outcome: applied.and_then(|a| a.outcome.clone()),
+            error: applied.and_then(|a| a.error.clone()),
+            declared_at: declared.map(|d| d.1),
+        }
     };
-    let sections = [(Section::Config.as_str(), view)].into_iter().collect();
+    let sections = [
+        (
+            Section::Config.as_str(),
+            section(
+                Section::Config,
+                config.as_ref().map(|c| (c.generation, c.declared_at)),
+            ),
+        ),
+        (
+            Section::Inventory.as_str(),
+            section(Section::Inventory, inventory),
+        ),
+    ]
+    .into_iter()
+    .collect();
     Ok(Json(NodeDetail { node, sections }))
 }

@@ -92,6 +92,13 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
         session.run(broker_shutdown).await;
         ("broker", Ok(()))
     });
+    let sweeper_shutdown = shutdown.clone();
+    let sweeper_contexts = contexts.clone();
+    let sweep_interval = settings.sweep_interval();
+    tasks.spawn(async move {
+        sweeper(sweeper_contexts, sweep_interval, sweeper_shutdown).await;
+        ("sweeper", Ok(()))
+    });
     let housekeeping_shutdown = shutdown.clone();
     let housekeeping_contexts = contexts.clone();
     tasks.spawn(async move {
@@ -130,6 +137,33 @@ fn log_exit(name: &str, result: &Result<(), String>) {
     match result {
         Ok(()) => tracing::info!(task = name, "stopped"),
         Err(e) => tracing::error!(task = name, error = %e, "failed"),
+    }
+}
+
+/// Judge liveness and reconcile the fleet every `interval` (inventory decides
+/// whether it has observed long enough to judge; see `Inventory::sweep`).
+async fn sweeper(contexts: Arc<Contexts>, interval: Duration, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        match contexts.inventory.sweep(chrono::Utc::now()).await {
+            Ok(report) => {
+                if !report.unreachable.is_empty() || report.reconcile.changed() {
+                    tracing::info!(
+                        unreachable = ?report.unreachable,
+                        placed = report.reconcile.placed,
+                        removed = report.reconcile.removed,
+                        declared = report.reconcile.declared,
+                        drained = ?report.reconcile.drained,
+                        paused = ?report.reconcile.paused,
+                        "fleet swept"
+                    );
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "sweeping the fleet failed; retrying next round"),
+        }
     }
 }
 
@@ -247,8 +281,11 @@ impl Session {
         let relay_end = session_end.clone();
         let relay_conn = conn.clone();
         tasks.spawn(async move { Ok(relay.run(relay_conn, relay_end).await?) });
+        // Reports flow from now on: liveness may be judged after one full grace.
+        self.contexts.inventory.observe_from(chrono::Utc::now());
 
         let first = tasks.join_next().await;
+        self.contexts.inventory.observe_stop();
         session_end.cancel();
         while tasks.join_next().await.is_some() {}
         let _ = conn.close(200, "controller session ending".into()).await;

@@ -26,6 +26,11 @@ pub enum ConfigError {
     MissingContext { path: PathBuf, context: String },
     #[error("environment variable {name}: {message}")]
     Env { name: String, message: String },
+    #[error("setting `{field}`: {message}")]
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
 }
 
 /// The controller's settings.
@@ -60,6 +65,25 @@ pub struct Settings {
     /// How long graceful shutdown may take before tasks are abandoned, in
     /// seconds. Default 10.
     pub shutdown_deadline_secs: u64,
+    /// The interval agents publish heartbeats at, in milliseconds (the agents'
+    /// own `heartbeat_interval`; keep the two equal). Default 10000.
+    pub heartbeat_interval_ms: u64,
+    /// Heartbeat intervals a node may miss before it is judged unreachable: the
+    /// grace is `heartbeat_interval_ms × grace_intervals`. After the controller
+    /// starts (or its broker session returns), no node is judged for one grace.
+    /// Default 3 (30 s; docs/decisions/0005-liveness-grace.md says why).
+    pub grace_intervals: u32,
+    /// Largest share of nodes that may be unreachable at once before automatic
+    /// re-placement pauses (and an alert says why): past it, the pattern is a
+    /// partition or a control-plane problem, not dead machines. Default 0.3.
+    pub max_unreachable_share: f64,
+    /// The node this controller runs on: where modules with placement
+    /// `controller_node` run. Assigned, never elected. Default none (such modules
+    /// stay unplaced, with the reason in their view).
+    pub controller_node: Option<String>,
+    /// How often the sweeper judges liveness and reconciles the fleet, in
+    /// milliseconds. Default 2000.
+    pub sweep_interval_ms: u64,
 }
 
 impl Default for Settings {
@@ -76,6 +100,11 @@ impl Default for Settings {
             pool_size: 4,
             reconnect_max_ms: 10_000,
             shutdown_deadline_secs: 10,
+            heartbeat_interval_ms: 10_000,
+            grace_intervals: 3,
+            max_unreachable_share: 0.3,
+            controller_node: None,
+            sweep_interval_ms: 2000,
         }
     }
 }
@@ -106,7 +135,31 @@ impl Settings {
                 message: format!("`{v}` is not a socket address: {e}"),
             })?;
         }
+        settings.validate()?;
         Ok(settings)
+    }
+
+    /// Check what the types do not.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(0.0..=1.0).contains(&self.max_unreachable_share) {
+            return Err(ConfigError::Invalid {
+                field: "max_unreachable_share",
+                message: "must be between 0 and 1".into(),
+            });
+        }
+        if let Some(node) = &self.controller_node {
+            mesh_protocol::NodeId::parse(node).map_err(|e| ConfigError::Invalid {
+                field: "controller_node",
+                message: e.to_string(),
+            })?;
+        }
+        if self.heartbeat_interval_ms == 0 || self.grace_intervals == 0 {
+            return Err(ConfigError::Invalid {
+                field: "grace_intervals",
+                message: "heartbeat_interval_ms and grace_intervals must be at least 1".into(),
+            });
+        }
+        Ok(())
     }
 
     pub fn batch_wait(&self) -> Duration {
@@ -115,6 +168,16 @@ impl Settings {
 
     pub fn relay_poll(&self) -> Duration {
         Duration::from_millis(self.relay_poll_ms)
+    }
+
+    /// How long a node may stay silent before it is judged unreachable.
+    pub fn grace(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_interval_ms)
+            .saturating_mul(self.grace_intervals.max(1))
+    }
+
+    pub fn sweep_interval(&self) -> Duration {
+        Duration::from_millis(self.sweep_interval_ms.max(100))
     }
 }
 

@@ -69,7 +69,21 @@ impl Contexts {
         let inventory = Inventory::new(
             pool(creds, Inventory::SCHEMA, settings.pool_size).await?,
             signal.clone(),
-            mesh_inventory::InventorySettings::default(),
+            mesh_inventory::InventorySettings {
+                grace: settings.grace(),
+                max_unreachable_share: settings.max_unreachable_share,
+                controller_node: settings
+                    .controller_node
+                    .as_deref()
+                    .map(mesh_protocol::NodeId::parse)
+                    .transpose()
+                    .map_err(|e| ConfigError::Invalid {
+                        field: "controller_node",
+                        message: e.to_string(),
+                    })?,
+                resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
+                ..mesh_inventory::InventorySettings::default()
+            },
         );
         let config_settings = mesh_config::ConfigSettings {
             resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
