@@ -22,7 +22,7 @@ use lapin::{
 use mesh_protocol::topology::{REPORTS_EXCHANGE, declaration_queue, report_routing_key};
 use mesh_protocol::{
     Applied, Envelope, Heartbeat, ItemOutcome, MAX_REPORT_BYTES, NodeId, Outcome, Report,
-    ReportKind,
+    ReportKind, Section, Units,
 };
 use rand::Rng;
 use tokio::time::{Instant, Interval, MissedTickBehavior, sleep_until};
@@ -36,6 +36,7 @@ use crate::credentials::Credentials;
 use crate::facts;
 use crate::metrics::Metrics;
 use crate::store::{PendingReport, Store};
+use crate::units::{Reporter, Supervisor};
 
 /// Reports handed to the broker and not yet confirmed, at most.
 const PUBLISH_WINDOW: usize = 64;
@@ -84,6 +85,9 @@ pub(crate) struct Agent {
     applier: Applier,
     buffer: ReportBuffer,
     metrics: Metrics,
+    /// Runs the inventory section's units; outlives broker sessions.
+    units: Supervisor,
+    reporter: Reporter,
 }
 
 impl Agent {
@@ -93,6 +97,7 @@ impl Agent {
         store: Store,
         applier: Applier,
         metrics: Metrics,
+        units: Supervisor,
     ) -> Self {
         let mut buffer = ReportBuffer::new(config.report_buffer);
         // Applied reports that were never confirmed before the last exit.
@@ -107,6 +112,7 @@ impl Agent {
             }
         }
         metrics.set_buffered(buffer.len());
+        let reporter = units.reporter();
         Agent {
             config,
             creds,
@@ -114,11 +120,20 @@ impl Agent {
             applier,
             buffer,
             metrics,
+            units,
+            reporter,
         }
     }
 
-    /// Run until `shutdown` resolves.
+    /// Run until `shutdown` resolves, then stop the units (SIGTERM, SIGKILL after
+    /// `units.stop_timeout`): their output pipes end with this process, so they
+    /// cannot outlive it usefully (the next agent would stop leftovers anyway).
     pub(crate) async fn run(mut self, shutdown: Shutdown<'_>) {
+        self.serve(shutdown).await;
+        self.units.shutdown().await;
+    }
+
+    async fn serve(&mut self, shutdown: Shutdown<'_>) {
         let mut shutdown = shutdown;
         let interval = self.config.heartbeat_interval;
         let first = rand::rng().random_range(Duration::ZERO..=interval);
@@ -216,6 +231,7 @@ impl Agent {
         };
         self.buffer.reset_in_flight();
         self.push_hello();
+        self.push_units();
         let mut events = conn.events_listener();
         let mut confirms: FuturesUnordered<ConfirmFuture> = FuturesUnordered::new();
         let mut consumer: Option<(Channel, Consumer)> = None;
@@ -285,6 +301,7 @@ impl Agent {
                         }
                     }
                 }
+                () = self.reporter.due() => self.push_units(),
                 _ = heartbeat.tick() => {
                     self.push_heartbeat();
                     if !conn.status().connected() {
@@ -531,12 +548,18 @@ impl Agent {
         } else {
             warn!(%section, generation, outcome = label, error = report.error.as_deref().unwrap_or(""), "declaration not applied");
         }
-        if let Some(state) = report.state
-            && let Err(e) = self
+        if let Some(state) = report.state {
+            let units = (section == Section::Inventory).then(|| state.units.clone());
+            if let Err(e) = self
                 .store
                 .record(section, state, None, self.config.report_buffer)
-        {
-            error!(error = %e, "cannot record the applied state");
+            {
+                error!(error = %e, "cannot record the applied state");
+            }
+            // Level-triggered: the supervisor compares the whole list with what runs.
+            if let Some(units) = units {
+                self.units.declare(&units);
+            }
         }
         Applied {
             section: Some(section),
@@ -579,6 +602,13 @@ impl Agent {
             self.store.applied_generations(),
         );
         let out = self.envelope(Report::Hello(hello));
+        self.push(out);
+    }
+
+    /// State every unit, now (after a connect, and when [`Reporter::due`]).
+    fn push_units(&mut self) {
+        let units = fit_units(self.reporter.take(), &self.creds.node);
+        let out = self.envelope(Report::Units(units));
         self.push(out);
     }
 
@@ -640,6 +670,35 @@ fn fit_applied(mut a: Applied, node: &NodeId) -> Applied {
         truncate(a.error.as_deref().unwrap_or(""), 1000)
     ));
     a
+}
+
+/// Make a units report fit [`MAX_REPORT_BYTES`]: first drop the start times, then
+/// (hundreds of units, far beyond what a node runs) cut the list, saying so in
+/// the log.
+fn fit_units(mut u: Units, node: &NodeId) -> Units {
+    let fits = |u: &Units| {
+        let probe = Envelope::new(node.clone(), u64::MAX, Report::Units(u.clone()));
+        probe.encode().len() <= MAX_REPORT_BYTES
+    };
+    if fits(&u) {
+        return u;
+    }
+    for s in &mut u.units {
+        s.started_at = None;
+    }
+    let total = u.units.len();
+    while !fits(&u) && !u.units.is_empty() {
+        let keep = u.units.len() * 9 / 10;
+        u.units.truncate(keep);
+    }
+    if u.units.len() < total {
+        warn!(
+            total,
+            reported = u.units.len(),
+            "too many units for one units report; the list is cut"
+        );
+    }
+    u
 }
 
 fn truncate(s: &str, max_chars: usize) -> String {

@@ -138,6 +138,14 @@ impl Applier {
         if let Err(e) = decl.validate() {
             return rejected(Vec::new(), e.to_string());
         }
+        if section != Section::Inventory && !decl.items.units.is_empty() {
+            return rejected(
+                Vec::new(),
+                format!(
+                    "invalid field `body.items.units`: units are declared in the inventory section only, not in `{section}`"
+                ),
+            );
+        }
         let mut targets = Vec::with_capacity(decl.items.files.len());
         let mut items = Vec::new();
         let mut first_error = None;
@@ -241,6 +249,14 @@ impl Applier {
             state.digest = digest_items(&decl.items);
             state.last_outcome = Some(Outcome::Applied);
             state.last_error = None;
+            // Units are handed to the supervisor once recorded (the agent does it):
+            // an applied unit is a declared one; how it runs is the units report's.
+            state.units = decl.items.units.clone();
+            items.extend(decl.items.units.iter().map(|u| ItemOutcome {
+                item: u.name.clone(),
+                ok: true,
+                error: None,
+            }));
         }
         ApplyReport {
             section,
@@ -561,6 +577,45 @@ mod tests {
         } else {
             assert_eq!(s2.generation, 2);
         }
+    }
+
+    #[test]
+    fn units_are_recorded_for_the_inventory_section_only() {
+        let fx = fixture();
+        let unit = mesh_protocol::UnitItem {
+            name: "web-0".into(),
+            module: "web".into(),
+            command: "/bin/true".into(),
+            args: vec![],
+            env: Default::default(),
+            working_dir: None,
+            restart: mesh_protocol::RestartPolicy::Always,
+            desired: mesh_protocol::DesiredState::Running,
+        };
+        let mut d = decl(1, vec![file("/srv/web.conf", "x", 0o644)]);
+        d.section = Section::Inventory;
+        d.items.units = vec![unit.clone()];
+        let r = fx.applier.apply(&d, &SectionState::default());
+        assert_eq!(r.outcome, Outcome::Applied, "{r:?}");
+        let s1 = r.state.unwrap();
+        assert_eq!(s1.units, vec![unit.clone()]);
+        assert!(r.items.iter().any(|i| i.item == "web-0" && i.ok));
+        assert_eq!(tree(&fx.root), vec!["srv/web.conf"]);
+
+        // A generation without units records none (the supervisor stops them).
+        let mut d2 = decl(2, vec![]);
+        d2.section = Section::Inventory;
+        let s2 = fx.applier.apply(&d2, &s1).state.unwrap();
+        assert!(s2.units.is_empty());
+
+        // Units anywhere else: rejected, nothing touched, the old units kept.
+        let mut bad = decl(3, vec![file("/etc/x", "x", 0o644)]);
+        bad.items.units = vec![unit];
+        let r = fx.applier.apply(&bad, &s1);
+        assert_eq!(r.outcome, Outcome::Rejected);
+        assert!(r.error.unwrap().contains("inventory"));
+        assert!(!fx.root.join("etc/x").exists());
+        assert_eq!(r.state.unwrap().units, s1.units);
     }
 
     #[test]

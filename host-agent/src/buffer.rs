@@ -2,10 +2,11 @@
 //!
 //! A report leaves the buffer only when the broker confirmed it (ack, not
 //! returned as unroutable). When the buffer is full the oldest heartbeat goes
-//! first (a newer one supersedes it), then the oldest hello (one is sent on every
-//! connect); an `applied` report goes only when nothing else is left, and the next
-//! heartbeat still carries the applied generations. A new hello replaces older
-//! hellos that are still waiting.
+//! first (a newer one supersedes it), then the oldest units report (a whole list,
+//! also superseded), then the oldest hello (one is sent on every connect); an
+//! `applied` report goes only when nothing else is left, and the next heartbeat
+//! still carries the applied generations. A new hello replaces older hellos that
+//! are still waiting, and a new units report older units reports.
 
 use std::collections::VecDeque;
 
@@ -56,10 +57,10 @@ impl ReportBuffer {
     /// Add a report; returns the reports dropped to make room (or superseded).
     pub fn push(&mut self, report: Outgoing) -> Vec<Outgoing> {
         let mut dropped = Vec::new();
-        if report.kind == ReportKind::Hello {
+        if matches!(report.kind, ReportKind::Hello | ReportKind::Units) {
             let mut i = 0;
             while i < self.entries.len() {
-                if self.entries[i].report.kind == ReportKind::Hello && !self.entries[i].in_flight {
+                if self.entries[i].report.kind == report.kind && !self.entries[i].in_flight {
                     if let Some(e) = self.entries.remove(i) {
                         dropped.push(e.report);
                     }
@@ -71,6 +72,7 @@ impl ReportBuffer {
         while self.entries.len() >= self.capacity {
             let victim = [
                 ReportKind::Heartbeat,
+                ReportKind::Units,
                 ReportKind::Hello,
                 ReportKind::Applied,
             ]
@@ -156,6 +158,25 @@ mod tests {
         b.push(r(ReportKind::Applied, 7));
         b.push(r(ReportKind::Applied, 8));
         assert_eq!(seqs(&b), vec![4, 7, 8]);
+    }
+
+    #[test]
+    fn units_reports_supersede_each_other() {
+        let mut b = ReportBuffer::new(3);
+        b.push(r(ReportKind::Units, 1));
+        b.push(r(ReportKind::Applied, 2));
+        let dropped = b.push(r(ReportKind::Units, 3));
+        assert_eq!(dropped.iter().map(|d| d.seq).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(seqs(&b), vec![2, 3]);
+        // In flight stays (it may be confirmed); the waiting one is replaced.
+        assert_eq!(b.next_to_send().map(|o| o.seq), Some(2));
+        assert_eq!(b.next_to_send().map(|o| o.seq), Some(3));
+        b.push(r(ReportKind::Units, 4));
+        assert_eq!(seqs(&b), vec![2, 3, 4]);
+        // Full: units go before hellos and applied.
+        b.reset_in_flight();
+        b.push(r(ReportKind::Hello, 5));
+        assert_eq!(seqs(&b), vec![2, 4, 5]);
     }
 
     #[test]

@@ -87,6 +87,9 @@ pub struct Config {
     /// agent applies one at a time; a small window only hides round trips.
     /// Default 4.
     pub prefetch: u16,
+    /// The unit supervisor: the `[units]` table (stop timeout, restart backoff,
+    /// log rotation). Defaults in [`crate::units::UnitsConfig`].
+    pub units: crate::units::UnitsConfig,
 }
 
 impl Default for Config {
@@ -103,6 +106,7 @@ impl Default for Config {
             hostname: None,
             shutdown_timeout: Duration::from_secs(5),
             prefetch: 4,
+            units: crate::units::UnitsConfig::default(),
         }
     }
 }
@@ -166,6 +170,9 @@ impl Config {
                 "must be 1 to 255 characters without control characters",
             ));
         }
+        self.units
+            .validate()
+            .map_err(|(field, reason)| ConfigError::invalid(field, reason))?;
         if !self.root.is_absolute() {
             return Err(ConfigError::invalid("root", "must be an absolute path"));
         }
@@ -181,7 +188,7 @@ impl Config {
 
 /// A duration in a config file: a number of seconds (integer or float) or a string
 /// with a unit (`ms`, `s`, `m`, `h`).
-fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+pub(crate) fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Raw {
@@ -282,6 +289,8 @@ mod tests {
             ("[labels]\n\"Bad Key\" = \"x\"", "labels.Bad Key"),
             ("reconnect_min = 5\nreconnect_max = 1", "reconnect_max"),
             ("root = \"relative\"", "root"),
+            ("[units]\nlog_files = 5000", "units.log_files"),
+            ("[units]\nstop_timeuot = 1", "stop_timeuot"),
         ] {
             let err = parse(text).unwrap_err().to_string();
             assert!(

@@ -11,8 +11,12 @@
 //!   section at a generation — idempotently: validated first, files written
 //!   atomically under its root, files the section no longer declares removed,
 //!   stale generations ignored, the result kept in a local store;
+//! - runs the units its inventory section declares as supervised child processes
+//!   ([`units`]): restarted per policy with capped backoff, output captured to
+//!   rotating files, state stated in `units` reports; on its own restart it
+//!   starts what its store says must run at once, without waiting for anyone;
 //! - keeps running when the broker or the controller is away, reconnecting with
-//!   capped, jittered backoff.
+//!   capped, jittered backoff, and keeps every unit running as last declared.
 //!
 //! What it never does:
 //! - **It never touches a database.** It holds no database credential and this
@@ -34,6 +38,7 @@ pub mod credentials;
 pub mod facts;
 pub mod metrics;
 pub mod store;
+pub mod units;
 
 use std::future::Future;
 
@@ -112,7 +117,17 @@ pub async fn run(
         version = facts::AGENT_VERSION,
         "mesh agent starting"
     );
-    let agent = agent::Agent::new(config, creds, store, applier, metrics);
+    // Units run from the store at once (rule 8): no broker, no controller needed.
+    // Started last, so that no start-up failure above leaves them orphaned.
+    let mut supervisor = units::Supervisor::start(
+        config.units.clone(),
+        &config.root,
+        &config.state_dir,
+        metrics.clone(),
+    )
+    .await;
+    supervisor.declare(&store.section(mesh_protocol::Section::Inventory).units);
+    let agent = agent::Agent::new(config, creds, store, applier, metrics, supervisor);
     let shutdown = std::pin::pin!(shutdown);
     agent.run(shutdown).await;
 

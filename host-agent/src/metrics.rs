@@ -24,6 +24,8 @@ pub struct Metrics {
     reports_buffered: Gauge,
     declarations_applied: Family<Labels, Counter>,
     reconnects: Counter,
+    unit_restarts: Counter,
+    units_running: Gauge,
 }
 
 impl Default for Metrics {
@@ -59,12 +61,26 @@ impl Metrics {
             "Connections to the broker after the first",
             reconnects.clone(),
         );
+        let unit_restarts = Counter::default();
+        registry.register(
+            "unit_restarts",
+            "Unit processes started again after they exited (per policy)",
+            unit_restarts.clone(),
+        );
+        let units_running = Gauge::default();
+        registry.register(
+            "units_running",
+            "Units whose process runs now",
+            units_running.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
             reports_published,
             reports_buffered,
             declarations_applied,
             reconnects,
+            unit_restarts,
+            units_running,
         }
     }
 
@@ -87,6 +103,14 @@ impl Metrics {
 
     pub fn reconnected(&self) {
         self.reconnects.inc();
+    }
+
+    pub fn unit_restarted(&self) {
+        self.unit_restarts.inc();
+    }
+
+    pub fn set_units_running(&self, n: usize) {
+        self.units_running.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// The text exposition format.
@@ -138,12 +162,16 @@ mod tests {
         m.set_buffered(3);
         m.declaration_applied("applied");
         m.reconnected();
+        m.unit_restarted();
+        m.set_units_running(2);
         let text = m.render();
         for needle in [
             "mesh_agent_reports_published_total{kind=\"hello\"} 1",
             "mesh_agent_reports_buffered 3",
             "mesh_agent_declarations_applied_total{outcome=\"applied\"} 1",
             "mesh_agent_reconnects_total 1",
+            "mesh_agent_unit_restarts_total 1",
+            "mesh_agent_units_running 2",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }

@@ -6,16 +6,20 @@
 //! the last attempt went; the upper bound of report sequence numbers handed out;
 //! and `applied` reports not yet confirmed by the broker, so a declaration can be
 //! acknowledged as soon as its report is here and a restart loses none of them.
+//! Since version 2 it also holds each section's declared units, so that a
+//! restarted agent runs them again before it hears from anyone.
 //!
 //! The format is versioned: a store with a `version` this agent does not know is
-//! refused, never guessed at.
+//! refused, never guessed at. Older versions are migrated when read (and written
+//! in the current version at the next save):
+//! - 1 → 2: sections gained `units` (absent in version 1: none).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
-use mesh_protocol::{AppliedGenerations, Outcome, Section};
+use mesh_protocol::{AppliedGenerations, Outcome, Section, UnitItem};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -23,7 +27,7 @@ use uuid::Uuid;
 pub const STORE_FILE: &str = "store.json";
 
 /// The store format this agent reads and writes.
-pub const STORE_VERSION: u32 = 1;
+pub const STORE_VERSION: u32 = 2;
 
 /// Sequence numbers are reserved in blocks so that the store is not rewritten for
 /// every heartbeat; a restart skips the rest of the block (seq stays monotonic,
@@ -40,7 +44,7 @@ pub enum StoreError {
     #[error("store {path} is not valid: {message}")]
     Malformed { path: PathBuf, message: String },
     #[error(
-        "store {path} has format version {found}; this agent knows only version {STORE_VERSION}"
+        "store {path} has format version {found}; this agent knows versions 1 to {STORE_VERSION}"
     )]
     UnknownVersion { path: PathBuf, found: u64 },
 }
@@ -65,6 +69,11 @@ pub struct SectionState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
     pub updated_at: Option<DateTime<Utc>>,
+    /// The units of the generation applied last (`generation`): what the
+    /// supervisor runs for this section, also right after a restart. Absent in
+    /// version 1 stores and when there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub units: Vec<UnitItem>,
 }
 
 /// A report that was built but not yet confirmed by the broker. Only `applied`
@@ -243,6 +252,12 @@ fn parse(bytes: &[u8], path: &Path) -> Result<StoreData, StoreError> {
         Some(v) if v == u64::from(STORE_VERSION) => {
             serde_json::from_value(value).map_err(malformed)
         }
+        // Version 1 is version 2 without units: read it as it is, then say 2.
+        Some(1) => {
+            let mut data: StoreData = serde_json::from_value(value).map_err(malformed)?;
+            data.version = STORE_VERSION;
+            Ok(data)
+        }
         Some(found) => Err(StoreError::UnknownVersion {
             path: path.to_owned(),
             found,
@@ -309,6 +324,16 @@ mod tests {
             last_outcome: Some(Outcome::Applied),
             last_error: None,
             updated_at: Some(Utc::now()),
+            units: vec![UnitItem {
+                name: "web".into(),
+                module: "web".into(),
+                command: "/bin/sleep".into(),
+                args: vec!["1000".into()],
+                env: [("A".to_owned(), "1".to_owned())].into(),
+                working_dir: Some("/srv".into()),
+                restart: mesh_protocol::RestartPolicy::OnFailure,
+                desired: mesh_protocol::DesiredState::Running,
+            }],
         };
         let report = PendingReport {
             id: Uuid::now_v7(),
@@ -358,6 +383,38 @@ mod tests {
         }
         let seqs: Vec<u64> = s.data().pending_reports.iter().map(|r| r.seq).collect();
         assert_eq!(seqs, vec![2, 3, 4]);
+    }
+
+    #[test]
+    fn version_1_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        // Exactly what a version-1 agent wrote.
+        let v1 = r#"{
+  "version": 1,
+  "seq_reserved": 2048,
+  "sections": {
+    "config": {
+      "generation": 4,
+      "digest": "d",
+      "paths": ["/etc/a"],
+      "last_generation": 4,
+      "last_outcome": "applied",
+      "updated_at": "2025-01-01T00:00:00Z"
+    }
+  },
+  "pending_reports": []
+}"#;
+        std::fs::write(dir.path().join(STORE_FILE), v1).unwrap();
+        let mut s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.data().version, STORE_VERSION);
+        let c = s.section(Section::Config);
+        assert_eq!(c.generation, 4);
+        assert!(c.units.is_empty());
+        assert!(s.next_seq() > 2048);
+        // The next save writes the current version.
+        let text = std::fs::read_to_string(dir.path().join(STORE_FILE)).unwrap();
+        assert!(text.contains("\"version\": 2"), "{text}");
+        assert_eq!(Store::open(dir.path()).unwrap().section(Section::Config), c);
     }
 
     #[test]

@@ -608,3 +608,149 @@ async fn binary_runs_and_stops_on_sigterm() -> anyhow::Result<()> {
     let _ = admin.close(200, "done".into()).await;
     env.teardown().await
 }
+
+fn units_of(r: &Received) -> Option<&[mesh_protocol::UnitStatus]> {
+    match &r.envelope.body {
+        Report::Units(u) => Some(&u.units),
+        _ => None,
+    }
+}
+
+/// End to end through the broker: an inventory declaration with a file and a
+/// unit → the file is written, the unit runs in its working dir under the root,
+/// `units` reports say so (after connecting, and on every change), a kill -9 is
+/// a restart in the next report, and a generation without the unit stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
+    use mesh_protocol::{DesiredState, RestartPolicy, UnitItem, UnitState};
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("u").await?;
+    let node = creds.node.clone();
+    let (admin, ch, mut reports) = controller_side(&env).await?;
+    declaration_queue_for(&ch, &node).await?;
+
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let config = Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        heartbeat_interval: Duration::from_millis(500),
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(400),
+        units: mesh_host_agent::units::UnitsConfig {
+            restart_backoff_min: Duration::from_millis(50),
+            stop_timeout: Duration::from_secs(2),
+            ..Default::default()
+        },
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config, async {
+        let _ = stopped.await;
+    }));
+
+    // After connecting: a units report, empty (nothing declared yet).
+    let r = wait_report(&mut reports, "units report after connect", |r| {
+        units_of(r).is_some()
+    })
+    .await?;
+    assert_eq!(units_of(&r), Some(&[][..]));
+    assert_eq!(r.user_id.as_deref(), Some(node.as_str()));
+
+    let unit = UnitItem {
+        name: "svc-0".into(),
+        module: "svc".into(),
+        command: "/bin/sh".into(),
+        args: vec!["-c".into(), "cat app.conf; exec sleep 1000".into()],
+        env: Default::default(),
+        working_dir: Some("/srv/svc".into()),
+        restart: RestartPolicy::Always,
+        desired: DesiredState::Running,
+    };
+    let decl = |generation, units: Vec<UnitItem>| Declaration {
+        section: Section::Inventory,
+        generation,
+        items: DeclarationItems {
+            files: vec![file("/srv/svc/app.conf", "port=8080\n", 0o644)],
+            units,
+        },
+    };
+    publish_raw(
+        &ch,
+        &node,
+        &Envelope::new(node.clone(), 1, decl(1, vec![unit.clone()])).encode(),
+    )
+    .await?;
+    let r = wait_report(&mut reports, "applied inventory 1", |r| {
+        applied(r).is_some_and(|a| a.generation == Some(1))
+    })
+    .await?;
+    let a = applied(&r).unwrap();
+    assert_eq!(a.outcome, Outcome::Applied, "{a:?}");
+    assert!(a.items.iter().any(|i| i.item == "svc-0" && i.ok), "{a:?}");
+
+    let r = wait_report(&mut reports, "units report: svc-0 running", |r| {
+        units_of(r).is_some_and(|u| {
+            u.iter()
+                .any(|s| s.name == "svc-0" && s.state == UnitState::Running)
+        })
+    })
+    .await?;
+    let s = units_of(&r).unwrap()[0].clone();
+    assert_eq!((s.module.as_str(), s.restarts), ("svc", 0));
+    assert!(s.started_at.is_some());
+    let pid = s.pid.context("a running unit has a pid")?;
+    assert!(Path::new(&format!("/proc/{pid}")).exists());
+    // It ran in its working dir, under the root, next to its declared file.
+    let log = state.path().join("units/svc-0/stdout.log");
+    let until = Instant::now() + DEADLINE;
+    while std::fs::read_to_string(&log).unwrap_or_default() != "port=8080\n" {
+        anyhow::ensure!(Instant::now() < until, "the unit's output never arrived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // kill -9: restarted, and the report says so.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).context("pid")?,
+        rustix::process::Signal::KILL,
+    )?;
+    let r = wait_report(&mut reports, "units report: restarted", |r| {
+        units_of(r).is_some_and(|u| {
+            u.iter().any(|s| {
+                s.name == "svc-0"
+                    && s.state == UnitState::Running
+                    && s.restarts == 1
+                    && s.pid != Some(pid)
+            })
+        })
+    })
+    .await?;
+    assert_eq!(units_of(&r).unwrap().len(), 1);
+
+    // Generation 2 drops the unit: stopped, and the list is empty again.
+    publish_raw(
+        &ch,
+        &node,
+        &Envelope::new(node.clone(), 2, decl(2, vec![])).encode(),
+    )
+    .await?;
+    wait_report(&mut reports, "units report: empty", |r| {
+        units_of(r).is_some_and(|u| u.is_empty())
+    })
+    .await?;
+    assert_eq!(
+        Store::open(state.path())?
+            .section(Section::Inventory)
+            .generation,
+        2
+    );
+
+    let _ = stop.send(());
+    timeout(Duration::from_secs(15), agent)
+        .await
+        .context("agent did not stop")???;
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}

@@ -1,0 +1,372 @@
+//! The unit supervisor: runs the units a node's inventory section declares as
+//! supervised child processes, and says how they are doing.
+//!
+//! Level-triggered: [`Supervisor::declare`] takes the whole desired list and
+//! compares it with what runs. A new unit is started; a unit no longer listed is
+//! stopped and forgotten; a unit whose process spec (module, command, args, env,
+//! working dir) changed is stopped and started again with the new spec, its
+//! restart count reset; a change of `desired` or `restart` alone is applied in
+//! place (a running process is not disturbed by a policy change).
+//!
+//! Each unit has a runner task that owns its process:
+//! - the process leads its own process group; stopping sends SIGTERM to the group,
+//!   then SIGKILL after `stop_timeout`, so a unit's whole tree goes;
+//! - when the process exits, what is left of its group is killed, and the restart
+//!   policy decides: `always` restarts, `on_failure` restarts after a non-zero exit
+//!   or a signal, `never` does not. Restarts wait a capped exponential backoff
+//!   (`restart_backoff_min`, doubling up to `restart_backoff_max`), reset once the
+//!   process ran for `restart_reset_after`;
+//! - stdout and stderr go to rotating files under `<state_dir>/units/<name>/`
+//!   (see [`logs`]);
+//! - the environment is not the agent's: the process gets `PATH`, `HOME` and
+//!   `LANG` from the agent (a default `PATH` if it has none), `MESH_UNIT` and
+//!   `MESH_MODULE`, then the declared `env` on top;
+//! - `working_dir` is applied under the agent's root, as declared files are (a
+//!   unit declared with `/srv/app` next to a file `/srv/app/app.conf` finds it as
+//!   `./app.conf`); without one the process starts in the root. It must exist: a
+//!   missing one is a failed start (retried with backoff). `command` is not
+//!   rebased: an absolute path or a name looked up in `PATH`.
+//!
+//! State changes land in a `watch` channel holding every unit's [`UnitStatus`];
+//! the agent turns it into `units` reports ([`Reporter`]).
+
+mod logs;
+mod process;
+mod runner;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mesh_protocol::{UnitItem, UnitStatus, Units};
+use serde::Deserialize;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+pub use logs::RotatingLog;
+pub use process::{PID_FILE, reap_stale};
+
+use crate::metrics::Metrics;
+
+/// The directory under the state dir that holds one directory per unit.
+pub const UNITS_DIR: &str = "units";
+
+/// Units reports are sent at most this often; a burst of changes in between is
+/// one report with the newest state.
+pub const REPORT_MIN_INTERVAL: Duration = Duration::from_millis(500);
+
+/// The supervisor's settings: the `[units]` table of the agent's config file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UnitsConfig {
+    /// How long a unit's processes get between SIGTERM and SIGKILL when it is
+    /// stopped (declared stopped, removed, spec changed, agent shutdown).
+    /// Default 10 s.
+    #[serde(deserialize_with = "crate::config::de_duration")]
+    pub stop_timeout: Duration,
+    /// Wait before the first restart of a unit that exited. Default 1 s.
+    #[serde(deserialize_with = "crate::config::de_duration")]
+    pub restart_backoff_min: Duration,
+    /// The wait doubles with every restart up to this cap. Default 60 s.
+    #[serde(deserialize_with = "crate::config::de_duration")]
+    pub restart_backoff_max: Duration,
+    /// A process that ran at least this long before exiting is restarted after
+    /// `restart_backoff_min` again (its backoff is reset). Default 60 s.
+    #[serde(deserialize_with = "crate::config::de_duration")]
+    pub restart_reset_after: Duration,
+    /// Size at which a unit's `stdout.log` / `stderr.log` is rotated.
+    /// Default 10 MiB.
+    pub log_max_bytes: u64,
+    /// Rotated files kept per stream (`stdout.log.1` … `.N`); 0 keeps only the
+    /// current file, truncating it when full. Default 5.
+    pub log_files: usize,
+}
+
+impl Default for UnitsConfig {
+    fn default() -> Self {
+        UnitsConfig {
+            stop_timeout: Duration::from_secs(10),
+            restart_backoff_min: Duration::from_secs(1),
+            restart_backoff_max: Duration::from_secs(60),
+            restart_reset_after: Duration::from_secs(60),
+            log_max_bytes: 10 * 1024 * 1024,
+            log_files: 5,
+        }
+    }
+}
+
+impl UnitsConfig {
+    /// Check what types cannot; errors name the field (`units.<field>`).
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        let bad = |f: &str, r: &str| Err((format!("units.{f}"), r.to_owned()));
+        if self.restart_backoff_min.is_zero() {
+            return bad("restart_backoff_min", "must be greater than zero");
+        }
+        if self.restart_backoff_max < self.restart_backoff_min {
+            return bad(
+                "restart_backoff_max",
+                "must not be smaller than restart_backoff_min",
+            );
+        }
+        if self.log_max_bytes < 1024 {
+            return bad("log_max_bytes", "must be at least 1024");
+        }
+        if self.log_files > 1000 {
+            return bad("log_files", "must be at most 1000");
+        }
+        Ok(())
+    }
+}
+
+/// Every unit's status, by name, with the id of the runner that owns the entry
+/// (a replaced runner must not remove its successor's entry).
+type Snapshot = BTreeMap<String, (u64, UnitStatus)>;
+
+/// What the runners share.
+struct Shared {
+    config: UnitsConfig,
+    root: PathBuf,
+    units_dir: PathBuf,
+    status: watch::Sender<Snapshot>,
+    metrics: Metrics,
+}
+
+impl Shared {
+    /// Change one runner's entry and tell the watchers.
+    fn update(&self, runner: u64, status: UnitStatus) {
+        self.status.send_modify(|m| {
+            m.insert(status.name.clone(), (runner, status));
+        });
+        self.count_running();
+    }
+
+    /// Drop a runner's entry (if it is still that runner's).
+    fn forget(&self, runner: u64, name: &str) {
+        self.status.send_if_modified(|m| {
+            if m.get(name).is_some_and(|(id, _)| *id == runner) {
+                m.remove(name);
+                true
+            } else {
+                false
+            }
+        });
+        self.count_running();
+    }
+
+    fn count_running(&self) {
+        let n = self
+            .status
+            .borrow()
+            .values()
+            .filter(|(_, s)| s.state == mesh_protocol::UnitState::Running)
+            .count();
+        self.metrics.set_units_running(n);
+    }
+}
+
+struct Handle {
+    item: UnitItem,
+    control: watch::Sender<UnitItem>,
+    task: JoinHandle<()>,
+}
+
+/// Supervises the node's units. Owned by the agent's main task.
+pub struct Supervisor {
+    shared: Arc<Shared>,
+    units: BTreeMap<String, Handle>,
+    /// Runners told to stop (removed or replaced) that may not have finished yet.
+    stopping: BTreeMap<String, JoinHandle<()>>,
+    next_runner: u64,
+}
+
+impl Supervisor {
+    /// A supervisor for units under `root` (working dirs) and `state_dir` (logs,
+    /// pid files). First stops what a previous agent left running (see
+    /// [`process`]), which may take up to `config.stop_timeout`.
+    pub async fn start(
+        config: UnitsConfig,
+        root: &Path,
+        state_dir: &Path,
+        metrics: Metrics,
+    ) -> Supervisor {
+        let units_dir = state_dir.join(UNITS_DIR);
+        reap_stale(&units_dir, config.stop_timeout).await;
+        let (status, _) = watch::channel(Snapshot::new());
+        metrics.set_units_running(0);
+        Supervisor {
+            shared: Arc::new(Shared {
+                config,
+                root: root.to_owned(),
+                units_dir,
+                status,
+                metrics,
+            }),
+            units: BTreeMap::new(),
+            stopping: BTreeMap::new(),
+            next_runner: 1,
+        }
+    }
+
+    /// Make the supervised units be `wanted` (the whole list). Never blocks:
+    /// starting and stopping happen in the runners.
+    pub fn declare(&mut self, wanted: &[UnitItem]) {
+        self.stopping.retain(|_, t| !t.is_finished());
+        let wanted: BTreeMap<&str, &UnitItem> =
+            wanted.iter().map(|u| (u.name.as_str(), u)).collect();
+
+        let gone: Vec<String> = self
+            .units
+            .keys()
+            .filter(|n| !wanted.contains_key(n.as_str()))
+            .cloned()
+            .collect();
+        for name in gone {
+            if let Some(h) = self.units.remove(&name) {
+                info!(unit = %name, "unit no longer declared; stopping it");
+                // Dropping the control sender tells the runner to stop and forget.
+                drop(h.control);
+                self.stopping.insert(name, h.task);
+            }
+        }
+
+        for (name, item) in wanted {
+            match self.units.get_mut(name) {
+                Some(h) if same_process(&h.item, item) => {
+                    if &h.item != item {
+                        h.item = item.clone();
+                        h.control.send_replace(item.clone());
+                    }
+                }
+                Some(_) => {
+                    info!(unit = %name, "unit spec changed; restarting it");
+                    if let Some(old) = self.units.remove(name) {
+                        drop(old.control);
+                        let h = self.spawn(item.clone(), Some(old.task));
+                        self.units.insert(name.to_owned(), h);
+                    }
+                }
+                None => {
+                    let predecessor = self.stopping.remove(name);
+                    let h = self.spawn(item.clone(), predecessor);
+                    self.units.insert(name.to_owned(), h);
+                }
+            }
+        }
+    }
+
+    fn spawn(&mut self, item: UnitItem, predecessor: Option<JoinHandle<()>>) -> Handle {
+        let id = self.next_runner;
+        self.next_runner += 1;
+        let (control, rx) = watch::channel(item.clone());
+        let runner = runner::Runner::new(id, self.shared.clone(), rx);
+        let task = tokio::spawn(runner.run(predecessor));
+        Handle {
+            item,
+            control,
+            task,
+        }
+    }
+
+    /// A receiver for [`Reporter`].
+    pub fn reporter(&self) -> Reporter {
+        Reporter {
+            rx: self.shared.status.subscribe(),
+            pending: false,
+            last: None,
+        }
+    }
+
+    /// Every unit's current status, by name.
+    pub fn statuses(&self) -> Vec<UnitStatus> {
+        snapshot_list(&self.shared.status.borrow())
+    }
+
+    /// Wait until `pred` holds for the statuses (tests and diagnostics).
+    pub async fn wait_until(&self, pred: impl Fn(&[UnitStatus]) -> bool) {
+        let mut rx = self.shared.status.subscribe();
+        loop {
+            if pred(&snapshot_list(&rx.borrow_and_update())) {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Stop every unit (SIGTERM, SIGKILL after `stop_timeout`) and wait for them,
+    /// at most `stop_timeout` plus a few seconds.
+    pub async fn shutdown(mut self) {
+        let mut tasks: Vec<(String, JoinHandle<()>)> =
+            std::mem::take(&mut self.stopping).into_iter().collect();
+        for (name, h) in std::mem::take(&mut self.units) {
+            drop(h.control);
+            tasks.push((name, h.task));
+        }
+        if tasks.is_empty() {
+            return;
+        }
+        info!(units = tasks.len(), "stopping units");
+        let deadline = Instant::now() + self.shared.config.stop_timeout + Duration::from_secs(5);
+        for (name, task) in tasks {
+            match tokio::time::timeout_at(deadline, task).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(unit = %name, error = %e, "unit runner failed"),
+                Err(_) => warn!(unit = %name, "unit did not stop before the deadline"),
+            }
+        }
+    }
+}
+
+/// Whether two declarations of a unit run the same process (so a change between
+/// them needs no restart).
+fn same_process(a: &UnitItem, b: &UnitItem) -> bool {
+    a.module == b.module
+        && a.command == b.command
+        && a.args == b.args
+        && a.env == b.env
+        && a.working_dir == b.working_dir
+}
+
+fn snapshot_list(s: &Snapshot) -> Vec<UnitStatus> {
+    s.values().map(|(_, st)| st.clone()).collect()
+}
+
+/// Turns status changes into `units` report bodies, at most one per
+/// [`REPORT_MIN_INTERVAL`]. Cancel-safe: [`Reporter::due`] may be dropped at any
+/// point (it is one branch of the agent's `select!`) without losing a change.
+pub struct Reporter {
+    rx: watch::Receiver<Snapshot>,
+    /// A change was seen that has not been reported yet.
+    pending: bool,
+    last: Option<Instant>,
+}
+
+impl Reporter {
+    /// Resolves when a report is due: something changed since the last
+    /// [`Reporter::take`], and the last one is at least the interval old. Never
+    /// resolves once the supervisor is gone.
+    pub async fn due(&mut self) {
+        if !self.pending {
+            if self.rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+            self.pending = true;
+        }
+        if let Some(last) = self.last {
+            tokio::time::sleep_until(last + REPORT_MIN_INTERVAL).await;
+        }
+    }
+
+    /// The whole list, now; marks everything up to now reported.
+    pub fn take(&mut self) -> Units {
+        self.pending = false;
+        self.last = Some(Instant::now());
+        Units {
+            units: snapshot_list(&self.rx.borrow_and_update()),
+        }
+    }
+}
