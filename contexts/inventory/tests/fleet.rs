@@ -1,0 +1,676 @@
+//! The fleet lifecycle against a real PostgreSQL: liveness judged only after a
+//! full grace of observation, modules with ETags, placement, failure handling,
+//! partitions, drains (make-before-break, blocked by stateful modules), units.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use chrono::Utc;
+use mesh_bundle::testkit::TestEnv;
+use mesh_inventory::{Inventory, InventorySettings};
+use mesh_plumbing::{Context, OutboxSignal};
+use mesh_protocol::{
+    Declaration, Envelope, Heartbeat, Hello, Labels, NodeId, Report, Section, UnitState,
+    UnitStatus, Units,
+};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tower::ServiceExt;
+
+struct Fixture {
+    env: TestEnv,
+    pool: PgPool,
+    inventory: Arc<Inventory>,
+}
+
+async fn setup() -> Fixture {
+    let env = TestEnv::new().await.unwrap();
+    let url = env.database_url("inventory");
+    mesh_inventory::migrate(&url).await.unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    let settings = InventorySettings {
+        grace: Duration::from_secs(5),
+        controller_node: NodeId::parse(&format!("{}-a", env.id())).ok(),
+        ..InventorySettings::default()
+    };
+    let inventory = Arc::new(Inventory::new(
+        pool.clone(),
+        OutboxSignal::default(),
+        settings,
+    ));
+    Fixture {
+        env,
+        pool,
+        inventory,
+    }
+}
+
+impl Fixture {
+    fn node(&self, suffix: &str) -> String {
+        format!("{}-{suffix}", self.env.id())
+    }
+
+    async fn handle(&self, reports: &[Envelope<Report>]) {
+        let mut tx = self.pool.begin().await.unwrap();
+        self.inventory
+            .handle_reports(&mut tx, reports)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    async fn hello(&self, suffix: &str, labels: &[(&str, &str)]) -> String {
+        let id = self.node(suffix);
+        let l: Labels = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let env = Envelope::new(
+            NodeId::parse(&id).unwrap(),
+            1,
+            Report::Hello(Hello {
+                hostname: id.clone(),
+                arch: "x86_64".into(),
+                cpus: 2,
+                memory_bytes: 4 << 30,
+                labels: l,
+                agent_version: "test".into(),
+                public_key: None,
+                applied: Default::default(),
+            }),
+        );
+        self.handle(&[env]).await;
+        id
+    }
+
+    async fn heartbeat(&self, id: &str) {
+        let env = Envelope::new(
+            NodeId::parse(id).unwrap(),
+            2,
+            Report::Heartbeat(Heartbeat {
+                applied: Default::default(),
+            }),
+        );
+        self.handle(&[env]).await;
+    }
+
+    /// Make the controller believe it last heard `id` an hour ago.
+    async fn silence(&self, id: &str) {
+        sqlx::query(
+            "UPDATE inventory.nodes SET heard_at = now() - interval '1 hour' WHERE id = $1",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+    }
+
+    /// Pretend the controller has observed reports for an hour.
+    fn observed(&self) {
+        self.inventory
+            .observe_from(Utc::now() - chrono::Duration::hours(1));
+    }
+
+    async fn sweep(&self) -> mesh_inventory::SweepReport {
+        self.inventory.sweep(Utc::now()).await.unwrap()
+    }
+
+    async fn request(
+        &self,
+        method: &str,
+        uri: &str,
+        headers: &[(&str, &str)],
+        body: Option<Value>,
+    ) -> (StatusCode, Option<String>, Value) {
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/json");
+        for (k, v) in headers {
+            builder = builder.header(*k, *v);
+        }
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let response = self
+            .inventory
+            .clone()
+            .routes()
+            .oneshot(builder.body(Body::from(body)).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let etag = response
+            .headers()
+            .get("etag")
+            .map(|v| v.to_str().unwrap().to_owned());
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        (
+            status,
+            etag,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
+    }
+
+    /// (node, unit name, role) of a module's assignments.
+    async fn placed(&self, module: &str) -> Vec<(String, String, String)> {
+        sqlx::query_as(
+            "SELECT node, name, role FROM inventory.assignments WHERE module = $1 ORDER BY replica, node",
+        )
+        .bind(module)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    /// The newest inventory section declared to `node`: unit names.
+    async fn declared_units(&self, node: &str) -> Option<(u64, Vec<String>)> {
+        let payload: Option<Vec<u8>> = sqlx::query_scalar(
+            "SELECT payload FROM inventory.outbox WHERE exchange = 'declarations' AND node = $1 \
+             ORDER BY id DESC LIMIT 1",
+        )
+        .bind(node)
+        .fetch_optional(&self.pool)
+        .await
+        .unwrap();
+        let env: Envelope<Declaration> =
+            Envelope::decode(&payload?, mesh_protocol::MAX_DECLARATION_BYTES).unwrap();
+        assert_eq!(env.body.section, Section::Inventory);
+        Some((
+            env.body.generation,
+            env.body
+                .items
+                .units
+                .iter()
+                .map(|u| u.name.clone())
+                .collect(),
+        ))
+    }
+
+    async fn events(&self, event: &str) -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT convert_from(payload, 'UTF8')::jsonb -> 'body' ->> 'node' FROM inventory.outbox \
+             WHERE exchange = 'record' AND routing_key = $1 ORDER BY id",
+        )
+        .bind(format!("inventory.{event}"))
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    async fn units(&self, id: &str, seq: u64, units: &[(&str, &str, UnitState, u32)]) {
+        let env = Envelope::new(
+            NodeId::parse(id).unwrap(),
+            seq,
+            Report::Units(Units {
+                units: units
+                    .iter()
+                    .map(|(name, module, state, restarts)| UnitStatus {
+                        name: name.to_string(),
+                        module: module.to_string(),
+                        state: *state,
+                        pid: Some(4242),
+                        exit_code: None,
+                        restarts: *restarts,
+                        started_at: Some(Utc::now()),
+                    })
+                    .collect(),
+            }),
+        );
+        self.handle(&[env]).await;
+    }
+}
+
+fn web(replicas: u32) -> Value {
+    json!({
+        "unit": {"command": "/bin/sleep", "args": ["1000"], "resources": {"cpu_millis": 100}},
+        "placement": {"match_labels": {"labels": {"role": "web"}, "replicas": replicas}}
+    })
+}
+
+#[tokio::test]
+async fn liveness_is_judged_only_after_a_full_grace_of_observation() {
+    let f = setup().await;
+    let a = f.hello("a", &[]).await;
+    let b = f.hello("b", &[]).await;
+    // The controller was down for an hour: everyone's last report is stale.
+    f.silence(&a).await;
+    f.silence(&b).await;
+    // Not observing at all, then observing for less than the grace: no judgement.
+    let report = f.sweep().await;
+    assert!(report.not_judged.is_some() && report.unreachable.is_empty());
+    f.inventory.observe_from(Utc::now());
+    let report = f.sweep().await;
+    assert!(report.not_judged.is_some(), "{report:?}");
+    assert!(report.unreachable.is_empty());
+    // During the grace, b's buffered reports arrive; a stays silent. (The
+    // observation started 6 s ago, past the 5 s grace.)
+    f.heartbeat(&b).await;
+    f.inventory
+        .observe_from(Utc::now() - chrono::Duration::seconds(6));
+    let later = Utc::now();
+    let report = f.inventory.sweep(later).await.unwrap();
+    assert_eq!(report.not_judged, None);
+    assert_eq!(report.unreachable, vec![a.clone()]);
+    assert_eq!(f.events("node.unreachable").await, vec![a.clone()]);
+    let (_, _, view) = f.request("GET", "/v1/nodes", &[], None).await;
+    let states: Vec<(String, String)> = view["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                n["id"].as_str().unwrap().to_owned(),
+                n["state"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        vec![
+            (a.clone(), "unreachable".into()),
+            (b.clone(), "alive".into())
+        ]
+    );
+    // Judged once; heard again, alive again (one event each).
+    assert!(
+        f.inventory
+            .sweep(later)
+            .await
+            .unwrap()
+            .unreachable
+            .is_empty()
+    );
+    f.heartbeat(&a).await;
+    f.heartbeat(&a).await;
+    assert_eq!(f.events("node.alive").await, vec![a.clone()]);
+    // The broker session ends: judging stops until a new grace has passed.
+    f.inventory.observe_stop();
+    f.silence(&a).await;
+    assert!(f.inventory.sweep(later).await.unwrap().not_judged.is_some());
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn module_etags_validation_and_intent_layers() {
+    let f = setup().await;
+    f.observed();
+    for s in ["a", "b", "c", "d"] {
+        f.hello(s, &[("role", "web")]).await;
+    }
+    let (status, etag, view) = f.request("PUT", "/v1/modules/web", &[], Some(web(2))).await;
+    assert_eq!(status, StatusCode::CREATED, "{view}");
+    assert_eq!(etag.as_deref(), Some("\"1\""));
+    assert_eq!(view["effective_replicas"], 2);
+    assert_eq!(view["assignments"].as_array().unwrap().len(), 2);
+    // Replacing without saying which revision: 428. Stale: 412. Current: 200.
+    let (status, _, body) = f.request("PUT", "/v1/modules/web", &[], Some(web(3))).await;
+    assert_eq!(status, StatusCode::PRECONDITION_REQUIRED, "{body}");
+    let (status, etag, _) = f
+        .request(
+            "PUT",
+            "/v1/modules/web",
+            &[("if-match", "\"1\"")],
+            Some(web(3)),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(etag.as_deref(), Some("\"2\""));
+    let (status, _, body) = f
+        .request(
+            "PUT",
+            "/v1/modules/web",
+            &[("if-match", "\"1\"")],
+            Some(web(1)),
+        )
+        .await;
+    assert_eq!(status, StatusCode::PRECONDITION_FAILED, "{body}");
+    assert_eq!(f.placed("web").await.len(), 3);
+    // Concurrent writers with the same revision: exactly one wins.
+    let w1 = f.request(
+        "PUT",
+        "/v1/modules/web",
+        &[("if-match", "\"2\"")],
+        Some(web(2)),
+    );
+    let w2 = f.request(
+        "PUT",
+        "/v1/modules/web",
+        &[("if-match", "\"2\"")],
+        Some(web(4)),
+    );
+    let (r1, r2) = tokio::join!(w1, w2);
+    let mut statuses = vec![r1.0, r2.0];
+    statuses.sort();
+    assert_eq!(
+        statuses,
+        vec![StatusCode::OK, StatusCode::PRECONDITION_FAILED]
+    );
+
+    // A stateful module must be pinned: 422 naming the field.
+    let stateful = json!({
+        "unit": {"command": "/bin/sleep"}, "stateful": true,
+        "placement": {"match_labels": {"labels": {}, "replicas": 1}}
+    });
+    let (status, _, body) = f
+        .request("PUT", "/v1/modules/db", &[], Some(stateful))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["field"], "placement");
+    let (status, _, body) = f
+        .request("PUT", "/v1/modules/web-2", &[], Some(web(1)))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["field"], "name");
+
+    // Intent layers: the autoscaler asks more, policy caps it.
+    f.request("PUT", "/v1/modules/web", &[("if-match", "*")], Some(web(1)))
+        .await;
+    let (status, _, _) = f
+        .request(
+            "PUT",
+            "/v1/modules/web/intent/autoscaler",
+            &[],
+            Some(json!({"replicas": 4})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, _, view) = f.request("GET", "/v1/modules/web", &[], None).await;
+    assert_eq!(view["effective_replicas"], 4);
+    f.request(
+        "PUT",
+        "/v1/modules/web/intent/policy",
+        &[],
+        Some(json!({"max": 3})),
+    )
+    .await;
+    let (_, _, view) = f.request("GET", "/v1/modules/web", &[], None).await;
+    assert_eq!(view["effective_replicas"], 3);
+    assert_eq!(
+        view["intent"],
+        json!({"user": 1, "policy": {"max": 3}, "autoscaler": 4})
+    );
+    assert_eq!(f.placed("web").await.len(), 3);
+    let (status, _, body) = f
+        .request(
+            "PUT",
+            "/v1/modules/web/intent/policy",
+            &[],
+            Some(json!({"min": 4, "max": 3})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    let (status, _, _) = f
+        .request(
+            "PUT",
+            "/v1/modules/web/intent/user",
+            &[],
+            Some(json!({"replicas": 2})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    // Deleting the module stops its units: every node gets a section without them.
+    let (status, _, _) = f.request("DELETE", "/v1/modules/web", &[], None).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    assert!(f.placed("web").await.is_empty());
+    for s in ["a", "b", "c"] {
+        let (_, units) = f.declared_units(&f.node(s)).await.unwrap();
+        assert!(units.is_empty(), "{s}: {units:?}");
+    }
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn failed_node_replicas_move_and_a_partition_pauses() {
+    let f = setup().await;
+    f.observed();
+    let ids: Vec<String> = futures_ids(&f, &["a", "b", "c", "d"]).await;
+    let (a, c, d) = (&ids[0], &ids[2], &ids[3]);
+    f.request("PUT", "/v1/modules/web", &[], Some(web(2))).await;
+    let placed = f.placed("web").await;
+    assert_eq!(
+        placed,
+        vec![
+            (a.clone(), "web-0".into(), "active".into()),
+            (ids[1].clone(), "web-1".into(), "active".into())
+        ]
+    );
+    assert_eq!(
+        f.declared_units(a).await.unwrap(),
+        (1, vec!["web-0".into()])
+    );
+
+    // a goes silent: unreachable, and its replica goes to c (the first free node).
+    f.silence(a).await;
+    let report = f.sweep().await;
+    assert_eq!(report.unreachable, vec![a.clone()]);
+    assert_eq!(
+        f.placed("web").await,
+        vec![
+            (c.clone(), "web-0".into(), "active".into()),
+            (ids[1].clone(), "web-1".into(), "active".into())
+        ]
+    );
+    // a's section no longer has it: when a returns, the surplus stops.
+    assert_eq!(f.declared_units(a).await.unwrap(), (2, vec![]));
+    assert_eq!(
+        f.declared_units(c).await.unwrap(),
+        (1, vec!["web-0".into()])
+    );
+    f.heartbeat(a).await;
+    f.sweep().await;
+    assert_eq!(f.placed("web").await[0].0, *c, "nothing moves back");
+
+    // Two of four unreachable (50% > 30%): re-placement pauses, with an alert.
+    f.silence(c).await;
+    f.silence(d).await;
+    let report = f.sweep().await;
+    assert_eq!(report.unreachable.len(), 2);
+    assert!(report.reconcile.paused.is_some());
+    assert_eq!(f.placed("web").await[0].0, *c, "paused: not moved");
+    let (_, _, alerts) = f.request("GET", "/v1/alerts", &[], None).await;
+    assert_eq!(
+        alerts["alerts"][0]["kind"], "replacement_paused",
+        "{alerts}"
+    );
+    // One comes back: 25%, re-placement resumes and the alert clears.
+    f.heartbeat(d).await;
+    f.sweep().await;
+    assert_eq!(f.placed("web").await[0].0, *a);
+    let (_, _, alerts) = f.request("GET", "/v1/alerts", &[], None).await;
+    assert!(alerts["alerts"].as_array().unwrap().is_empty(), "{alerts}");
+    f.env.teardown().await.unwrap();
+}
+
+async fn futures_ids(f: &Fixture, suffixes: &[&str]) -> Vec<String> {
+    let mut ids = Vec::new();
+    for s in suffixes {
+        ids.push(f.hello(s, &[("role", "web")]).await);
+    }
+    ids
+}
+
+#[tokio::test]
+async fn stateful_never_moves_and_blocks_a_drain() {
+    let f = setup().await;
+    f.observed();
+    let ids = futures_ids(&f, &["a", "b", "c"]).await;
+    let a = &ids[0];
+    let db = json!({
+        "unit": {"command": "/bin/sleep", "args": ["1000"]}, "stateful": true,
+        "placement": {"exact_node": {"node": a}}
+    });
+    let (status, _, view) = f
+        .request("PUT", "/v1/modules/db", &[], Some(db.clone()))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{view}");
+    assert_eq!(
+        f.placed("db").await,
+        vec![(a.clone(), "db".into(), "active".into())]
+    );
+
+    // Unreachable: not moved, an alert says so.
+    f.silence(a).await;
+    f.sweep().await;
+    assert_eq!(f.placed("db").await[0].0, *a);
+    let (_, _, alerts) = f.request("GET", "/v1/alerts", &[], None).await;
+    assert_eq!(
+        alerts["alerts"][0]["kind"], "pinned_unreachable",
+        "{alerts}"
+    );
+    f.heartbeat(a).await;
+    f.sweep().await;
+
+    // Drain: blocked with a reason naming the module, visible in the node view.
+    let (status, _, body) = f
+        .request("POST", &format!("/v1/nodes/{a}/drain"), &[], None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["admin_state"], "draining");
+    let reason = body["drain_blocked"].as_str().unwrap_or_default();
+    assert!(reason.contains("`db` is stateful"), "{body}");
+    f.sweep().await;
+    let view = f
+        .inventory
+        .node(&NodeId::parse(a).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(view.state, "draining");
+    assert!(view.drain_blocked.unwrap().contains("db"));
+    assert_eq!(f.placed("db").await[0].0, *a, "still not moved");
+
+    // The operator stops it: the drain finishes.
+    let mut stopped = db.clone();
+    stopped["desired"] = json!("stopped");
+    f.request("PUT", "/v1/modules/db", &[("if-match", "*")], Some(stopped))
+        .await;
+    f.sweep().await;
+    let view = f
+        .inventory
+        .node(&NodeId::parse(a).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(view.state, "drained");
+    assert_eq!(view.drain_blocked, None);
+    let (_, body) = (
+        0,
+        f.request("POST", &format!("/v1/nodes/{a}/undrain"), &[], None)
+            .await
+            .2,
+    );
+    assert_eq!(body["admin_state"], "active");
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn drain_is_make_before_break_and_units_are_recorded() {
+    let f = setup().await;
+    f.observed();
+    let ids = futures_ids(&f, &["a", "b", "c"]).await;
+    let (a, b, c) = (&ids[0], &ids[1], &ids[2]);
+    f.request("PUT", "/v1/modules/web", &[], Some(web(2))).await;
+    f.units(a, 10, &[("web-0", "web", UnitState::Running, 0)])
+        .await;
+    f.units(b, 10, &[("web-1", "web", UnitState::Running, 2)])
+        .await;
+    let (_, _, view) = f.request("GET", "/v1/modules/web", &[], None).await;
+    let first = &view["assignments"][1];
+    assert_eq!(first["unit_state"], "running", "{view}");
+    assert_eq!(first["restarts"], 2);
+    assert_eq!(first["pid"], 4242);
+    // An older units report changes nothing.
+    f.units(b, 9, &[("web-1", "web", UnitState::Failed, 0)])
+        .await;
+    let (_, _, view) = f.request("GET", "/v1/modules/web", &[], None).await;
+    assert_eq!(view["assignments"][1]["unit_state"], "running");
+
+    // Drain a: the replacement on c is declared first; a keeps running its copy.
+    let (_, _, body) = f
+        .request("POST", &format!("/v1/nodes/{a}/drain"), &[], None)
+        .await;
+    assert_eq!(body["admin_state"], "draining", "{body}");
+    assert!(
+        body["drain_blocked"]
+            .as_str()
+            .unwrap()
+            .contains("replacement")
+    );
+    assert_eq!(
+        f.placed("web").await,
+        vec![
+            (a.clone(), "web-0".into(), "retiring".into()),
+            (c.clone(), "web-0".into(), "active".into()),
+            (b.clone(), "web-1".into(), "active".into()),
+        ]
+    );
+    assert_eq!(
+        f.declared_units(a).await.unwrap().1,
+        vec!["web-0".to_owned()]
+    );
+    assert_eq!(
+        f.declared_units(c).await.unwrap().1,
+        vec!["web-0".to_owned()]
+    );
+    f.sweep().await;
+    assert_eq!(f.placed("web").await.len(), 3, "the old one waits");
+    // The replacement runs: the old copy goes, then the node is drained.
+    f.units(c, 10, &[("web-0", "web", UnitState::Running, 0)])
+        .await;
+    f.sweep().await;
+    assert_eq!(f.placed("web").await.len(), 2);
+    assert_eq!(f.declared_units(a).await.unwrap().1, Vec::<String>::new());
+    let view = f
+        .inventory
+        .node(&NodeId::parse(a).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(view.state, "drained");
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn nothing_is_placed_before_the_grace_nor_on_the_unknown() {
+    let f = setup().await;
+    f.hello("b", &[("role", "web")]).await;
+    // Just started: the module is stored but placement waits (fails closed).
+    f.inventory.observe_from(Utc::now());
+    let (status, _, view) = f.request("PUT", "/v1/modules/web", &[], Some(web(1))).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(view["assignments"].as_array().unwrap().is_empty(), "{view}");
+    f.observed();
+    f.sweep().await;
+    assert_eq!(f.placed("web").await.len(), 1);
+    // Too few nodes: nothing partial, and the reason is in the module view.
+    f.request("PUT", "/v1/modules/web", &[("if-match", "*")], Some(web(2)))
+        .await;
+    let (_, _, view) = f.request("GET", "/v1/modules/web", &[], None).await;
+    assert_eq!(view["assignments"].as_array().unwrap().len(), 1);
+    assert!(
+        view["placement_error"]
+            .as_str()
+            .unwrap()
+            .contains("needs 2"),
+        "{view}"
+    );
+    // controller_node runs on the configured node (`<id>-a`), once it exists.
+    let ctl = json!({"unit": {"command": "/bin/true"}, "placement": {"controller_node": {}}});
+    f.request("PUT", "/v1/modules/ctl", &[], Some(ctl)).await;
+    assert!(f.placed("ctl").await.is_empty());
+    let a = f.hello("a", &[]).await;
+    f.sweep().await;
+    assert_eq!(
+        f.placed("ctl").await,
+        vec![(a, "ctl".into(), "active".into())]
+    );
+    f.env.teardown().await.unwrap();
+}
