@@ -15,6 +15,10 @@ pub const ADMIN_FILE: &str = "admin-credentials.toml";
 pub const CONTROLLER_FILE: &str = "controller-credentials.toml";
 /// Environment variable naming the admin credentials file (tests, bundle).
 pub const ADMIN_ENV: &str = "MESH_ADMIN_CREDENTIALS";
+/// File name of the controller's declaration-signing key (Ed25519 seed, hex, 0600).
+pub const SIGNING_KEY_FILE: &str = "controller-signing.key";
+/// File name of the first admin API token (0600), written once by `bundle/up`.
+pub const ADMIN_TOKEN_FILE: &str = "admin-token";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CredentialsError {
@@ -37,13 +41,35 @@ pub enum CredentialsError {
     Encode(#[from] toml::ser::Error),
 }
 
-/// What the controller needs: its broker URL (vhost included) and one database URL
-/// per context, each as that context's own role.
+/// What the controller needs: its broker URL (vhost included), one database URL
+/// per context (each as that context's own role), the file of its declaration
+/// signing key, the hash of the first admin token, and the management API
+/// account the identity context creates and deletes node users with.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControllerCredentials {
     pub broker_url: String,
+    /// Path of the controller's Ed25519 signing key (hex seed, mode 0600).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signing_key_file: Option<String>,
+    /// SHA-256 (hex) of the first admin API token; the controller creates the
+    /// operator `bootstrap-admin` with it at start if no token has that hash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_admin_token_sha256: Option<String>,
+    /// The management API account node users are created with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub broker_management: Option<BrokerManagement>,
     pub databases: BTreeMap<String, String>,
+}
+
+/// A RabbitMQ management API account (administrator tag, no vhost permissions).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerManagement {
+    /// Base URL of the management API, e.g. `http://127.0.0.1:15672`.
+    pub url: String,
+    pub user: String,
+    pub password: String,
 }
 
 /// What the bundle and the tests use to create and drop databases, roles, vhosts and
@@ -206,8 +232,11 @@ mod tests {
             "inventory".to_string(),
             "postgres://mesh_inventory:pw@127.0.0.1:5432/mesh".to_string(),
         );
-        let c = ControllerCredentials {
+        let mut c = ControllerCredentials {
             broker_url: "amqp://mesh-controller:pw@127.0.0.1:5672/mesh".into(),
+            signing_key_file: None,
+            bootstrap_admin_token_sha256: None,
+            broker_management: None,
             databases,
         };
         let text = to_toml(&c).unwrap();
@@ -220,6 +249,16 @@ mod tests {
         let back: ControllerCredentials = toml::from_str(&text).unwrap();
         assert_eq!(back, c);
         assert_eq!(password_of(&c.broker_url).as_deref(), Some("pw"));
+        c.signing_key_file = Some("/etc/mesh/controller-signing.key".into());
+        c.broker_management = Some(BrokerManagement {
+            url: "http://127.0.0.1:15672".into(),
+            user: "mesh_identity".into(),
+            password: "pw2".into(),
+        });
+        let text = to_toml(&c).unwrap();
+        assert!(text.contains("[broker_management]"), "{text}");
+        let back: ControllerCredentials = toml::from_str(&text).unwrap();
+        assert_eq!(back, c);
     }
 
     #[test]

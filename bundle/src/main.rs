@@ -10,9 +10,10 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use mesh_bundle::credentials::{
-    ADMIN_FILE, AdminCredentials, CONTROLLER_FILE, ControllerCredentials, etc_dir, read_toml,
-    to_toml, write_secret_file,
+    ADMIN_FILE, ADMIN_TOKEN_FILE, AdminCredentials, CONTROLLER_FILE, ControllerCredentials,
+    SIGNING_KEY_FILE, etc_dir, read_toml, to_toml, write_secret_file,
 };
+use mesh_protocol::DeclarationSigner;
 use mesh_bundle::probe::ProbeError;
 use mesh_bundle::provision::{self, Names, Secrets};
 
@@ -70,9 +71,11 @@ enum Command {
     },
 }
 
-/// Until enrolment (identity) exists: create a node's broker user on vhost `mesh`
-/// with a node's rights and write `<state-dir>/credentials.toml` for its agent.
-/// Idempotent: an existing credentials file's password is kept.
+/// Without the controller (before it runs, or for the local mesh): create a
+/// node's broker user on vhost `mesh` with a node's rights and write
+/// `<state-dir>/credentials.toml` for its agent, with the controller's public
+/// signing key. Idempotent: an existing credentials file's password is kept.
+/// The normal way to enrol a node is `meshctl node add` + `mesh-agent join`.
 #[derive(clap::Args)]
 struct NodeAdd {
     /// The node's id (its broker user): `[a-z0-9-]`, 1 to 63 characters.
@@ -100,6 +103,7 @@ async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
         node: String,
         broker_url: String,
     }
+    let signer = read_signer(&etc.join(SIGNING_KEY_FILE))?;
     let path = args.state_dir.join("credentials.toml");
     let existing: Option<Existing> = read_toml(&path)?;
     let secret = match existing.as_ref().filter(|e| e.node == node.as_str()) {
@@ -118,6 +122,7 @@ async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
         node: node.clone(),
         broker_url,
         password: secret.value,
+        controller_key: signer.public_key_hex(),
     }
     .write_to(&args.state_dir)?;
     println!(
@@ -126,6 +131,13 @@ async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
         path.display()
     );
     Ok(())
+}
+
+/// The controller's signing key from its file (hex seed).
+fn read_signer(path: &std::path::Path) -> anyhow::Result<DeclarationSigner> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("{} is missing: run bundle/up first", path.display()))?;
+    DeclarationSigner::from_hex(&text).with_context(|| format!("{}", path.display()))
 }
 
 fn admin_for(
@@ -245,7 +257,42 @@ async fn up(
     }
     changes += steps.changed();
 
-    let creds = provision::controller_credentials(&admin, &names, &secrets)?;
+    // The controller's declaration-signing key: created once, kept forever (a new
+    // key would need every agent to learn it; see docs/security.md on rotation).
+    let key_path = etc.join(SIGNING_KEY_FILE);
+    if key_path.exists() {
+        read_signer(&key_path)?;
+        println!("  ok       {} exists", key_path.display());
+    } else {
+        let signer = DeclarationSigner::from_seed(rand::random());
+        write_secret_file(&key_path, &format!("{}\n", signer.to_hex()))?;
+        println!("  changed  {} created", key_path.display());
+        changes += 1;
+    }
+    // The first admin API token: created once, printed once; the controller
+    // only ever sees its hash.
+    let token_path = etc.join(ADMIN_TOKEN_FILE);
+    let token = match std::fs::read_to_string(&token_path) {
+        Ok(t) if !t.trim().is_empty() => {
+            println!("  ok       {} exists", token_path.display());
+            t.trim().to_owned()
+        }
+        _ => {
+            let t = mesh_protocol::new_token("mesh_at_", rand::random());
+            write_secret_file(&token_path, &format!("{t}\n"))?;
+            println!("  changed  {} created", token_path.display());
+            println!();
+            println!("  first admin API token (shown once; also in {}):", token_path.display());
+            println!("    {t}");
+            println!();
+            changes += 1;
+            t
+        }
+    };
+
+    let mut creds = provision::controller_credentials(&admin, &names, &secrets)?;
+    creds.signing_key_file = Some(key_path.to_string_lossy().into_owned());
+    creds.bootstrap_admin_token_sha256 = Some(mesh_protocol::token_sha256_hex(&token));
     if write_secret_file(&controller_path, &to_toml(&creds)?)? {
         println!("  changed  {} written", controller_path.display());
         changes += 1;

@@ -9,28 +9,18 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use serde::Deserialize;
-use serde_json::json;
+use mesh_broker_admin::Management;
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
 use crate::CONTEXTS;
-use crate::credentials::{AdminCredentials, ControllerCredentials};
+use crate::credentials::{AdminCredentials, BrokerManagement, ControllerCredentials};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProvisionError {
     #[error("postgresql: {what}: {source}")]
     Postgres { what: String, source: sqlx::Error },
-    #[error("rabbitmq management api: {what}: {source}")]
-    Http {
-        what: String,
-        source: reqwest::Error,
-    },
-    #[error("rabbitmq management api: {what}: HTTP {status}: {body}")]
-    Api {
-        what: String,
-        status: u16,
-        body: String,
-    },
+    #[error(transparent)]
+    Rabbit(#[from] mesh_broker_admin::Error),
     #[error("invalid url `{url}`: {reason}")]
     Url { url: String, reason: String },
     #[error("check failed: {0}")]
@@ -62,6 +52,9 @@ pub struct Names {
     pub role_prefix: String,
     pub vhost: String,
     pub controller_user: String,
+    /// The management API user the identity context creates node users with
+    /// (administrator tag, no vhost permissions). Never a valid node id.
+    pub identity_user: String,
 }
 
 impl Names {
@@ -72,6 +65,7 @@ impl Names {
             role_prefix: "mesh".into(),
             vhost: "mesh".into(),
             controller_user: "mesh_controller".into(),
+            identity_user: "mesh_identity".into(),
         }
     }
 
@@ -83,6 +77,7 @@ impl Names {
             role_prefix: base.clone(),
             vhost: base.clone(),
             controller_user: format!("{base}-controller"),
+            identity_user: format!("{base}-identity"),
         }
     }
 
@@ -118,6 +113,8 @@ impl Secret {
 #[derive(Clone, Debug)]
 pub struct Secrets {
     pub controller: Secret,
+    /// The identity management user's password.
+    pub identity: Secret,
     pub roles: BTreeMap<String, Secret>,
 }
 
@@ -125,6 +122,7 @@ impl Secrets {
     pub fn generate() -> Secrets {
         Secrets {
             controller: Secret::generate(),
+            identity: Secret::generate(),
             roles: CONTEXTS
                 .iter()
                 .map(|c| (c.to_string(), Secret::generate()))
@@ -139,6 +137,9 @@ impl Secrets {
         if let Some(c) = existing {
             if let Some(p) = crate::credentials::password_of(&c.broker_url) {
                 s.controller = Secret::known(p);
+            }
+            if let Some(m) = &c.broker_management {
+                s.identity = Secret::known(m.password.clone());
             }
             for ctx in CONTEXTS {
                 if let Some(p) = c
@@ -270,6 +271,13 @@ pub fn controller_credentials(
             &secrets.controller.value,
             &names.vhost,
         )?,
+        signing_key_file: None,
+        bootstrap_admin_token_sha256: None,
+        broker_management: Some(BrokerManagement {
+            url: admin.rabbitmq_api.trim_end_matches('/').to_owned(),
+            user: names.identity_user.clone(),
+            password: secrets.identity.value.clone(),
+        }),
         databases,
     })
 }
@@ -526,195 +534,66 @@ pub async fn drop_database_and_roles(admin: &AdminCredentials, names: &Names) ->
 
 // ---------------------------------------------------------------- RabbitMQ
 
-/// A client of the RabbitMQ management HTTP API, as an administrator.
+/// The management API as the bundle's administrator, with idempotent `ensure_*`
+/// steps on top of the shared client ([`mesh_broker_admin::Management`]).
 #[derive(Clone, Debug)]
 pub struct Rabbit {
-    http: reqwest::Client,
-    api: String,
-    user: String,
-    password: String,
+    api: Management,
 }
 
-#[derive(Deserialize, Debug)]
-struct UserInfo {
-    #[serde(default)]
-    tags: serde_json::Value,
-}
-
-#[derive(Deserialize, Debug, PartialEq, Eq)]
-struct Permissions {
-    configure: String,
-    write: String,
-    read: String,
-}
-
-#[derive(Deserialize, Debug)]
-struct TopicPermission {
-    exchange: String,
-    write: String,
-    read: String,
-}
-
-#[derive(Deserialize, Debug)]
-pub struct NamedItem {
-    pub name: String,
-}
-
-fn seg(s: &str) -> String {
-    urlencoding::encode(s).into_owned()
+impl std::ops::Deref for Rabbit {
+    type Target = Management;
+    fn deref(&self) -> &Management {
+        &self.api
+    }
 }
 
 impl Rabbit {
     pub fn new(admin: &AdminCredentials) -> Rabbit {
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(30))
-            .build()
-            .unwrap_or_default();
         Rabbit {
-            http,
-            api: admin.rabbitmq_api.trim_end_matches('/').to_string(),
-            user: admin.rabbitmq_user.clone(),
-            password: admin.rabbitmq_password.clone(),
+            api: Management::new(
+                &admin.rabbitmq_api,
+                &admin.rabbitmq_user,
+                &admin.rabbitmq_password,
+            ),
         }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}/api/{path}", self.api)
-    }
-
-    async fn send(&self, what: &str, req: reqwest::RequestBuilder) -> Result<reqwest::Response> {
-        req.basic_auth(&self.user, Some(&self.password))
-            .send()
-            .await
-            .map_err(|source| ProvisionError::Http {
-                what: what.to_string(),
-                source,
-            })
-    }
-
-    async fn fail(what: &str, resp: reqwest::Response) -> ProvisionError {
-        let status = resp.status().as_u16();
-        let body = resp.text().await.unwrap_or_default();
-        ProvisionError::Api {
-            what: what.to_string(),
-            status,
-            body: body.chars().take(500).collect(),
-        }
-    }
-
-    /// GET; `Ok(None)` on 404.
-    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<Option<T>> {
-        let what = format!("GET /api/{path}");
-        let resp = self.send(&what, self.http.get(self.url(path))).await?;
-        if resp.status() == reqwest::StatusCode::NOT_FOUND {
-            return Ok(None);
-        }
-        if !resp.status().is_success() {
-            return Err(Self::fail(&what, resp).await);
-        }
-        resp.json()
-            .await
-            .map(Some)
-            .map_err(|source| ProvisionError::Http { what, source })
-    }
-
-    async fn put(&self, path: &str, body: serde_json::Value) -> Result<()> {
-        let what = format!("PUT /api/{path}");
-        let resp = self
-            .send(&what, self.http.put(self.url(path)).json(&body))
-            .await?;
-        if !resp.status().is_success() {
-            return Err(Self::fail(&what, resp).await);
-        }
-        Ok(())
-    }
-
-    /// DELETE; `Ok(false)` when it did not exist.
-    async fn delete(&self, path: &str) -> Result<bool> {
-        let what = format!("DELETE /api/{path}");
-        let resp = self.send(&what, self.http.delete(self.url(path))).await?;
-        if resp.status() == reqwest::StatusCode::NOT_FOUND {
-            return Ok(false);
-        }
-        if !resp.status().is_success() {
-            return Err(Self::fail(&what, resp).await);
-        }
-        Ok(true)
     }
 
     /// Waits until the API answers `GET /api/overview` as this user.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let r = self.get::<serde_json::Value>("overview").await;
-            match r {
-                Ok(Some(_)) => return Ok(()),
-                Ok(None) => {
-                    return Err(ProvisionError::Check(
-                        "GET /api/overview answered 404".into(),
-                    ));
-                }
-                Err(ProvisionError::Api { status: 401, .. }) => {
-                    return Err(ProvisionError::Check(format!(
-                        "rabbitmq management api refused user {} (401)",
-                        self.user
-                    )));
-                }
-                Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
-                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
-            }
-        }
+        Ok(self.api.wait_ready(timeout).await?)
     }
 
     pub async fn vhost_exists(&self, vhost: &str) -> Result<bool> {
-        Ok(self
-            .get::<serde_json::Value>(&format!("vhosts/{}", seg(vhost)))
-            .await?
-            .is_some())
+        Ok(self.api.vhost_exists(vhost).await?)
     }
 
     pub async fn ensure_vhost(&self, vhost: &str, steps: &mut Steps) -> Result<()> {
         if self.vhost_exists(vhost).await? {
             steps.push(format!("rabbitmq vhost {vhost}: exists"), false);
         } else {
-            self.put(&format!("vhosts/{}", seg(vhost)), json!({}))
-                .await?;
+            self.api.put_vhost(vhost).await?;
             steps.push(format!("rabbitmq vhost {vhost}: created"), true);
         }
         Ok(())
     }
 
     pub async fn delete_vhost(&self, vhost: &str) -> Result<bool> {
-        self.delete(&format!("vhosts/{}", seg(vhost))).await
+        Ok(self.api.delete_vhost(vhost).await?)
     }
 
     pub async fn user_exists(&self, user: &str) -> Result<bool> {
-        Ok(self
-            .get::<serde_json::Value>(&format!("users/{}", seg(user)))
-            .await?
-            .is_some())
+        Ok(self.api.user_info(user).await?.is_some())
     }
 
     /// All user names.
     pub async fn users(&self) -> Result<Vec<String>> {
-        Ok(self
-            .get::<Vec<NamedItem>>("users")
-            .await?
-            .unwrap_or_default()
-            .into_iter()
-            .map(|u| u.name)
-            .collect())
+        Ok(self.api.users().await?)
     }
 
     /// All vhost names.
     pub async fn vhosts(&self) -> Result<Vec<String>> {
-        Ok(self
-            .get::<Vec<NamedItem>>("vhosts")
-            .await?
-            .unwrap_or_default()
-            .into_iter()
-            .map(|u| u.name)
-            .collect())
+        Ok(self.api.vhosts().await?)
     }
 
     /// A user with `tags` (comma separated, may be empty); the password is set when
@@ -726,37 +605,22 @@ impl Rabbit {
         tags: &str,
         steps: &mut Steps,
     ) -> Result<()> {
-        let path = format!("users/{}", seg(user));
-        let body = json!({ "password": secret.value, "tags": tags });
-        match self.get::<UserInfo>(&path).await? {
+        match self.api.user_info(user).await? {
             None => {
-                self.put(&path, body).await?;
+                self.api.put_user(user, &secret.value, tags).await?;
                 steps.push(format!("rabbitmq user {user}: created"), true);
             }
             Some(info) => {
-                let have: Vec<String> = match &info.tags {
-                    serde_json::Value::String(s) => s
-                        .split(',')
-                        .filter(|t| !t.is_empty())
-                        .map(str::to_string)
-                        .collect(),
-                    serde_json::Value::Array(a) => a
-                        .iter()
-                        .filter_map(|v| v.as_str().map(str::to_string))
-                        .collect(),
-                    _ => vec![],
-                };
-                let want: Vec<String> = tags
+                let mut have = info.tag_list();
+                have.sort();
+                let mut want: Vec<String> = tags
                     .split(',')
                     .filter(|t| !t.is_empty())
                     .map(str::to_string)
                     .collect();
-                let mut h = have.clone();
-                h.sort();
-                let mut w = want.clone();
-                w.sort();
-                if secret.fresh || h != w {
-                    self.put(&path, body).await?;
+                want.sort();
+                if secret.fresh || have != want {
+                    self.api.put_user(user, &secret.value, tags).await?;
                     steps.push(format!("rabbitmq user {user}: password/tags set"), true);
                 } else {
                     steps.push(format!("rabbitmq user {user}: exists"), false);
@@ -767,7 +631,7 @@ impl Rabbit {
     }
 
     pub async fn delete_user(&self, user: &str) -> Result<bool> {
-        self.delete(&format!("users/{}", seg(user))).await
+        Ok(self.api.delete_user(user).await?)
     }
 
     /// Permissions (configure, write, read regexes) of `user` on `vhost`.
@@ -780,23 +644,20 @@ impl Rabbit {
         read: &str,
         steps: &mut Steps,
     ) -> Result<()> {
-        let path = format!("permissions/{}/{}", seg(vhost), seg(user));
-        let want = Permissions {
+        let want = mesh_broker_admin::Permissions {
             configure: configure.into(),
             write: write.into(),
             read: read.into(),
         };
-        if self.get::<Permissions>(&path).await?.as_ref() == Some(&want) {
+        if self.api.permissions(vhost, user).await?.as_ref() == Some(&want) {
             steps.push(
                 format!("rabbitmq permissions {user}@{vhost}: as wanted"),
                 false,
             );
         } else {
-            self.put(
-                &path,
-                json!({ "configure": configure, "write": write, "read": read }),
-            )
-            .await?;
+            self.api
+                .put_permissions(vhost, user, configure, write, read)
+                .await?;
             steps.push(format!("rabbitmq permissions {user}@{vhost}: set"), true);
         }
         Ok(())
@@ -813,11 +674,7 @@ impl Rabbit {
         read: &str,
         steps: &mut Steps,
     ) -> Result<()> {
-        let path = format!("topic-permissions/{}/{}", seg(vhost), seg(user));
-        let have = self
-            .get::<Vec<TopicPermission>>(&path)
-            .await?
-            .unwrap_or_default();
+        let have = self.api.topic_permissions(vhost, user).await?;
         if have
             .iter()
             .any(|t| t.exchange == exchange && t.write == write && t.read == read)
@@ -827,11 +684,9 @@ impl Rabbit {
                 false,
             );
         } else {
-            self.put(
-                &path,
-                json!({ "exchange": exchange, "write": write, "read": read }),
-            )
-            .await?;
+            self.api
+                .put_topic_permissions(vhost, user, exchange, write, read)
+                .await?;
             steps.push(
                 format!("rabbitmq topic permissions {user}@{vhost}/{exchange}: set"),
                 true,
@@ -842,11 +697,7 @@ impl Rabbit {
 
     /// A durable exchange of `kind` (topic, direct, fanout) on `vhost`.
     pub async fn ensure_exchange(&self, vhost: &str, name: &str, kind: &str) -> Result<()> {
-        self.put(
-            &format!("exchanges/{}/{}", seg(vhost), seg(name)),
-            json!({ "type": kind, "durable": true, "auto_delete": false, "internal": false, "arguments": {} }),
-        )
-        .await
+        Ok(self.api.put_exchange(vhost, name, kind).await?)
     }
 }
 
@@ -885,6 +736,17 @@ pub async fn provision(
             &mut steps,
         )
         .await?;
+    // The identity context's management account: the administrator tag is what
+    // RabbitMQ requires to create users and close connections (docs/decisions/0006);
+    // it gets no permission on any vhost, so it cannot publish or consume.
+    rabbit
+        .ensure_user(
+            &names.identity_user,
+            &secrets.identity,
+            "administrator",
+            &mut steps,
+        )
+        .await?;
     rabbit
         .ensure_permissions(
             &names.vhost,
@@ -906,8 +768,9 @@ pub fn password_in_url(url: &str) -> Option<String> {
     urlencoding::decode(pw).ok().map(|p| p.into_owned())
 }
 
-/// Node `node`'s broker permissions on `vhost`: publish to `reports` with routing
-/// keys `<node>.*` only, consume `decl.<node>` only, declare nothing.
+/// Node `node`'s broker permissions on `vhost`, exactly
+/// [`mesh_protocol::topology::node_permissions`]: publish to `reports` with
+/// routing keys `<node>.*` only, consume `decl.<node>` only, declare nothing.
 pub async fn ensure_node_user(
     rabbit: &Rabbit,
     vhost: &str,
@@ -915,26 +778,19 @@ pub async fn ensure_node_user(
     secret: &Secret,
     steps: &mut Steps,
 ) -> Result<()> {
-    use mesh_protocol::topology::REPORTS_EXCHANGE;
     let n = node.as_str();
+    let p = mesh_protocol::topology::node_permissions(node);
     rabbit.ensure_user(n, secret, "", steps).await?;
     rabbit
-        .ensure_permissions(
-            vhost,
-            n,
-            "^$",
-            &format!("^{REPORTS_EXCHANGE}$"),
-            &format!("^decl\\.{n}$"),
-            steps,
-        )
+        .ensure_permissions(vhost, n, &p.configure, &p.write, &p.read, steps)
         .await?;
     rabbit
         .ensure_topic_permissions(
             vhost,
             n,
-            REPORTS_EXCHANGE,
-            &format!("^{n}\\."),
-            &format!("^{n}\\."),
+            p.topic_exchange,
+            &p.topic_write,
+            &p.topic_read,
             steps,
         )
         .await?;

@@ -13,10 +13,10 @@
 //! `/etc/mesh/admin-credentials.toml` (written by `bundle/up`), else from this
 //! machine's defaults (see [`AdminCredentials::local_defaults`]).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use mesh_protocol::NodeId;
+use mesh_protocol::{DeclarationSigner, NodeId};
 
 use crate::CONTEXTS;
 use crate::credentials::{AdminCredentials, ControllerCredentials, to_toml, write_secret_file};
@@ -28,6 +28,12 @@ pub struct TestEnv {
     admin: AdminCredentials,
     names: Names,
     secrets: Secrets,
+    /// The controller's declaration-signing key of this environment; its file is
+    /// `<key_dir>/controller-signing.key`.
+    signer: DeclarationSigner,
+    key_dir: PathBuf,
+    /// The first admin API token (its hash goes into the controller credentials).
+    admin_token: String,
     torn_down: bool,
 }
 
@@ -38,20 +44,25 @@ pub struct NodeCredentials {
     /// `amqp://<node>:<password>@host:port/<vhost>`.
     pub broker_url: String,
     pub password: String,
+    /// The controller's declaration-signing public key (hex) the agent verifies
+    /// every declaration against.
+    pub controller_key: String,
 }
 
 impl NodeCredentials {
     /// Writes `<state_dir>/credentials.toml` (mode 0600) in the agent's format:
-    /// `node = "..."` and `broker_url = "..."`.
+    /// `node`, `broker_url` and `controller_key`.
     pub fn write_to(&self, state_dir: &Path) -> anyhow::Result<()> {
         #[derive(serde::Serialize)]
         struct File<'a> {
             node: &'a str,
             broker_url: &'a str,
+            controller_key: &'a str,
         }
         let text = to_toml(&File {
             node: self.node.as_str(),
             broker_url: &self.broker_url,
+            controller_key: &self.controller_key,
         })?;
         write_secret_file(&state_dir.join("credentials.toml"), &text)?;
         Ok(())
@@ -65,13 +76,20 @@ impl TestEnv {
         let admin = AdminCredentials::load_or_local_defaults()?;
         let id = format!("t{}", hex::encode(rand::random::<[u8; 4]>()));
         let names = Names::for_test(&id);
+        let key_dir = std::env::temp_dir().join(format!("mesh-{id}"));
+        let signer = DeclarationSigner::from_seed(rand::random());
         let env = TestEnv {
             id,
             admin,
             names,
             secrets: Secrets::generate(),
+            signer,
+            key_dir,
+            admin_token: mesh_protocol::new_token("mesh_at_", rand::random()),
             torn_down: false,
         };
+        write_secret_file(&env.signing_key_path(), &env.signer.to_hex())
+            .context("writing the test signing key")?;
         // On failure `env` is dropped, which removes whatever was created.
         provision::provision(&env.admin, &env.names, &env.secrets)
             .await
@@ -108,10 +126,43 @@ impl TestEnv {
         provision::admin_url_on(&self.admin, &self.names.database).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// The controller's credentials for this environment (all seven databases).
+    /// The controller's credentials for this environment (all seven databases,
+    /// the signing key file, the identity management account, the first admin
+    /// token's hash).
     pub fn controller_credentials(&self) -> ControllerCredentials {
-        provision::controller_credentials(&self.admin, &self.names, &self.secrets)
-            .unwrap_or_else(|e| panic!("{e}"))
+        let mut c = provision::controller_credentials(&self.admin, &self.names, &self.secrets)
+            .unwrap_or_else(|e| panic!("{e}"));
+        c.signing_key_file = Some(self.signing_key_path().to_string_lossy().into_owned());
+        c.bootstrap_admin_token_sha256 = Some(mesh_protocol::token_sha256_hex(&self.admin_token));
+        c
+    }
+
+    /// Where this environment's controller signing key is (mode 0600).
+    pub fn signing_key_path(&self) -> PathBuf {
+        self.key_dir.join(crate::credentials::SIGNING_KEY_FILE)
+    }
+
+    /// This environment's controller signing key (tests sign or forge with it).
+    pub fn signer(&self) -> &DeclarationSigner {
+        &self.signer
+    }
+
+    /// The controller's public key (hex), as agents hold it.
+    pub fn controller_public_key(&self) -> String {
+        self.signer.public_key_hex()
+    }
+
+    /// The first admin API token: the controller creates `bootstrap-admin` with
+    /// its hash at start.
+    pub fn admin_token(&self) -> &str {
+        &self.admin_token
+    }
+
+    /// The identity context's management API account of this environment.
+    pub fn identity_management(&self) -> crate::credentials::BrokerManagement {
+        self.controller_credentials()
+            .broker_management
+            .unwrap_or_else(|| panic!("provisioning always sets broker_management"))
     }
 
     /// Writes [`TestEnv::controller_credentials`] as TOML to `path` (mode 0600).
@@ -174,6 +225,7 @@ impl TestEnv {
             node,
             broker_url,
             password: secret.value,
+            controller_key: self.controller_public_key(),
         })
     }
 
@@ -185,7 +237,12 @@ impl TestEnv {
     }
 }
 
+fn remove_key_dir(id: &str) {
+    let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("mesh-{id}")));
+}
+
 async fn cleanup(admin: &AdminCredentials, id: &str, names: &Names) -> anyhow::Result<()> {
+    remove_key_dir(id);
     let rabbit = Rabbit::new(admin);
     // Broker first: deleting the vhost closes every connection to it.
     let mut first_err: Option<anyhow::Error> = None;
@@ -197,7 +254,11 @@ async fn cleanup(admin: &AdminCredentials, id: &str, names: &Names) -> anyhow::R
             let node_prefix = format!("{id}-");
             for u in users
                 .iter()
-                .filter(|u| u.starts_with(&node_prefix) || **u == names.controller_user)
+                .filter(|u| {
+                    u.starts_with(&node_prefix)
+                        || **u == names.controller_user
+                        || **u == names.identity_user
+                })
             {
                 if let Err(e) = rabbit.delete_user(u).await {
                     first_err.get_or_insert(e.into());

@@ -16,6 +16,7 @@ use mesh_protocol::{NodeId, Section};
 use prometheus_client::registry::Registry;
 use serde_json::json;
 
+use crate::auth;
 use crate::router::Contexts;
 
 #[derive(Clone)]
@@ -23,16 +24,47 @@ pub struct ApiState {
     pub contexts: Arc<Contexts>,
     pub registry: Arc<Registry>,
     pub broker_up: Arc<AtomicBool>,
+    /// Wakes the relay after the auth layer wrote an audit event.
+    pub signal: mesh_plumbing::OutboxSignal,
 }
 
+/// Every route, each context's behind the auth layer that knows the context
+/// (auth.rs: the role each route needs; audit events to that context's outbox).
 pub fn router(state: ApiState) -> Router {
+    let c = &state.contexts;
+    let guarded = |routes: Router, context: &'static str, pool: &sqlx::PgPool| {
+        routes.layer(axum::middleware::from_fn_with_state(
+            auth::Guard {
+                identity: c.identity.clone(),
+                context,
+                pool: pool.clone(),
+                signal: state.signal.clone(),
+            },
+            auth::guard,
+        ))
+    };
     let own = Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .route("/v1/nodes/{id}", get(node))
         .with_state(state.clone());
-    own.merge(state.contexts.inventory.clone().routes())
-        .merge(state.contexts.config.clone().routes())
+    use mesh_plumbing::Context as _;
+    guarded(own, mesh_identity::SCHEMA, c.identity.pool())
+        .merge(guarded(
+            c.inventory.clone().routes(),
+            mesh_inventory::Inventory::SCHEMA,
+            c.inventory.pool(),
+        ))
+        .merge(guarded(
+            c.config.clone().routes(),
+            mesh_config::Config::SCHEMA,
+            c.config.pool(),
+        ))
+        .merge(guarded(
+            c.identity.clone().routes(),
+            mesh_identity::SCHEMA,
+            c.identity.pool(),
+        ))
         .fallback(|| async { Problem::not_found("no such route") })
 }
 

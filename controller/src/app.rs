@@ -52,7 +52,15 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
         }
     }
     let signal = OutboxSignal::default();
+    let signer = Arc::new(creds.signer()?);
     let contexts = Arc::new(Contexts::connect(&creds, &settings, signal.clone()).await?);
+    if let Some(hash) = &creds.bootstrap_admin_token_sha256 {
+        match contexts.identity.ensure_bootstrap_admin(hash).await {
+            Ok(true) => tracing::info!("first admin API token (bootstrap-admin) registered"),
+            Ok(false) => {}
+            Err(e) => tracing::error!(error = %e, "cannot register the first admin API token"),
+        }
+    }
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
     let broker_up = Arc::new(AtomicBool::new(false));
@@ -69,6 +77,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
         contexts: contexts.clone(),
         registry: Arc::new(registry),
         broker_up: broker_up.clone(),
+        signal: signal.clone(),
     });
 
     let mut tasks = JoinSet::new();
@@ -81,6 +90,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     });
     let session = Session {
         contexts: contexts.clone(),
+        signer,
         metrics,
         settings: settings.clone(),
         signal,
@@ -191,6 +201,7 @@ async fn housekeeping(contexts: Arc<Contexts>, shutdown: CancellationToken) {
 /// with capped, jittered backoff.
 struct Session {
     contexts: Arc<Contexts>,
+    signer: Arc<mesh_protocol::DeclarationSigner>,
     metrics: Metrics,
     settings: Settings,
     signal: OutboxSignal,
@@ -272,6 +283,7 @@ impl Session {
         }
         let relay = Arc::new(Relay {
             contexts: self.contexts.clone(),
+            signer: self.signer.clone(),
             metrics: self.metrics.clone(),
             declaration_queues: declaration_queues.clone(),
             signal: self.signal.clone(),

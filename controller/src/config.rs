@@ -181,17 +181,62 @@ impl Settings {
     }
 }
 
-/// The credentials file: the broker URL and one database URL per context.
+/// The credentials file: the broker URL, one database URL per context, the
+/// signing key's file, the first admin token's hash, and the management API
+/// account identity manages node users with.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Credentials {
     pub broker_url: Secret<String>,
+    /// The controller's Ed25519 declaration-signing key (hex seed, mode 0600).
+    /// Required to run: agents apply no unsigned declaration.
+    pub signing_key_file: Option<PathBuf>,
+    /// SHA-256 (hex) of the first admin API token (`bundle/up` wrote the token).
+    pub bootstrap_admin_token_sha256: Option<String>,
+    /// The RabbitMQ management API account node users are created with.
+    pub broker_management: Option<BrokerManagement>,
     pub databases: BTreeMap<String, Secret<String>>,
     #[serde(skip)]
     path: PathBuf,
 }
 
+/// A RabbitMQ management API account (administrator tag, no vhost rights).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerManagement {
+    /// Base URL, e.g. `http://127.0.0.1:15672`.
+    pub url: String,
+    pub user: String,
+    pub password: Secret<String>,
+}
+
 impl Credentials {
+    /// The declaration-signing key, read from [`Credentials::signing_key_file`].
+    pub fn signer(&self) -> Result<mesh_protocol::DeclarationSigner, ConfigError> {
+        let path = self.signing_key_file.as_ref().ok_or_else(|| ConfigError::Parse {
+            path: self.path.clone(),
+            message: "signing_key_file is missing (run bundle/up again)".into(),
+        })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        mesh_protocol::DeclarationSigner::from_hex(&text).map_err(|e| ConfigError::Parse {
+            path: path.clone(),
+            message: e.to_string(),
+        })
+    }
+
+    /// The management API account, required to enrol and revoke nodes.
+    pub fn broker_management(&self) -> Result<&BrokerManagement, ConfigError> {
+        self.broker_management
+            .as_ref()
+            .ok_or_else(|| ConfigError::Parse {
+                path: self.path.clone(),
+                message: "broker_management is missing (run bundle/up again)".into(),
+            })
+    }
+
     pub fn load(path: &Path) -> Result<Credentials, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.into(),

@@ -6,9 +6,11 @@
 //! It never writes a context's tables itself: each context does, through its own
 //! pool and role. It acknowledges a report only after every context committed.
 
+pub mod accounts;
 pub mod amqp;
 pub mod api;
 pub mod app;
+pub mod auth;
 pub mod config;
 pub mod metrics;
 pub mod pipeline;

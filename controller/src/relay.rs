@@ -15,8 +15,9 @@ use lapin::options::BasicPublishOptions;
 use lapin::{BasicProperties, Connection};
 use mesh_plumbing::OutboxSignal;
 use mesh_plumbing::outbox::{self, OutboxRow};
-use mesh_protocol::NodeId;
-use mesh_protocol::topology::DECLARATIONS_EXCHANGE;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use mesh_protocol::topology::{DECLARATIONS_EXCHANGE, SIGNATURE_HEADER};
+use mesh_protocol::{DeclarationSigner, NodeId};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
@@ -26,6 +27,9 @@ use crate::router::Contexts;
 
 pub struct Relay {
     pub contexts: Arc<Contexts>,
+    /// Signs every declaration (header `x-mesh-signature`); agents apply nothing
+    /// unsigned.
+    pub signer: Arc<DeclarationSigner>,
     pub metrics: Metrics,
     pub declaration_queues: Arc<DeclarationQueues>,
     pub signal: OutboxSignal,
@@ -33,12 +37,22 @@ pub struct Relay {
     pub poll: std::time::Duration,
 }
 
-fn properties(row: &OutboxRow) -> BasicProperties {
-    BasicProperties::default()
+fn properties(row: &OutboxRow, signer: &DeclarationSigner) -> BasicProperties {
+    let props = BasicProperties::default()
         .with_message_id(row.message_id.to_string().as_str().into())
         .with_type(row.kind.as_str().into())
         .with_content_type("application/json".into())
-        .with_delivery_mode(2)
+        .with_delivery_mode(2);
+    if row.exchange != DECLARATIONS_EXCHANGE {
+        return props;
+    }
+    // The signature covers the exact bytes published.
+    let mut headers = FieldTable::default();
+    headers.insert(
+        SIGNATURE_HEADER.into(),
+        AMQPValue::LongString(LongString::from(signer.sign_hex(&row.payload))),
+    );
+    props.with_headers(headers)
 }
 
 impl Relay {
@@ -110,7 +124,7 @@ impl Relay {
                     row.routing_key.as_str().into(),
                     options,
                     &row.payload,
-                    properties(row),
+                    properties(row, &self.signer),
                 )
                 .await?;
             pending.push((row, node, confirm));

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use mesh_config::Config;
+use mesh_identity::Identity;
 use mesh_inventory::Inventory;
 use mesh_plumbing::{Context, HandlerError, OutboxSignal, inbox};
 use mesh_protocol::{Envelope, RecordEvent, Report, ReportKind};
@@ -29,6 +30,7 @@ pub enum ContextsError {
 pub struct Contexts {
     pub inventory: Arc<Inventory>,
     pub config: Arc<Config>,
+    pub identity: Arc<Identity>,
 }
 
 async fn pool(
@@ -57,6 +59,10 @@ impl Contexts {
             (
                 Config::SCHEMA,
                 mesh_config::migrate(creds.database(Config::SCHEMA)?.expose()).await?,
+            ),
+            (
+                Identity::SCHEMA,
+                mesh_identity::migrate(creds.database(Identity::SCHEMA)?.expose()).await?,
             ),
         ])
     }
@@ -90,12 +96,19 @@ impl Contexts {
         };
         let config = Config::new(
             pool(creds, Config::SCHEMA, settings.pool_size).await?,
-            signal,
+            signal.clone(),
             config_settings,
+        );
+        let identity = Identity::new(
+            pool(creds, Identity::SCHEMA, settings.pool_size).await?,
+            signal,
+            mesh_identity::IdentitySettings::new(creds.signer()?.public_key_hex()),
+            Arc::new(crate::accounts::RabbitAccounts::from_credentials(creds)?),
         );
         Ok(Contexts {
             inventory: Arc::new(inventory),
             config: Arc::new(config),
+            identity: Arc::new(identity),
         })
     }
 
@@ -104,7 +117,17 @@ impl Contexts {
         vec![
             (Inventory::SCHEMA, self.inventory.pool()),
             (Config::SCHEMA, self.config.pool()),
+            (Identity::SCHEMA, self.identity.pool()),
         ]
+    }
+
+    /// The pool of the context named `schema` (the auth layer writes audit
+    /// events to the outbox of the context that served the request).
+    pub fn pool_of(&self, schema: &str) -> Option<&PgPool> {
+        self.schemas()
+            .into_iter()
+            .find(|(s, _)| *s == schema)
+            .map(|(_, p)| p)
     }
 
     /// Record routing-key patterns per context, for declaring record queues.
@@ -112,6 +135,7 @@ impl Contexts {
         vec![
             (Inventory::SCHEMA, self.inventory.subscriptions()),
             (Config::SCHEMA, self.config.subscriptions()),
+            (Identity::SCHEMA, self.identity.subscriptions()),
         ]
     }
 
@@ -155,6 +179,7 @@ impl Contexts {
         match context {
             c if c == Inventory::SCHEMA => run_events(&*self.inventory, events).await,
             c if c == Config::SCHEMA => run_events(&*self.config, events).await,
+            c if c == Identity::SCHEMA => run_events(&*self.identity, events).await,
             other => Err(HandlerError::Permanent(format!(
                 "no context named `{other}`"
             ))),

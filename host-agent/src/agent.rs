@@ -19,7 +19,10 @@ use lapin::types::FieldTable;
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer, Event,
 };
-use mesh_protocol::topology::{REPORTS_EXCHANGE, declaration_queue, report_routing_key};
+use lapin::types::AMQPValue;
+use mesh_protocol::topology::{
+    REPORTS_EXCHANGE, SIGNATURE_HEADER, declaration_queue, report_routing_key,
+};
 use mesh_protocol::{
     Applied, Envelope, Heartbeat, ItemOutcome, MAX_REPORT_BYTES, NodeId, Outcome, Report,
     ReportKind, Section, Units,
@@ -483,7 +486,10 @@ impl Agent {
             .unwrap_or_default();
         let span = info_span!("declaration", message_id = %message_id, node = %self.creds.node, kind = "declaration");
         async {
-            let report = self.apply_bytes(&delivery.data).await;
+            let report = match self.verify(&delivery) {
+                Ok(()) => self.apply_bytes(&delivery.data).await,
+                Err(rejected) => rejected,
+            };
             self.push_applied(report);
             delivery
                 .ack(BasicAckOptions::default())
@@ -493,6 +499,37 @@ impl Agent {
         }
         .instrument(span)
         .await
+    }
+
+    /// Check the controller's signature of a declaration (header
+    /// `x-mesh-signature` over the exact body) against the key received at
+    /// enrolment. Err is the `rejected` report: nothing of it is applied.
+    fn verify(&mut self, delivery: &Delivery) -> Result<(), Applied> {
+        let signature = delivery.properties.headers().as_ref().and_then(|h| {
+            match h.inner().get(SIGNATURE_HEADER) {
+                Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+                _ => None,
+            }
+        });
+        match self
+            .creds
+            .controller_key
+            .verify_hex(&delivery.data, signature.as_deref())
+        {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let (section, generation) = apply::peek_section(&delivery.data);
+                error!(error = %e, ?section, ?generation, "declaration rejected: bad signature");
+                self.metrics.declaration_applied("rejected");
+                Err(Applied {
+                    section,
+                    generation,
+                    outcome: Outcome::Rejected,
+                    items: Vec::new(),
+                    error: Some(format!("signature: {e}")),
+                })
+            }
+        }
     }
 
     /// Decode, apply, record. Never fails: every problem becomes the report.

@@ -1,10 +1,11 @@
 //! `<state_dir>/credentials.toml`: who this node is and how it reaches the broker.
-//! Written at enrolment (by the bundle today), mode 0600; read once at start.
+//! Written at enrolment (`mesh-agent join`, or `mesh-bundle node-add`), mode
+//! 0600; read once at start. Fields: `node`, `broker_url`, `controller_key`.
 
 use std::path::{Path, PathBuf};
 
 use lapin::uri::AMQPUri;
-pub use mesh_protocol::{NodeId, Secret, redact_url};
+pub use mesh_protocol::{NodeId, PublicKey, Secret, redact_url};
 use serde::Deserialize;
 
 /// The file name inside the state directory.
@@ -36,12 +37,16 @@ pub struct Credentials {
     /// `amqp://<node>:<password>@host:port/<vhost>`; the password makes the whole
     /// URL a secret. Log [`Credentials::redacted_url`] instead.
     pub broker_url: Secret<String>,
+    /// The controller's declaration-signing public key, received at enrolment:
+    /// a declaration whose signature does not verify against it is not applied.
+    pub controller_key: PublicKey,
 }
 
 #[derive(Deserialize)]
 struct RawCredentials {
     node: Option<String>,
     broker_url: Option<String>,
+    controller_key: Option<String>,
 }
 
 impl Credentials {
@@ -85,9 +90,18 @@ impl Credentials {
                 ),
             ));
         }
+        let key = raw.controller_key.ok_or_else(|| {
+            invalid(
+                "controller_key",
+                "missing (enrol with `mesh-agent join`, or `mesh-bundle node-add` again)".into(),
+            )
+        })?;
+        let controller_key =
+            PublicKey::from_hex(&key).map_err(|e| invalid("controller_key", e.to_string()))?;
         Ok(Credentials {
             node,
             broker_url: Secret::new(url),
+            controller_key,
         })
     }
 
@@ -101,6 +115,19 @@ impl Credentials {
 mod tests {
     use super::*;
 
+    /// A valid public key.
+    fn key() -> String {
+        mesh_protocol::DeclarationSigner::from_seed([1; 32]).public_key_hex()
+    }
+
+    #[test]
+    fn key_is_required() {
+        let err = parse("node = \"node-a\"\nbroker_url = \"amqp://node-a:pw@h/v\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("controller_key"), "{err}");
+    }
+
     fn parse(text: &str) -> Result<Credentials, CredentialsError> {
         Credentials::parse(text, Path::new("/s/credentials.toml"))
     }
@@ -108,7 +135,7 @@ mod tests {
     #[test]
     fn good_file() {
         let c =
-            parse("node = \"node-a\"\nbroker_url = \"amqp://node-a:s3cret@127.0.0.1:5672/mesh\"\n")
+            parse(&format!("node = \"node-a\"\nbroker_url = \"amqp://node-a:s3cret@127.0.0.1:5672/mesh\"\ncontroller_key = \"{}\"\n", key()))
                 .unwrap();
         assert_eq!(c.node.as_str(), "node-a");
         assert_eq!(

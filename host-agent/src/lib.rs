@@ -36,6 +36,7 @@ pub mod buffer;
 pub mod config;
 pub mod credentials;
 pub mod facts;
+pub mod join;
 pub mod metrics;
 pub mod store;
 pub mod units;

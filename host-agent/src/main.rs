@@ -32,6 +32,48 @@ enum LogFormat {
 enum Command {
     /// Run the agent until SIGTERM or SIGINT.
     Run(RunArgs),
+    /// Enrol this node with a join token (from `meshctl node add <id>`): make
+    /// the node's key pair, get its broker credentials, write credentials.toml.
+    Join(JoinArgs),
+}
+
+#[derive(clap::Args)]
+struct JoinArgs {
+    /// The controller's API, e.g. http://10.0.0.1:7700.
+    #[arg(long, env = "MESH_API")]
+    api: String,
+    /// The join token (single use). Prefer the environment variable: a flag is
+    /// visible in the process list.
+    #[arg(long, env = "MESH_JOIN_TOKEN", hide_env_values = true)]
+    token: String,
+    /// This node's id (the one the token was made for). Default: the hostname.
+    #[arg(long)]
+    node: Option<String>,
+    /// State directory. Default /var/lib/mesh-agent.
+    #[arg(long, default_value = "/var/lib/mesh-agent")]
+    state_dir: PathBuf,
+}
+
+async fn join(args: JoinArgs) -> anyhow::Result<()> {
+    let node = match args.node {
+        Some(n) => n,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("reading the hostname (pass --node)")?
+            .trim()
+            .to_ascii_lowercase(),
+    };
+    let node = mesh_host_agent::credentials::NodeId::parse(&node)
+        .with_context(|| format!("node id `{node}`"))?;
+    let token = mesh_host_agent::Secret::new(args.token);
+    let joined = mesh_host_agent::join::join(&args.api, &token, &node, &args.state_dir).await?;
+    tracing::info!(
+        node = %joined.node,
+        credentials = %joined.credentials.display(),
+        public_key = %joined.public_key,
+        "joined; start the agent with `mesh-agent run`"
+    );
+    println!("joined as {}; credentials in {}", joined.node, joined.credentials.display());
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -94,7 +136,10 @@ async fn shutdown_signal() {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logging(cli.log_format);
-    let Command::Run(args) = cli.command;
+    let args = match cli.command {
+        Command::Run(args) => args,
+        Command::Join(args) => return join(args).await,
+    };
 
     let mut config = match &args.config {
         Some(path) => Config::load(path)?,

@@ -22,7 +22,7 @@ use mesh_host_agent::{Config, Store};
 use mesh_protocol::topology::{
     DECLARATION_QUEUE_MAX_LEN, DECLARATIONS_EXCHANGE, REPORTS_EXCHANGE, declaration_queue,
 };
-use mesh_protocol::{
+use mesh_protocol::{DeclarationSigner, 
     Declaration, DeclarationItems, Envelope, FileItem, FileMode, MAX_REPORT_BYTES, NodeId, Outcome,
     Report, Section,
 };
@@ -80,6 +80,7 @@ fn file(path: &str, content: &str, mode: u32) -> FileItem {
 
 async fn declare(
     ch: &Channel,
+    signer: &DeclarationSigner,
     node: &NodeId,
     generation: u64,
     files: Vec<FileItem>,
@@ -94,13 +95,25 @@ async fn declare(
     };
     publish_raw(
         ch,
+        signer,
         node,
         &Envelope::new(node.clone(), generation, decl).encode(),
     )
     .await
 }
 
-async fn publish_raw(ch: &Channel, node: &NodeId, bytes: &[u8]) -> anyhow::Result<()> {
+/// Publish as the controller does: signed with the environment's controller key.
+async fn publish_raw(
+    ch: &Channel,
+    signer: &DeclarationSigner,
+    node: &NodeId,
+    bytes: &[u8],
+) -> anyhow::Result<()> {
+    let mut headers = lapin::types::FieldTable::default();
+    headers.insert(
+        mesh_protocol::topology::SIGNATURE_HEADER.into(),
+        lapin::types::AMQPValue::LongString(signer.sign_hex(bytes).into()),
+    );
     let confirm = ch
         .basic_publish(
             DECLARATIONS_EXCHANGE.into(),
@@ -114,7 +127,8 @@ async fn publish_raw(ch: &Channel, node: &NodeId, bytes: &[u8]) -> anyhow::Resul
                 .with_message_id(uuid::Uuid::now_v7().to_string().into())
                 .with_type("declaration".into())
                 .with_content_type("application/json".into())
-                .with_delivery_mode(2),
+                .with_delivery_mode(2)
+                .with_headers(headers),
         )
         .await?
         .await?;
@@ -293,6 +307,7 @@ async fn hello_declarations_and_shutdown() -> anyhow::Result<()> {
 
     declare(
         &ch,
+        env.signer(),
         &node,
         1,
         vec![
@@ -319,6 +334,7 @@ async fn hello_declarations_and_shutdown() -> anyhow::Result<()> {
     // 3. Generation 2 drops b.
     declare(
         &ch,
+        env.signer(),
         &node,
         2,
         vec![file("/etc/mesh-test/a.conf", "a=2\n", 0o644)],
@@ -336,7 +352,7 @@ async fn hello_declarations_and_shutdown() -> anyhow::Result<()> {
     assert!(!root.path().join("etc/mesh-test/b").exists());
 
     // 4. Garbage is rejected, acked, and changes nothing.
-    publish_raw(&ch, &node, b"{not json").await?;
+    publish_raw(&ch, env.signer(), &node, b"{not json").await?;
     let r = wait_report(&mut reports, "rejected", |r| {
         applied(r).is_some_and(|a| a.outcome == Outcome::Rejected)
     })
@@ -355,6 +371,7 @@ async fn hello_declarations_and_shutdown() -> anyhow::Result<()> {
     // 5. A stale generation restates generation 2, touching nothing.
     declare(
         &ch,
+        env.signer(),
         &node,
         1,
         vec![file("/etc/mesh-test/stale", "x", 0o644)],
@@ -520,6 +537,7 @@ async fn reconnects_after_losing_the_broker() -> anyhow::Result<()> {
     assert!(second.envelope.seq > first.envelope.seq);
     declare(
         &ch,
+        env.signer(),
         &node,
         1,
         vec![file("/etc/after-reconnect", "ok", 0o644)],
@@ -678,6 +696,7 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
     };
     publish_raw(
         &ch,
+        env.signer(),
         &node,
         &Envelope::new(node.clone(), 1, decl(1, vec![unit.clone()])).encode(),
     )
@@ -731,6 +750,7 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
     // Generation 2 drops the unit: stopped, and the list is empty again.
     publish_raw(
         &ch,
+        env.signer(),
         &node,
         &Envelope::new(node.clone(), 2, decl(2, vec![])).encode(),
     )

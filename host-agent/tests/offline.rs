@@ -41,7 +41,10 @@ async fn keeps_running_without_a_broker_and_stops_when_told() {
     // Nothing listens on port 1.
     std::fs::write(
         state.path().join("credentials.toml"),
-        "node = \"node-a\"\nbroker_url = \"amqp://node-a:pw@127.0.0.1:1/mesh\"\n",
+        format!(
+            "node = \"node-a\"\nbroker_url = \"amqp://node-a:pw@127.0.0.1:1/mesh\"\ncontroller_key = \"{}\"\n",
+            mesh_protocol::DeclarationSigner::from_seed([1; 32]).public_key_hex()
+        ),
     )
     .unwrap();
     let started = tokio::time::Instant::now();

@@ -432,7 +432,10 @@ fn offline_agent(state: &Path, root: &Path) -> Config {
     // Nothing listens on port 1: the broker is unreachable throughout.
     std::fs::write(
         state.join("credentials.toml"),
-        "node = \"node-u\"\nbroker_url = \"amqp://node-u:pw@127.0.0.1:1/mesh\"\n",
+        format!(
+            "node = \"node-u\"\nbroker_url = \"amqp://node-u:pw@127.0.0.1:1/mesh\"\ncontroller_key = \"{}\"\n",
+            mesh_protocol::DeclarationSigner::from_seed([1; 32]).public_key_hex()
+        ),
     )
     .unwrap();
     Config {

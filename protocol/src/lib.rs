@@ -16,6 +16,7 @@ mod node;
 mod record;
 mod report;
 mod secret;
+pub mod signing;
 pub mod topology;
 mod unit;
 
@@ -26,11 +27,14 @@ pub use envelope::Body;
 pub use envelope::{Envelope, PROTOCOL_VERSION, RawEnvelope};
 pub use error::DecodeError;
 pub use node::{Labels, NodeId, validate_labels};
-pub use record::{NodeLabelsChanged, RecordEvent, RecordKind};
+pub use record::{
+    AUDIT_EVENT, AuditEntry, NodeIdentityChanged, NodeLabelsChanged, RecordEvent, RecordKind,
+};
 pub use report::{
     Applied, AppliedGenerations, Heartbeat, Hello, ItemOutcome, Outcome, Report, ReportKind,
 };
-pub use secret::{Secret, redact_url};
+pub use secret::{Secret, new_token, redact_url, token_sha256_hex};
+pub use signing::{DeclarationSigner, PublicKey, SignatureError};
 pub use unit::{
     DesiredState, RestartPolicy, UnitItem, UnitState, UnitStatus, Units, validate_unit_name,
 };

@@ -86,3 +86,53 @@ pub enum RecordKind {
     NodeJoined(NodeLabelsChanged),
     NodeUpdated(NodeLabelsChanged),
 }
+
+/// Event name (after the context) of an operator action's audit entry: every
+/// context that served an operator's mutation writes `<context>.operator.audit`
+/// to its outbox; identity subscribes to `*.operator.audit` and appends it.
+pub const AUDIT_EVENT: &str = "operator.audit";
+
+/// Body of `<context>.operator.audit`: who did what to what, and how it ended.
+/// Never carries a token or any other secret.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditEntry {
+    /// The operator token's id (UUID) and name, e.g. `ci-deployer`.
+    pub principal_id: Uuid,
+    pub principal: String,
+    /// The role the token holds: `admin`, `operator` or `viewer`.
+    pub role: String,
+    /// The route acted on: method and route pattern, e.g. `PUT /v1/files/{name}`.
+    pub action: String,
+    /// The concrete path, e.g. `/v1/files/motd`.
+    pub target: String,
+    /// The request's id (also its `x-request-id` response header).
+    pub request_id: Uuid,
+    pub at: DateTime<Utc>,
+    /// `ok` (2xx), `denied` (403: the role was not enough) or `failed` (any other).
+    pub outcome: String,
+    /// The HTTP status the request ended with.
+    pub status: u16,
+}
+
+impl AuditEntry {
+    /// The audit entry an event carries, if it is a `*.operator.audit` event.
+    pub fn from_event(event: &RecordEvent) -> Option<Result<AuditEntry, DecodeError>> {
+        (event.event == AUDIT_EVENT).then(|| {
+            serde_json::from_value(event.body.clone())
+                .map_err(|e| DecodeError::invalid("body", format!("{}: {e}", event.routing_key())))
+        })
+    }
+}
+
+/// Body of `identity.node.enrolled` (a node joined with a join token, or
+/// re-joined under a new key) and `identity.node.revoked`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeIdentityChanged {
+    pub node: NodeId,
+    /// The node's Ed25519 public key (hex); absent on revocation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key: Option<String>,
+    pub at: DateTime<Utc>,
+}

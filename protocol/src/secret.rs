@@ -52,6 +52,21 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// How bearer and join tokens are stored and looked up: the SHA-256 of the token
+/// text, 64 hex digits. A token is 256 random bits, so a plain hash (no salt, no
+/// stretching) is enough: there is nothing to guess.
+pub fn token_sha256_hex(token: &str) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// A fresh bearer token: `<prefix>` and 256 random bits as 64 hex digits. The
+/// prefix (`mesh_at_` for API tokens, `mesh_jt_` for join tokens) lets secret
+/// scanners and people recognise one. `random` must come from a CSPRNG.
+pub fn new_token(prefix: &str, random: [u8; 32]) -> String {
+    format!("{prefix}{}", hex::encode(random))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

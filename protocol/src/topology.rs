@@ -27,6 +27,11 @@ pub const ORIGIN_QUEUE_HEADER: &str = "x-mesh-origin-queue";
 /// Header a dead-lettered message carries: the broker user that sent it, if any.
 pub const ORIGIN_USER_HEADER: &str = "x-mesh-origin-user";
 
+/// Header every declaration carries: the controller's Ed25519 signature of the
+/// message body (the exact bytes), 128 hex digits. Agents apply nothing without a
+/// valid one ([`crate::signing`]).
+pub const SIGNATURE_HEADER: &str = "x-mesh-signature";
+
 /// Bound of the heartbeat queue (messages); overflow drops the oldest heartbeat,
 /// which the next one from the same node supersedes anyway.
 pub const HEARTBEAT_QUEUE_MAX_LEN: i64 = 200_000;
@@ -59,4 +64,45 @@ pub fn declaration_queue(node: &NodeId) -> String {
 
 pub fn record_queue(context: &str) -> String {
     format!("record.{context}")
+}
+
+/// A node's broker permissions, exactly as docs/protocol.md's table says: on the
+/// vhost, configure nothing, write only `reports`, read only its own declaration
+/// queue; on the `reports` topic exchange, routing keys `<node>.` only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePermissions {
+    pub configure: String,
+    pub write: String,
+    pub read: String,
+    /// The topic exchange the topic permission applies to ([`REPORTS_EXCHANGE`]).
+    pub topic_exchange: &'static str,
+    pub topic_write: String,
+    pub topic_read: String,
+}
+
+pub fn node_permissions(node: &NodeId) -> NodePermissions {
+    // A node id is [a-z0-9-]: nothing in it needs escaping in a regex.
+    NodePermissions {
+        configure: "^$".to_owned(),
+        write: format!("^{REPORTS_EXCHANGE}$"),
+        read: format!("^decl\\.{node}$"),
+        topic_exchange: REPORTS_EXCHANGE,
+        topic_write: format!("^{node}\\."),
+        topic_read: format!("^{node}\\."),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_permissions_match_the_table() {
+        let p = node_permissions(&NodeId::parse("node-a").unwrap());
+        assert_eq!(p.configure, "^$");
+        assert_eq!(p.write, "^reports$");
+        assert_eq!(p.read, r"^decl\.node-a$");
+        assert_eq!(p.topic_write, r"^node-a\.");
+        assert_eq!(p.topic_read, r"^node-a\.");
+    }
 }

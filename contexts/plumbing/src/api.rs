@@ -9,6 +9,54 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+/// What an operator's API token allows, from least to most: read (`viewer`),
+/// change the fleet (`operator`), manage tokens, revoke nodes and read the audit
+/// log (`admin`). Ordered: a role allows everything a lesser one does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Viewer,
+    Operator,
+    Admin,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Viewer => "viewer",
+            Role::Operator => "operator",
+            Role::Admin => "admin",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "viewer" => Some(Role::Viewer),
+            "operator" => Some(Role::Operator),
+            "admin" => Some(Role::Admin),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The authenticated operator of a request: the controller's auth layer puts it
+/// in the request's extensions, so a handler that records who did something
+/// takes `Extension<Principal>`. Holds no secret.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    /// The API token's id.
+    pub id: uuid::Uuid,
+    /// The API token's name, e.g. `bootstrap-admin`.
+    pub name: String,
+    pub role: Role,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Problem {
     #[serde(skip)]
@@ -48,6 +96,14 @@ impl Problem {
 
     pub fn unprocessable(field: impl Into<String>, detail: impl Into<String>) -> Self {
         Problem::field(StatusCode::UNPROCESSABLE_ENTITY, field, detail)
+    }
+
+    pub fn unauthorized(detail: impl Into<String>) -> Self {
+        Problem::new(StatusCode::UNAUTHORIZED, detail)
+    }
+
+    pub fn forbidden(detail: impl Into<String>) -> Self {
+        Problem::new(StatusCode::FORBIDDEN, detail)
     }
 
     /// A server-side failure: the detail is logged, the client sees a generic text.

@@ -1,0 +1,360 @@
+//! A small client of the RabbitMQ management HTTP API, as a user with the
+//! `administrator` tag: users, permissions, topic permissions, vhosts,
+//! exchanges and connections.
+//!
+//! The bundle uses it to provision an environment (with the admin user); the
+//! controller uses it to create, delete and disconnect node users at enrolment and
+//! revocation (with its own management user, see docs/decisions/). It never
+//! speaks AMQP and never prints a password: errors name the request, not the
+//! credentials.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::json;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("rabbitmq management api: {what}: {source}")]
+    Http {
+        what: String,
+        source: reqwest::Error,
+    },
+    #[error("rabbitmq management api: {what}: HTTP {status}: {body}")]
+    Api {
+        what: String,
+        status: u16,
+        body: String,
+    },
+    #[error("rabbitmq management api: {0}")]
+    Check(String),
+}
+
+impl Error {
+    /// The HTTP status the API answered with, if it answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Error::Api { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A client of the management API. Cheap to clone.
+#[derive(Clone)]
+pub struct Management {
+    http: reqwest::Client,
+    api: String,
+    user: String,
+    password: String,
+}
+
+impl std::fmt::Debug for Management {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Management")
+            .field("api", &self.api)
+            .field("user", &self.user)
+            .field("password", &"[redacted]")
+            .finish()
+    }
+}
+
+/// A user as the API lists it.
+#[derive(Deserialize, Debug, Clone)]
+pub struct UserInfo {
+    pub name: String,
+    /// A comma-separated string (3.x before 3.10) or a list (3.10+).
+    #[serde(default)]
+    pub tags: serde_json::Value,
+}
+
+impl UserInfo {
+    pub fn tag_list(&self) -> Vec<String> {
+        match &self.tags {
+            serde_json::Value::String(s) => s
+                .split(',')
+                .filter(|t| !t.is_empty())
+                .map(str::to_string)
+                .collect(),
+            serde_json::Value::Array(a) => a
+                .iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect(),
+            _ => vec![],
+        }
+    }
+}
+
+#[derive(Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct Permissions {
+    pub configure: String,
+    pub write: String,
+    pub read: String,
+}
+
+#[derive(Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct TopicPermission {
+    pub exchange: String,
+    pub write: String,
+    pub read: String,
+}
+
+/// A connection as the API lists it.
+#[derive(Deserialize, Debug, Clone)]
+pub struct ConnectionInfo {
+    pub name: String,
+    #[serde(default)]
+    pub user: String,
+    #[serde(default)]
+    pub vhost: String,
+}
+
+#[derive(Deserialize, Debug)]
+struct NamedItem {
+    name: String,
+}
+
+/// One path segment, percent-encoded (vhost and user names may hold `/`).
+pub fn seg(s: &str) -> String {
+    urlencoding::encode(s).into_owned()
+}
+
+impl Management {
+    /// `api` is the base URL (`http://127.0.0.1:15672`).
+    pub fn new(api: &str, user: &str, password: &str) -> Management {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .unwrap_or_default();
+        Management {
+            http,
+            api: api.trim_end_matches('/').to_string(),
+            user: user.to_string(),
+            password: password.to_string(),
+        }
+    }
+
+    pub fn user(&self) -> &str {
+        &self.user
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}/api/{path}", self.api)
+    }
+
+    async fn send(&self, what: &str, req: reqwest::RequestBuilder) -> Result<reqwest::Response> {
+        req.basic_auth(&self.user, Some(&self.password))
+            .send()
+            .await
+            .map_err(|source| Error::Http {
+                what: what.to_string(),
+                source: source.without_url(),
+            })
+    }
+
+    async fn fail(what: &str, resp: reqwest::Response) -> Error {
+        let status = resp.status().as_u16();
+        let body = resp.text().await.unwrap_or_default();
+        Error::Api {
+            what: what.to_string(),
+            status,
+            body: body.chars().take(500).collect(),
+        }
+    }
+
+    /// GET; `Ok(None)` on 404.
+    pub async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<Option<T>> {
+        let what = format!("GET /api/{path}");
+        let resp = self.send(&what, self.http.get(self.url(path))).await?;
+        if resp.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if !resp.status().is_success() {
+            return Err(Self::fail(&what, resp).await);
+        }
+        resp.json().await.map(Some).map_err(|source| Error::Http {
+            what,
+            source: source.without_url(),
+        })
+    }
+
+    pub async fn put(&self, path: &str, body: serde_json::Value) -> Result<()> {
+        let what = format!("PUT /api/{path}");
+        let resp = self
+            .send(&what, self.http.put(self.url(path)).json(&body))
+            .await?;
+        if !resp.status().is_success() {
+            return Err(Self::fail(&what, resp).await);
+        }
+        Ok(())
+    }
+
+    /// DELETE; `Ok(false)` when it did not exist.
+    pub async fn delete(&self, path: &str) -> Result<bool> {
+        let what = format!("DELETE /api/{path}");
+        let resp = self.send(&what, self.http.delete(self.url(path))).await?;
+        if resp.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(false);
+        }
+        if !resp.status().is_success() {
+            return Err(Self::fail(&what, resp).await);
+        }
+        Ok(true)
+    }
+
+    /// Waits until the API answers `GET /api/overview` as this user.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            match self.get::<serde_json::Value>("overview").await {
+                Ok(Some(_)) => return Ok(()),
+                Ok(None) => return Err(Error::Check("GET /api/overview answered 404".into())),
+                Err(Error::Api { status: 401, .. }) => {
+                    return Err(Error::Check(format!(
+                        "the management api refused user {} (401)",
+                        self.user
+                    )));
+                }
+                Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+    }
+
+    pub async fn vhost_exists(&self, vhost: &str) -> Result<bool> {
+        Ok(self
+            .get::<serde_json::Value>(&format!("vhosts/{}", seg(vhost)))
+            .await?
+            .is_some())
+    }
+
+    pub async fn put_vhost(&self, vhost: &str) -> Result<()> {
+        self.put(&format!("vhosts/{}", seg(vhost)), json!({})).await
+    }
+
+    pub async fn delete_vhost(&self, vhost: &str) -> Result<bool> {
+        self.delete(&format!("vhosts/{}", seg(vhost))).await
+    }
+
+    /// All vhost names.
+    pub async fn vhosts(&self) -> Result<Vec<String>> {
+        Ok(self
+            .get::<Vec<NamedItem>>("vhosts")
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|u| u.name)
+            .collect())
+    }
+
+    pub async fn user_info(&self, user: &str) -> Result<Option<UserInfo>> {
+        self.get(&format!("users/{}", seg(user))).await
+    }
+
+    /// All user names.
+    pub async fn users(&self) -> Result<Vec<String>> {
+        Ok(self
+            .get::<Vec<NamedItem>>("users")
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|u| u.name)
+            .collect())
+    }
+
+    /// Create `user` or replace its password and tags (comma separated, may be empty).
+    pub async fn put_user(&self, user: &str, password: &str, tags: &str) -> Result<()> {
+        self.put(
+            &format!("users/{}", seg(user)),
+            json!({ "password": password, "tags": tags }),
+        )
+        .await
+    }
+
+    pub async fn delete_user(&self, user: &str) -> Result<bool> {
+        self.delete(&format!("users/{}", seg(user))).await
+    }
+
+    pub async fn permissions(&self, vhost: &str, user: &str) -> Result<Option<Permissions>> {
+        self.get(&format!("permissions/{}/{}", seg(vhost), seg(user)))
+            .await
+    }
+
+    pub async fn put_permissions(
+        &self,
+        vhost: &str,
+        user: &str,
+        configure: &str,
+        write: &str,
+        read: &str,
+    ) -> Result<()> {
+        self.put(
+            &format!("permissions/{}/{}", seg(vhost), seg(user)),
+            json!({ "configure": configure, "write": write, "read": read }),
+        )
+        .await
+    }
+
+    pub async fn topic_permissions(&self, vhost: &str, user: &str) -> Result<Vec<TopicPermission>> {
+        Ok(self
+            .get(&format!("topic-permissions/{}/{}", seg(vhost), seg(user)))
+            .await?
+            .unwrap_or_default())
+    }
+
+    pub async fn put_topic_permissions(
+        &self,
+        vhost: &str,
+        user: &str,
+        exchange: &str,
+        write: &str,
+        read: &str,
+    ) -> Result<()> {
+        self.put(
+            &format!("topic-permissions/{}/{}", seg(vhost), seg(user)),
+            json!({ "exchange": exchange, "write": write, "read": read }),
+        )
+        .await
+    }
+
+    /// A durable exchange of `kind` (topic, direct, fanout) on `vhost`.
+    pub async fn put_exchange(&self, vhost: &str, name: &str, kind: &str) -> Result<()> {
+        self.put(
+            &format!("exchanges/{}/{}", seg(vhost), seg(name)),
+            json!({ "type": kind, "durable": true, "auto_delete": false, "internal": false, "arguments": {} }),
+        )
+        .await
+    }
+
+    /// Connections open on `vhost`.
+    pub async fn connections(&self, vhost: &str) -> Result<Vec<ConnectionInfo>> {
+        Ok(self
+            .get(&format!("vhosts/{}/connections", seg(vhost)))
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// Close every connection `user` has open on `vhost`; returns how many.
+    pub async fn close_connections_of(&self, vhost: &str, user: &str, reason: &str) -> Result<usize> {
+        let mut closed = 0;
+        for c in self.connections(vhost).await? {
+            if c.user != user {
+                continue;
+            }
+            let what = format!("DELETE /api/connections/{}", seg(&c.name));
+            let req = self
+                .http
+                .delete(self.url(&format!("connections/{}", seg(&c.name))))
+                .header("X-Reason", reason);
+            let resp = self.send(&what, req).await?;
+            if resp.status().is_success() {
+                closed += 1;
+            } else if resp.status() != reqwest::StatusCode::NOT_FOUND {
+                return Err(Self::fail(&what, resp).await);
+            }
+        }
+        Ok(closed)
+    }
+}

@@ -1,0 +1,90 @@
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use mesh_plumbing::HandlerError;
+use mesh_plumbing::api::Problem;
+use thiserror::Error;
+
+use crate::BrokerError;
+
+/// What can go wrong in the identity context. Messages never hold a token, a
+/// password or a key.
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("invalid field `{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+    #[error("{0}")]
+    NotFound(String),
+    /// A join token that is not known: 401.
+    #[error("the join token is not known")]
+    UnknownJoinToken,
+    /// A join token that is known but may not be used (used, expired, another
+    /// node's): 403 with the reason.
+    #[error("{0}")]
+    JoinRefused(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("the broker: {0}")]
+    Broker(#[from] BrokerError),
+    #[error("stored data is unreadable: {0}")]
+    Corrupt(String),
+}
+
+impl Error {
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Database(_) => "database",
+            Error::Invalid { .. } => "invalid",
+            Error::NotFound(_) => "not_found",
+            Error::UnknownJoinToken => "unknown_join_token",
+            Error::JoinRefused(_) => "join_refused",
+            Error::Conflict(_) => "conflict",
+            Error::Broker(_) => "broker",
+            Error::Corrupt(_) => "corrupt",
+        }
+    }
+}
+
+impl From<Error> for HandlerError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Database(db) => HandlerError::from(db),
+            Error::Broker(b) => HandlerError::Transient(b.to_string()),
+            other => HandlerError::Permanent(other.to_string()),
+        }
+    }
+}
+
+impl From<Error> for Problem {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
+            Error::NotFound(what) => Problem::not_found(what),
+            Error::UnknownJoinToken => Problem::unauthorized(e.to_string()),
+            Error::JoinRefused(why) => Problem::forbidden(why),
+            Error::Conflict(why) => Problem::new(StatusCode::CONFLICT, why),
+            Error::Broker(b) => {
+                tracing::error!(error = %b, "broker account operation failed");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the broker could not be reached to manage the node's account; nothing was changed, try again",
+                )
+            }
+            other => Problem::internal(other),
+        }
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        Problem::from(self).into_response()
+    }
+}

@@ -1,0 +1,176 @@
+//! The identity context: who may do what. Node identities (the Ed25519 public key
+//! each node enrolled with), single-use expiring join tokens, operators' API
+//! tokens with their roles, and the append-only audit log of every operator
+//! action.
+//!
+//! It owns the PostgreSQL schema `identity` and nothing else. Tokens are stored
+//! only as SHA-256 hashes; a token is shown once, in the response that created it.
+//! It creates and deletes node broker users through [`BrokerAccounts`], a trait
+//! the controller implements (with the RabbitMQ management API): this crate never
+//! speaks AMQP nor HTTP to the broker, and never reads another context's schema.
+//! It learns of operator actions from `*.operator.audit` record events and tells
+//! others of enrolments and revocations with `identity.node.enrolled` /
+//! `identity.node.revoked`, written to its outbox in the same transaction.
+
+mod api;
+mod audit;
+mod error;
+mod nodes;
+mod tokens;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
+use mesh_protocol::{AuditEntry, Envelope, NodeId, RecordEvent, Report};
+use sqlx::{PgConnection, PgPool};
+
+pub use audit::{AuditFilter, AuditPage, AuditRow};
+pub use error::Error;
+pub use mesh_plumbing::api::{Principal, Role};
+pub use nodes::{Enrolled, JoinRequest, NewJoinToken, NodeIdentity, Revoked};
+pub use tokens::{NewToken, TokenView};
+
+/// The schema (and record context name) this crate owns.
+pub const SCHEMA: &str = "identity";
+
+mod embedded {
+    refinery::embed_migrations!("../../migrations/identity");
+}
+
+/// Apply the identity migrations, connected as the identity role (`url`).
+pub async fn migrate(url: &str) -> Result<Vec<String>, MigrateError> {
+    mesh_plumbing::migrate(url, SCHEMA, embedded::migrations::runner()).await
+}
+
+/// A failure of the broker's account management, in words (no secret in it).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct BrokerError(pub String);
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The broker accounts of nodes, as identity needs them. The controller
+/// implements it with the broker's management API; identity never knows how.
+pub trait BrokerAccounts: Send + Sync + 'static {
+    /// Create (or replace) the node's broker user with `password` and exactly
+    /// the rights of docs/protocol.md's permission table.
+    fn create_node_user<'a>(
+        &'a self,
+        node: &'a NodeId,
+        password: &'a str,
+    ) -> BoxFuture<'a, Result<(), BrokerError>>;
+    /// Delete the node's broker user; Ok(false) when there was none.
+    fn delete_node_user<'a>(&'a self, node: &'a NodeId) -> BoxFuture<'a, Result<bool, BrokerError>>;
+    /// Close every broker connection of the node; returns how many.
+    fn close_connections<'a>(
+        &'a self,
+        node: &'a NodeId,
+    ) -> BoxFuture<'a, Result<usize, BrokerError>>;
+    /// The URL the node's agent connects with (user = node, its password).
+    fn node_broker_url(&self, node: &NodeId, password: &str) -> String;
+}
+
+/// Tunables of the identity context.
+#[derive(Debug, Clone)]
+pub struct IdentitySettings {
+    /// How long a join token is valid when its creator does not say. Default 1 h.
+    pub join_token_ttl: Duration,
+    /// Longest validity a join token may be given. Default 7 days.
+    pub join_token_max_ttl: Duration,
+    /// The controller's declaration-signing public key (hex), handed to every
+    /// node at enrolment.
+    pub controller_key: String,
+    /// Largest page `GET /v1/audit` and `GET /v1/tokens` return. Default 1000.
+    pub max_page: i64,
+}
+
+impl IdentitySettings {
+    pub fn new(controller_key: String) -> Self {
+        IdentitySettings {
+            join_token_ttl: Duration::from_secs(3600),
+            join_token_max_ttl: Duration::from_secs(7 * 24 * 3600),
+            controller_key,
+            max_page: 1000,
+        }
+    }
+}
+
+/// The identity context, shared by the controller's router, auth layer and API.
+pub struct Identity {
+    pool: PgPool,
+    signal: OutboxSignal,
+    settings: IdentitySettings,
+    accounts: Arc<dyn BrokerAccounts>,
+}
+
+impl Identity {
+    /// `pool` must be connected as the identity role.
+    pub fn new(
+        pool: PgPool,
+        signal: OutboxSignal,
+        settings: IdentitySettings,
+        accounts: Arc<dyn BrokerAccounts>,
+    ) -> Self {
+        Identity {
+            pool,
+            signal,
+            settings,
+            accounts,
+        }
+    }
+
+    pub fn settings(&self) -> &IdentitySettings {
+        &self.settings
+    }
+
+    /// The API routes this context serves: `POST /v1/join`,
+    /// `POST /v1/nodes/{id}/join-tokens`, `DELETE /v1/nodes/{id}`,
+    /// `POST|GET /v1/tokens`, `DELETE /v1/tokens/{id}`, `GET /v1/audit`.
+    /// Authentication is the controller's (it puts a [`Principal`] in the
+    /// request's extensions); `POST /v1/join` is authenticated by its join token.
+    pub fn routes(self: Arc<Self>) -> axum::Router {
+        api::routes(self)
+    }
+}
+
+impl Context for Identity {
+    const SCHEMA: &'static str = SCHEMA;
+
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn subscriptions(&self) -> &'static [&'static str] {
+        &["*.operator.audit"]
+    }
+
+    /// Identity handles no report: a node's identity comes from the broker, not
+    /// from what it says.
+    async fn handle_reports(
+        &self,
+        _tx: &mut PgConnection,
+        _reports: &[Envelope<Report>],
+    ) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    async fn handle_event(
+        &self,
+        tx: &mut PgConnection,
+        event: &RecordEvent,
+    ) -> Result<(), HandlerError> {
+        match AuditEntry::from_event(event) {
+            Some(Ok(entry)) => audit::append(tx, event, &entry)
+                .await
+                .map_err(HandlerError::from),
+            Some(Err(e)) => Err(HandlerError::Permanent(e.to_string())),
+            None => {
+                tracing::debug!(key = %event.routing_key(), "ignoring record event");
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! Node enrolment and revocation: join tokens, the join itself (a node trades a
+//! join token and its public key for its broker account), and revocation.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use mesh_plumbing::outbox;
+use mesh_protocol::{
+    NodeId, NodeIdentityChanged, PublicKey, RecordEvent, Secret, new_token, token_sha256_hex,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Identity, SCHEMA};
+
+/// Prefix of every join token.
+pub const JOIN_TOKEN_PREFIX: &str = "mesh_jt_";
+
+/// A join token just created: the only time its secret is seen.
+#[derive(Debug, Clone)]
+pub struct NewJoinToken {
+    pub node: NodeId,
+    pub token: Secret<String>,
+    pub expires_at: DateTime<Utc>,
+}
+
+/// What a node sends to join (`POST /v1/join`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JoinRequest {
+    pub token: Secret<String>,
+    pub node: String,
+    /// The node's Ed25519 public key, 64 hex digits. Its private key never
+    /// leaves the node.
+    pub public_key: String,
+}
+
+/// What a node receives when it joined: how to reach the broker (its own user
+/// and password) and the key every declaration to it is signed with.
+#[derive(Debug, Clone)]
+pub struct Enrolled {
+    pub node: NodeId,
+    pub broker_url: Secret<String>,
+    pub controller_key: String,
+}
+
+/// A node identity as listed (no secret in it).
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct NodeIdentity {
+    pub name: String,
+    pub public_key: String,
+    pub enrolled_at: DateTime<Utc>,
+    pub enrolled_by: String,
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+/// The result of a revocation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Revoked {
+    pub node: String,
+    pub revoked_at: DateTime<Utc>,
+    /// Whether the node had a broker user (deleted now).
+    pub broker_user_deleted: bool,
+    pub connections_closed: usize,
+}
+
+fn ttl_secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+impl Identity {
+    /// A single-use join token for `node`, valid for `ttl` (default and maximum
+    /// from the settings), created by `by`.
+    pub async fn create_join_token(
+        &self,
+        node: &NodeId,
+        ttl: Option<Duration>,
+        by: &str,
+    ) -> Result<NewJoinToken, Error> {
+        let ttl = ttl.unwrap_or(self.settings.join_token_ttl);
+        if ttl.is_zero() || ttl > self.settings.join_token_max_ttl {
+            return Err(Error::invalid(
+                "ttl_secs",
+                format!(
+                    "must be between 1 and {} seconds",
+                    self.settings.join_token_max_ttl.as_secs()
+                ),
+            ));
+        }
+        let token = new_token(JOIN_TOKEN_PREFIX, rand::random());
+        let expires_at: DateTime<Utc> = sqlx::query_scalar(
+            "INSERT INTO identity.join_tokens (token_sha256, node, created_by, expires_at) \
+             VALUES ($1, $2, $3, now() + make_interval(secs => $4)) RETURNING expires_at",
+        )
+        .bind(token_sha256_hex(&token))
+        .bind(node.as_str())
+        .bind(by)
+        .bind(ttl_secs(ttl))
+        .fetch_one(&self.pool)
+        .await?;
+        tracing::info!(%node, by, %expires_at, "join token created");
+        Ok(NewJoinToken {
+            node: node.clone(),
+            token: Secret::new(token),
+            expires_at,
+        })
+    }
+
+    /// Enrol a node: check its join token (known, unused, unexpired, for this
+    /// node), record its identity, consume the token, create its broker user, and
+    /// only then commit. Any refusal or failure changes nothing.
+    pub async fn join(&self, req: &JoinRequest) -> Result<Enrolled, Error> {
+        let node = NodeId::parse(&req.node).map_err(|e| Error::invalid("node", e.to_string()))?;
+        let key = PublicKey::from_hex(&req.public_key)
+            .map_err(|e| Error::invalid("public_key", e.to_string()))?;
+        let mut tx = self.pool.begin().await?;
+        let row: Option<(String, DateTime<Utc>, Option<DateTime<Utc>>, String, bool)> =
+            sqlx::query_as(
+                "SELECT node, expires_at, used_at, created_by, expires_at <= now() \
+                 FROM identity.join_tokens WHERE token_sha256 = $1 FOR UPDATE",
+            )
+            .bind(token_sha256_hex(req.token.expose()))
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some((token_node, expires_at, used_at, created_by, expired)) = row else {
+            tracing::warn!(%node, "join refused: unknown token");
+            return Err(Error::UnknownJoinToken);
+        };
+        let refuse = |why: String| {
+            tracing::warn!(%node, reason = %why, "join refused");
+            Err(Error::JoinRefused(why))
+        };
+        if let Some(at) = used_at {
+            return refuse(format!("the join token was already used (at {at})"));
+        }
+        if expired {
+            return refuse(format!("the join token expired at {expires_at}"));
+        }
+        if token_node != node.as_str() {
+            return refuse(format!(
+                "the join token is for another node, not `{node}`"
+            ));
+        }
+        sqlx::query("UPDATE identity.join_tokens SET used_at = now() WHERE token_sha256 = $1")
+            .bind(token_sha256_hex(req.token.expose()))
+            .execute(&mut *tx)
+            .await?;
+        let previous: Option<Option<DateTime<Utc>>> = sqlx::query_scalar(
+            "SELECT revoked_at FROM identity.nodes WHERE name = $1 FOR UPDATE",
+        )
+        .bind(node.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO identity.nodes (name, public_key, enrolled_by) VALUES ($1, $2, $3) \
+             ON CONFLICT (name) DO UPDATE SET public_key = EXCLUDED.public_key, \
+             enrolled_at = now(), enrolled_by = EXCLUDED.enrolled_by, revoked_at = NULL",
+        )
+        .bind(node.as_str())
+        .bind(key.to_hex())
+        .bind(&created_by)
+        .execute(&mut *tx)
+        .await?;
+        let event = RecordEvent::new(
+            SCHEMA,
+            "node.enrolled",
+            &NodeIdentityChanged {
+                node: node.clone(),
+                public_key: Some(key.to_hex()),
+                at: Utc::now(),
+            },
+        );
+        outbox::record(&mut tx, SCHEMA, &event).await?;
+        // The broker last: if it fails, the transaction rolls back and the token
+        // stays unused.
+        let password = hex::encode(rand::random::<[u8; 32]>());
+        if matches!(previous, Some(None)) {
+            // Re-enrolment of an enrolled node (a new key): its old session ends.
+            self.accounts.close_connections(&node).await?;
+        }
+        self.accounts.create_node_user(&node, &password).await?;
+        tx.commit().await?;
+        self.signal.notify();
+        tracing::info!(%node, enrolled_by = %created_by, "node enrolled");
+        Ok(Enrolled {
+            broker_url: Secret::new(self.accounts.node_broker_url(&node, &password)),
+            node,
+            controller_key: self.settings.controller_key.clone(),
+        })
+    }
+
+    /// Revoke a node: delete its broker user, close its connections, mark it
+    /// revoked, void its unused join tokens, and tell the record. A node that
+    /// was never enrolled through identity (bundle node-add) but has a broker
+    /// user is revoked too.
+    pub async fn revoke_node(&self, node: &NodeId) -> Result<Revoked, Error> {
+        let mut tx = self.pool.begin().await?;
+        let marked: Option<DateTime<Utc>> = sqlx::query_scalar(
+            "UPDATE identity.nodes SET revoked_at = COALESCE(revoked_at, now()) WHERE name = $1 \
+             RETURNING revoked_at",
+        )
+        .bind(node.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE identity.join_tokens SET used_at = now() WHERE node = $1 AND used_at IS NULL",
+        )
+        .bind(node.as_str())
+        .execute(&mut *tx)
+        .await?;
+        let revoked_at = marked.unwrap_or_else(Utc::now);
+        let event = RecordEvent::new(
+            SCHEMA,
+            "node.revoked",
+            &NodeIdentityChanged {
+                node: node.clone(),
+                public_key: None,
+                at: revoked_at,
+            },
+        );
+        outbox::record(&mut tx, SCHEMA, &event).await?;
+        // Delete first (no new connection can authenticate), then close what is open.
+        let deleted = self.accounts.delete_node_user(node).await?;
+        let closed = self.accounts.close_connections(node).await?;
+        if marked.is_none() && !deleted {
+            return Err(Error::NotFound(format!("no node `{node}` is enrolled")));
+        }
+        tx.commit().await?;
+        self.signal.notify();
+        tracing::info!(%node, deleted, closed, "node revoked");
+        Ok(Revoked {
+            node: node.to_string(),
+            revoked_at,
+            broker_user_deleted: deleted,
+            connections_closed: closed,
+        })
+    }
+
+    /// A node's identity, if it ever enrolled.
+    pub async fn node_identity(&self, node: &NodeId) -> Result<Option<NodeIdentity>, Error> {
+        Ok(sqlx::query_as(
+            "SELECT name, public_key, enrolled_at, enrolled_by, revoked_at FROM identity.nodes \
+             WHERE name = $1",
+        )
+        .bind(node.as_str())
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+}

@@ -1,0 +1,148 @@
+//! `mesh-agent join`: enrol this node with a join token.
+//!
+//! Generates the node's Ed25519 key pair in the state directory (the private key,
+//! mode 0600, never leaves the node), sends the public key with the token to
+//! `POST <api>/v1/join`, and writes what comes back — the broker URL with the
+//! node's own credentials and the controller's declaration-signing key — to
+//! `credentials.toml` (mode 0600). The agent then runs with `mesh-agent run`.
+//!
+//! This is the agent's only HTTP request, and it happens before the agent runs:
+//! once running, the agent never asks (it states and is told).
+
+use std::path::{Path, PathBuf};
+
+use mesh_protocol::{DeclarationSigner, NodeId, PublicKey, Secret};
+use serde::Deserialize;
+
+use crate::credentials::{CREDENTIALS_FILE, Credentials};
+use crate::store::write_atomic;
+
+/// The node's private key file inside the state directory (hex seed, 0600).
+pub const NODE_KEY_FILE: &str = "node.key";
+
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error("state directory {path}: {error}")]
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("cannot reach the API at {api}: {message}")]
+    Http { api: String, message: String },
+    /// The API refused the join (problem+json detail; never the token).
+    #[error("the join was refused ({status}): {detail}")]
+    Refused { status: u16, detail: String },
+    #[error("the API's answer is not usable: {0}")]
+    BadAnswer(String),
+}
+
+#[derive(Deserialize)]
+struct Answer {
+    node: String,
+    broker_url: Secret<String>,
+    controller_key: String,
+}
+
+/// What a successful join wrote.
+#[derive(Debug)]
+pub struct Joined {
+    pub node: NodeId,
+    pub credentials: PathBuf,
+    pub public_key: String,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JoinError + '_ {
+    move |error| JoinError::Io {
+        path: path.to_owned(),
+        error,
+    }
+}
+
+/// Join as `node` with `token` through the API at `api` (`http://host:port`).
+pub async fn join(
+    api: &str,
+    token: &Secret<String>,
+    node: &NodeId,
+    state_dir: &Path,
+) -> Result<Joined, JoinError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(state_dir)
+        .map_err(io(state_dir))?;
+    // A fresh key pair for every join: re-enrolment is under a new key.
+    let key = DeclarationSigner::from_seed(rand::random());
+    let key_path = state_dir.join(NODE_KEY_FILE);
+    write_atomic(&key_path, format!("{}\n", key.to_hex()).as_bytes(), 0o600)
+        .map_err(io(&key_path))?;
+    let public_key = key.public_key_hex();
+
+    let url = format!("{}/v1/join", api.trim_end_matches('/'));
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(30))
+        .build()
+        .map_err(|e| JoinError::Http {
+            api: api.to_owned(),
+            message: e.without_url().to_string(),
+        })?;
+    let response = http
+        .post(&url)
+        .json(&serde_json::json!({
+            "token": token.expose(),
+            "node": node.as_str(),
+            "public_key": public_key,
+        }))
+        .send()
+        .await
+        .map_err(|e| JoinError::Http {
+            api: api.to_owned(),
+            message: e.without_url().to_string(),
+        })?;
+    let status = response.status();
+    let body = response.bytes().await.map_err(|e| JoinError::Http {
+        api: api.to_owned(),
+        message: e.without_url().to_string(),
+    })?;
+    if !status.is_success() {
+        let detail = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v.get("detail").and_then(|d| d.as_str()).map(str::to_owned))
+            .unwrap_or_else(|| String::from_utf8_lossy(&body).chars().take(300).collect());
+        return Err(JoinError::Refused {
+            status: status.as_u16(),
+            detail,
+        });
+    }
+    let answer: Answer = serde_json::from_slice(&body)
+        .map_err(|e| JoinError::BadAnswer(format!("not the expected JSON: {e}")))?;
+    if answer.node != node.as_str() {
+        return Err(JoinError::BadAnswer(format!(
+            "it enrolled `{}`, not `{node}`",
+            answer.node
+        )));
+    }
+    PublicKey::from_hex(&answer.controller_key)
+        .map_err(|e| JoinError::BadAnswer(format!("controller_key: {e}")))?;
+    #[derive(serde::Serialize)]
+    struct File<'a> {
+        node: &'a str,
+        broker_url: &'a str,
+        controller_key: &'a str,
+    }
+    let text = toml::to_string(&File {
+        node: node.as_str(),
+        broker_url: answer.broker_url.expose(),
+        controller_key: &answer.controller_key,
+    })
+    .map_err(|e| JoinError::BadAnswer(e.to_string()))?;
+    let path = state_dir.join(CREDENTIALS_FILE);
+    // Check it reads back before it replaces anything.
+    Credentials::parse(&text, &path).map_err(|e| JoinError::BadAnswer(e.to_string()))?;
+    write_atomic(&path, text.as_bytes(), 0o600).map_err(io(&path))?;
+    Ok(Joined {
+        node: node.clone(),
+        credentials: path,
+        public_key,
+    })
+}
