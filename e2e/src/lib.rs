@@ -15,6 +15,8 @@ use anyhow::{Context as _, anyhow, bail};
 use mesh_bundle::testkit::{NodeCredentials, TestEnv};
 use serde_json::Value;
 
+pub mod sim;
+
 /// Path of a workspace binary next to the test executable's directory.
 pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
