@@ -71,7 +71,7 @@ pub struct Settings {
     /// Heartbeat intervals a node may miss before it is judged unreachable: the
     /// grace is `heartbeat_interval_ms × grace_intervals`. After the controller
     /// starts (or its broker session returns), no node is judged for one grace.
-    /// Default 3 (30 s; docs/decisions/0005-liveness-grace.md says why).
+    /// Default 3 (30 s; docs/decisions/0006-liveness-grace.md says why).
     pub grace_intervals: u32,
     /// Largest share of nodes that may be unreachable at once before automatic
     /// re-placement pauses (and an alert says why): past it, the pattern is a

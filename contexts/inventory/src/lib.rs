@@ -70,7 +70,7 @@ pub struct InventorySettings {
     pub max_page: i64,
     /// A node not heard from for this long is judged unreachable (and heard from
     /// again, alive). Default 30 s: three heartbeat intervals of 10 s
-    /// (docs/decisions/0005-liveness-grace.md says why).
+    /// (docs/decisions/0006-liveness-grace.md says why).
     pub grace: Duration,
     /// Largest share of (non-revoked) nodes that may be unreachable at once before
     /// automatic re-placement pauses. Default 0.3.
