@@ -115,6 +115,16 @@ impl AgentHandle {
     }
 }
 
+/// Liveness settings of the test controller: agents beat every second (the
+/// harness starts them with `--heartbeat-interval 1`), a node is unreachable after
+/// [`GRACE`], and the sweeper runs four times a second, so failure tests take
+/// seconds.
+pub const FLEET_SETTINGS: &str =
+    "heartbeat_interval_ms = 1000\ngrace_intervals = 3\nsweep_interval_ms = 250\n";
+
+/// The grace those settings give.
+pub const GRACE: Duration = Duration::from_secs(3);
+
 pub struct Mesh {
     pub env: TestEnv,
     pub dir: tempfile::TempDir,
@@ -135,7 +145,7 @@ impl Mesh {
         std::fs::write(
             dir.path().join("controller.toml"),
             format!(
-                "credentials = {:?}\napi_listen = \"127.0.0.1:{api_port}\"\nresend_after_secs = 2\nrelay_poll_ms = 200\nshutdown_deadline_secs = 3\n",
+                "credentials = {:?}\napi_listen = \"127.0.0.1:{api_port}\"\nresend_after_secs = 2\nrelay_poll_ms = 200\nshutdown_deadline_secs = 3\n{FLEET_SETTINGS}",
                 dir.path().join("credentials.toml")
             ),
         )?;
@@ -280,29 +290,214 @@ impl Mesh {
         &self.agents[node]
     }
 
+    /// The environment's first admin API token (the controller registers it at start).
+    pub fn admin_token(&self) -> &str {
+        self.env.admin_token()
+    }
+
+    /// A request with `token` as bearer (None: no Authorization header).
+    pub async fn request_as(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&Value>,
+    ) -> anyhow::Result<(u16, Value)> {
+        let mut req = self.http.request(method, format!("{}{path}", self.api));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let r = req.send().await?;
+        Ok((r.status().as_u16(), r.json().await.unwrap_or(Value::Null)))
+    }
+
+    /// GET as the admin.
     pub async fn get(&self, path: &str) -> anyhow::Result<(u16, Value)> {
-        let r = self.http.get(format!("{}{path}", self.api)).send().await?;
-        Ok((r.status().as_u16(), r.json().await.unwrap_or(Value::Null)))
+        self.request_as(reqwest::Method::GET, path, Some(self.admin_token()), None)
+            .await
     }
 
+    /// PUT as the admin.
     pub async fn put(&self, path: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
-        let r = self
-            .http
-            .put(format!("{}{path}", self.api))
-            .json(body)
-            .send()
-            .await?;
-        Ok((r.status().as_u16(), r.json().await.unwrap_or(Value::Null)))
+        self.request_as(
+            reqwest::Method::PUT,
+            path,
+            Some(self.admin_token()),
+            Some(body),
+        )
+        .await
     }
 
+    /// POST a JSON body as the admin.
+    pub async fn post_json(&self, path: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
+        self.request_as(
+            reqwest::Method::POST,
+            path,
+            Some(self.admin_token()),
+            Some(body),
+        )
+        .await
+    }
+
+    /// DELETE as the admin.
     pub async fn delete(&self, path: &str) -> anyhow::Result<u16> {
         Ok(self
-            .http
-            .delete(format!("{}{path}", self.api))
-            .send()
+            .request_as(
+                reqwest::Method::DELETE,
+                path,
+                Some(self.admin_token()),
+                None,
+            )
             .await?
-            .status()
-            .as_u16())
+            .0)
+    }
+
+    /// Create an API token with `role` (as the admin); returns its secret.
+    pub async fn create_token(&self, name: &str, role: &str) -> anyhow::Result<String> {
+        let (status, body) = self
+            .post_json(
+                "/v1/tokens",
+                &serde_json::json!({"name": name, "role": role}),
+            )
+            .await?;
+        anyhow::ensure!(status == 201, "POST /v1/tokens: {status} {body}");
+        body["token"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow!("no token in {body}"))
+    }
+
+    /// Enrol a node the real way: a join token from the API, then
+    /// `mesh-agent join` (its output goes to `<dir>/join-<suffix>.log`). The
+    /// agent is not started; returns the node id and its state dir.
+    pub async fn join_node(&self, suffix: &str) -> anyhow::Result<(String, PathBuf)> {
+        let node = format!("{}-{suffix}", self.env.id());
+        let (status, body) = self
+            .post_json(
+                &format!("/v1/nodes/{node}/join-tokens"),
+                &serde_json::json!({}),
+            )
+            .await?;
+        anyhow::ensure!(status == 201, "join token: {status} {body}");
+        let token = body["token"].as_str().ok_or_else(|| anyhow!("no token"))?;
+        let state_dir = self.dir.path().join(format!("agent-{suffix}/state"));
+        let out = self.run_join(&node, token, &state_dir, suffix).await?;
+        anyhow::ensure!(out.success(), "mesh-agent join failed: {out}");
+        Ok((node, state_dir))
+    }
+
+    /// Run `mesh-agent join` with RUST_LOG=debug, logging to `join-<log>.log`.
+    pub async fn run_join(
+        &self,
+        node: &str,
+        token: &str,
+        state_dir: &Path,
+        log: &str,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        let mut cmd = tokio::process::Command::new(bin("mesh-agent")?);
+        cmd.arg("join")
+            .arg("--api")
+            .arg(&self.api)
+            .arg("--node")
+            .arg(node)
+            .arg("--state-dir")
+            .arg(state_dir)
+            .env("MESH_JOIN_TOKEN", token)
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(self.log(&format!("join-{log}"))?)
+            .stderr(self.log(&format!("join-{log}"))?);
+        Ok(cmd.status().await?)
+    }
+
+    /// Start an agent for a node enrolled with [`Mesh::join_node`].
+    pub fn add_joined_agent(
+        &mut self,
+        node: &str,
+        state_dir: PathBuf,
+        labels: &[(&str, &str)],
+    ) -> anyhow::Result<()> {
+        let text = std::fs::read_to_string(state_dir.join("credentials.toml"))?;
+        let file: toml::Value = toml::from_str(&text)?;
+        let field = |k: &str| {
+            file.get(k)
+                .and_then(|v| v.as_str())
+                .map(str::to_owned)
+                .ok_or_else(|| anyhow!("credentials.toml lacks {k}"))
+        };
+        let broker_url = field("broker_url")?;
+        let creds = NodeCredentials {
+            node: mesh_protocol::NodeId::parse(node)?,
+            password: mesh_bundle::credentials::password_of(&broker_url).unwrap_or_default(),
+            broker_url,
+            controller_key: field("controller_key")?,
+        };
+        let root = state_dir
+            .parent()
+            .ok_or_else(|| anyhow!("state dir has no parent"))?
+            .join("root");
+        std::fs::create_dir_all(&root)?;
+        let labels = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.agents.insert(
+            node.to_owned(),
+            AgentHandle {
+                creds,
+                state_dir,
+                root,
+                labels,
+                proc: None,
+            },
+        );
+        self.start_agent(node)
+    }
+
+    /// The log of a process started by the harness (`controller`, `agent-<node>`,
+    /// `join-<suffix>`).
+    pub fn log_of(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    /// Any request with extra headers: (status, ETag, JSON body or null).
+    pub async fn request(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&Value>,
+    ) -> anyhow::Result<(u16, Option<String>, Value)> {
+        let mut r = self.http.request(method, format!("{}{path}", self.api));
+        // As the admin, unless the caller brings its own Authorization.
+        if !headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("authorization"))
+        {
+            r = r.bearer_auth(self.admin_token());
+        }
+        for (k, v) in headers {
+            r = r.header(*k, *v);
+        }
+        if let Some(body) = body {
+            r = r.json(body);
+        }
+        let r = r.send().await?;
+        let status = r.status().as_u16();
+        let etag = r
+            .headers()
+            .get("etag")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        Ok((status, etag, r.json().await.unwrap_or(Value::Null)))
+    }
+
+    pub async fn post(&self, path: &str) -> anyhow::Result<(u16, Value)> {
+        let (status, _, body) = self.request(reqwest::Method::POST, path, &[], None).await?;
+        Ok((status, body))
     }
 
     /// The controller's log so far, for assertions and failure messages.
