@@ -1,1 +1,184 @@
-fn main() {}
+//! `meshctl`: the operator's command line for the mesh's HTTP API.
+//!
+//! Every command is one API request with the operator's bearer token
+//! (`--token` / `MESH_TOKEN`) against `--api` / `MESH_API`. Secrets it receives
+//! (join tokens, API tokens) are printed once, on stdout, and nowhere else.
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+use serde_json::{Value, json};
+
+#[derive(Parser)]
+#[command(name = "meshctl", version, about = "Operate a mesh through its HTTP API")]
+struct Cli {
+    /// The controller's API.
+    #[arg(long, env = "MESH_API", default_value = "http://127.0.0.1:7700", global = true)]
+    api: String,
+    /// Your API token (bundle/up wrote the first admin token to /etc/mesh/admin-token).
+    #[arg(long, env = "MESH_TOKEN", hide_env_values = true, global = true)]
+    token: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Nodes: enrol (join token) and revoke.
+    #[command(subcommand)]
+    Node(NodeCommand),
+    /// API tokens of operators.
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// Read the audit log (admin).
+    Audit {
+        #[arg(long)]
+        principal: Option<String>,
+        #[arg(long)]
+        target: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum NodeCommand {
+    /// Create a single-use join token for node <id> and print it; on the node:
+    /// `MESH_JOIN_TOKEN=<token> mesh-agent join --api <api> --node <id>`.
+    Add {
+        id: String,
+        /// Validity in seconds (default 3600).
+        #[arg(long)]
+        ttl: Option<u64>,
+    },
+    /// Revoke node <id>: delete its broker user, close its connections (admin).
+    Revoke { id: String },
+}
+
+#[derive(Subcommand)]
+enum TokenCommand {
+    /// Create an API token and print it (shown once).
+    Create {
+        #[arg(long, value_parser = ["admin", "operator", "viewer"])]
+        role: String,
+        /// A name for it (who or what uses it). Default: `<role>-token`.
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// List API tokens (never their secrets).
+    List,
+    /// Revoke an API token by id.
+    Revoke { id: String },
+}
+
+struct Api {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+}
+
+impl Api {
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+        let mut req = self.http.request(method.clone(), format!("{}{path}", self.base));
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| anyhow::anyhow!("{method} {path}: {}", e.without_url()))?;
+        let status = resp.status();
+        let value: Value = resp.json().await.unwrap_or(Value::Null);
+        if !status.is_success() {
+            let detail = value["detail"].as_str().unwrap_or("no detail");
+            bail!("{method} {path}: {status}: {detail}");
+        }
+        Ok(value)
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let api = Api {
+        http: reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(30))
+            .build()?,
+        base: cli.api.trim_end_matches('/').to_owned(),
+        token: cli.token,
+    };
+    use reqwest::Method;
+    match cli.command {
+        Command::Node(NodeCommand::Add { id, ttl }) => {
+            let body = match ttl {
+                Some(t) => json!({ "ttl_secs": t }),
+                None => json!({}),
+            };
+            let v = api
+                .call(Method::POST, &format!("/v1/nodes/{id}/join-tokens"), Some(body))
+                .await?;
+            let token = v["token"].as_str().context("no token in the answer")?;
+            eprintln!(
+                "join token for {id} (single use, expires {}); on the node run:\n  MESH_JOIN_TOKEN=<token> mesh-agent join --api {} --node {id}",
+                v["expires_at"].as_str().unwrap_or("?"),
+                api.base
+            );
+            println!("{token}");
+        }
+        Command::Node(NodeCommand::Revoke { id }) => {
+            let v = api.call(Method::DELETE, &format!("/v1/nodes/{id}"), None).await?;
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Command::Token(TokenCommand::Create { role, name }) => {
+            let name = name.unwrap_or_else(|| format!("{role}-token"));
+            let v = api
+                .call(Method::POST, "/v1/tokens", Some(json!({ "name": name, "role": role })))
+                .await?;
+            eprintln!(
+                "API token `{name}` ({role}), id {}; shown once:",
+                v["id"].as_str().unwrap_or("?")
+            );
+            println!("{}", v["token"].as_str().context("no token in the answer")?);
+        }
+        Command::Token(TokenCommand::List) => {
+            let v = api.call(Method::GET, "/v1/tokens", None).await?;
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Command::Token(TokenCommand::Revoke { id }) => {
+            let v = api.call(Method::DELETE, &format!("/v1/tokens/{id}"), None).await?;
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Command::Audit {
+            principal,
+            target,
+            limit,
+        } => {
+            let mut query = vec![format!("limit={limit}")];
+            if let Some(p) = principal {
+                query.push(format!("principal={}", urlencode(&p)));
+            }
+            if let Some(t) = target {
+                query.push(format!("target={}", urlencode(&t)));
+            }
+            let v = api
+                .call(Method::GET, &format!("/v1/audit?{}", query.join("&")), None)
+                .await?;
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+    }
+    Ok(())
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}

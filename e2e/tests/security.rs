@@ -1,0 +1,428 @@
+//! The security boundary, attacked: enrolment with join tokens (reuse, expiry,
+//! another node's token), what a node's own broker user cannot do, declarations
+//! with bad or missing signatures, revocation, API tokens and roles with their
+//! audit trail, and secrets that must not reach any log.
+
+use std::time::Duration;
+
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Connection, ExchangeKind};
+use mesh_bundle::provision::Rabbit;
+use mesh_e2e::{Mesh, wait_for};
+use mesh_protocol::topology::SIGNATURE_HEADER;
+use mesh_protocol::{
+    Declaration, DeclarationItems, DeclarationSigner, Envelope, FileItem, FileMode, NodeId,
+    Section,
+};
+use reqwest::Method;
+use serde_json::{Value, json};
+
+const WITHIN: Duration = Duration::from_secs(30);
+
+fn field(state: &std::path::Path, name: &str) -> String {
+    let text = std::fs::read_to_string(state.join("credentials.toml")).unwrap();
+    let v: toml::Value = toml::from_str(&text).unwrap();
+    v[name].as_str().unwrap().to_owned()
+}
+
+async fn listed(mesh: &Mesh, node: &str) -> anyhow::Result<()> {
+    wait_for(&format!("{node} to be listed"), WITHIN, || async {
+        Ok((mesh.get(&format!("/v1/nodes/{node}")).await?.0 == 200).then_some(()))
+    })
+    .await
+}
+
+async fn identity_row(mesh: &Mesh, node: &str) -> anyhow::Result<Option<(String, bool)>> {
+    let pool = sqlx::PgPool::connect(&mesh.env.database_url("identity")).await?;
+    let row: Option<(String, bool)> = sqlx::query_as(
+        "SELECT public_key, revoked_at IS NOT NULL FROM identity.nodes WHERE name = $1",
+    )
+    .bind(node)
+    .fetch_optional(&pool)
+    .await?;
+    pool.close().await;
+    Ok(row)
+}
+
+async fn join_token(mesh: &Mesh, node: &str, ttl: Option<u64>) -> anyhow::Result<String> {
+    let body = match ttl {
+        Some(t) => json!({ "ttl_secs": t }),
+        None => json!({}),
+    };
+    let (status, v) = mesh
+        .post_json(&format!("/v1/nodes/{node}/join-tokens"), &body)
+        .await?;
+    anyhow::ensure!(status == 201, "{status} {v}");
+    Ok(v["token"].as_str().unwrap().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn enrolment_refuses_bad_tokens_and_leaks_no_secret() -> anyhow::Result<()> {
+    let mut mesh = Mesh::start().await?;
+    // Every log at debug, for the secret scan at the end.
+    mesh.kill_controller();
+    mesh.start_controller(&[("RUST_LOG", "debug")]).await?;
+    let rabbit = Rabbit::new(mesh.env.admin_credentials());
+
+    // A good join: the agent runs with what it received and applies a signed declaration.
+    let node = format!("{}-a", mesh.env.id());
+    let token = join_token(&mesh, &node, None).await?;
+    let state = mesh.dir.path().join("agent-a/state");
+    assert!(mesh.run_join(&node, &token, &state, "a").await?.success());
+    let key_mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(state.join("node.key"))?.permissions(),
+    ) & 0o777;
+    assert_eq!(key_mode, 0o600);
+    assert_eq!(field(&state, "controller_key"), mesh.env.controller_public_key());
+    mesh.add_joined_agent(&node, state.clone(), &[("role", "web")])?;
+    listed(&mesh, &node).await?;
+    let (status, _) = mesh
+        .put("/v1/files/motd", &json!({"path": "/etc/motd", "content": "signed\n", "mode": "0644", "selector": {"role": "web"}}))
+        .await?;
+    assert!(status == 200 || status == 201, "{status}");
+    let path = mesh.agent(&node).file("/etc/motd");
+    wait_for("the signed declaration to be applied", WITHIN, || {
+        let ok = std::fs::read_to_string(&path).is_ok_and(|t| t == "signed\n");
+        async move { Ok(ok.then_some(())) }
+    })
+    .await?;
+    let key_before = identity_row(&mesh, &node).await?.expect("enrolled");
+
+    // Reuse: refused, and nothing changes (same key, the agent's credentials intact).
+    let other_state = mesh.dir.path().join("reuse/state");
+    assert!(!mesh.run_join(&node, &token, &other_state, "reuse").await?.success());
+    assert!(mesh.log_of("join-reuse").contains("already used"), "{}", mesh.log_of("join-reuse"));
+    assert_eq!(identity_row(&mesh, &node).await?, Some(key_before.clone()));
+    assert!(!other_state.join("credentials.toml").exists());
+
+    // A token for another node: refused, no user, no identity for either name.
+    let b = format!("{}-b", mesh.env.id());
+    let c = format!("{}-c", mesh.env.id());
+    let for_b = join_token(&mesh, &b, None).await?;
+    assert!(!mesh.run_join(&c, &for_b, &mesh.dir.path().join("c/state"), "c").await?.success());
+    assert!(mesh.log_of("join-c").contains("another node"), "{}", mesh.log_of("join-c"));
+    // Expired: refused, nothing created.
+    let d = format!("{}-d", mesh.env.id());
+    let short = join_token(&mesh, &d, Some(1)).await?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!mesh.run_join(&d, &short, &mesh.dir.path().join("d/state"), "d").await?.success());
+    assert!(mesh.log_of("join-d").contains("expired"), "{}", mesh.log_of("join-d"));
+    // Unknown: 401 problem+json.
+    let (status, v) = mesh
+        .request_as(
+            Method::POST,
+            "/v1/join",
+            None,
+            Some(&json!({"token": "mesh_jt_nope", "node": d, "public_key": DeclarationSigner::from_seed([3; 32]).public_key_hex()})),
+        )
+        .await?;
+    assert_eq!(status, 401, "{v}");
+    for n in [&b, &c, &d] {
+        assert!(!rabbit.user_exists(n).await?, "broker user {n} created");
+        assert_eq!(identity_row(&mesh, n).await?, None, "identity {n} created");
+    }
+    // The token for b is still good after c's failed attempt with it.
+    assert!(mesh.run_join(&b, &for_b, &mesh.dir.path().join("b/state"), "b").await?.success());
+
+    // No secret in any log: join tokens, the admin token, the broker password,
+    // the node's private key, the controller's signing key.
+    let password = mesh_bundle::credentials::password_of(&field(&state, "broker_url")).unwrap();
+    let node_key = std::fs::read_to_string(state.join("node.key"))?.trim().to_owned();
+    let secrets = [
+        ("join token", token.as_str()),
+        ("other join token", for_b.as_str()),
+        ("expired join token", short.as_str()),
+        ("admin token", mesh.admin_token()),
+        ("broker password", password.as_str()),
+        ("node private key", node_key.as_str()),
+        ("controller signing key", &mesh.env.signer().to_hex()),
+    ];
+    let logs = ["controller", "join-a", "join-reuse", "join-c", "join-d", "join-b", &format!("agent-{node}")];
+    for log in logs {
+        let text = mesh.log_of(log);
+        assert!(!text.is_empty() || log == "join-b", "log {log} is empty");
+        for (what, secret) in &secrets {
+            assert!(!text.contains(secret), "the {what} appears in the {log} log");
+        }
+    }
+    assert!(mesh.log_of("join-a").contains("DEBUG"), "the join ran at debug level");
+    mesh.teardown().await
+}
+
+/// Publish once on a fresh confirming channel: Ok when confirmed, Err(code) when refused.
+async fn try_publish(conn: &Connection, exchange: &str, key: &str, user_id: &str) -> Result<(), u16> {
+    let ch = conn.create_channel().await.map_err(code)?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await.map_err(code)?;
+    let props = BasicProperties::default().with_user_id(user_id.into());
+    let c = ch
+        .basic_publish(exchange.into(), key.into(), BasicPublishOptions::default(), b"{}", props)
+        .await
+        .map_err(code)?;
+    c.await.map_err(code).map(|_| ())
+}
+
+fn code(e: lapin::Error) -> u16 {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(a) => a.get_id(),
+        _ => 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nodes_broker_user_can_only_state_about_itself() -> anyhow::Result<()> {
+    let mesh = Mesh::start().await?;
+    let (a, state) = mesh.join_node("a").await?;
+    let (b, _) = mesh.join_node("b").await?;
+    let conn = Connection::connect(&field(&state, "broker_url"), Default::default()).await?;
+    // Control: its own identity and routing key are accepted.
+    try_publish(&conn, "reports", &format!("{a}.heartbeat"), &a).await.expect("own report");
+    assert_eq!(try_publish(&conn, "reports", &format!("{a}.heartbeat"), &b).await, Err(406), "user_id of b");
+    assert_eq!(try_publish(&conn, "reports", &format!("{b}.heartbeat"), &a).await, Err(403), "b's routing key");
+    assert_eq!(try_publish(&conn, "declarations", &a, &a).await, Err(403), "declarations");
+    assert_eq!(try_publish(&conn, "record", "identity.operator.audit", &a).await, Err(403), "record");
+    // Another node's declaration queue (it exists: the controller declares it).
+    let admin = Connection::connect(&mesh.env.admin_amqp_url(), Default::default()).await?;
+    let ach = admin.create_channel().await?;
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(64));
+    args.insert("x-overflow".into(), AMQPValue::LongString(LongString::from("drop-head")));
+    ach.queue_declare(format!("decl.{b}").as_str().into(), durable, args).await?;
+    let ch = conn.create_channel().await?;
+    let err = ch
+        .basic_consume(format!("decl.{b}").as_str().into(), "x".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap_err();
+    assert_eq!(code(err), 403, "consuming b's declarations");
+    let ch = conn.create_channel().await?;
+    let err = ch.queue_declare("mine".into(), durable, FieldTable::default()).await.unwrap_err();
+    assert_eq!(code(err), 403, "declaring a queue");
+    let ch = conn.create_channel().await?;
+    let err = ch
+        .exchange_declare("mine".into(), ExchangeKind::Topic, ExchangeDeclareOptions::default(), FieldTable::default())
+        .await
+        .unwrap_err();
+    assert_eq!(code(err), 403, "declaring an exchange");
+    let _ = conn.close(200, "done".into()).await;
+    let _ = admin.close(200, "done".into()).await;
+    mesh.teardown().await
+}
+
+async fn publish_declaration(
+    mesh: &Mesh,
+    node: &str,
+    generation: u64,
+    signature: Option<String>,
+) -> anyhow::Result<()> {
+    let node_id = NodeId::parse(node)?;
+    let decl = Declaration {
+        section: Section::Config,
+        generation,
+        items: DeclarationItems {
+            files: vec![FileItem {
+                path: "/forged".into(),
+                content: format!("forged {generation}"),
+                mode: FileMode::new(0o644)?,
+            }],
+            ..Default::default()
+        },
+    };
+    let bytes = Envelope::new(node_id, generation, decl).encode();
+    publish_signed_bytes(mesh, node, &bytes, signature.as_deref()).await
+}
+
+async fn config_outcome(mesh: &Mesh, node: &str, error_has: &str) -> anyhow::Result<Value> {
+    wait_for(&format!("a rejection naming `{error_has}`"), WITHIN, || async {
+        let (_, v) = mesh.get(&format!("/v1/nodes/{node}")).await?;
+        let s = &v["sections"]["config"];
+        let hit = s["outcome"] == "rejected" && s["error"].as_str().is_some_and(|e| e.contains(error_has));
+        Ok(hit.then(|| s.clone()))
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn declarations_without_the_controllers_signature_are_not_applied() -> anyhow::Result<()> {
+    let mut mesh = Mesh::start().await?;
+    let (node, state) = mesh.join_node("s").await?;
+    mesh.add_joined_agent(&node, state, &[])?;
+    listed(&mesh, &node).await?;
+    let forged = mesh.agent(&node).file("/forged");
+
+    // No signature; then garbage; then a valid signature by another key.
+    publish_declaration(&mesh, &node, 100, None).await?;
+    config_outcome(&mesh, &node, "no signature").await?;
+    publish_declaration(&mesh, &node, 101, Some("zz".into())).await?;
+    config_outcome(&mesh, &node, "not 128 hex").await?;
+    let other = DeclarationSigner::from_seed(rand::random());
+    let env_bytes = {
+        // Sign exactly what will be published: build it, sign it, publish it.
+        let node_id = NodeId::parse(&node)?;
+        let decl = Declaration {
+            section: Section::Config,
+            generation: 102,
+            items: DeclarationItems {
+                files: vec![FileItem { path: "/forged".into(), content: "forged 102".into(), mode: FileMode::new(0o644)? }],
+                ..Default::default()
+            },
+        };
+        Envelope::new(node_id, 102, decl).encode()
+    };
+    publish_signed_bytes(&mesh, &node, &env_bytes, Some(&other.sign_hex(&env_bytes))).await?;
+    config_outcome(&mesh, &node, "does not verify").await?;
+    assert!(!forged.exists(), "a forged declaration was applied");
+    // Control: the same declaration signed with the controller's key is applied.
+    publish_signed_bytes(&mesh, &node, &env_bytes, Some(&mesh.env.signer().sign_hex(&env_bytes))).await?;
+    wait_for("the genuine declaration to be applied", WITHIN, || {
+        let ok = std::fs::read_to_string(&forged).is_ok_and(|t| t == "forged 102");
+        async move { Ok(ok.then_some(())) }
+    })
+    .await?;
+    mesh.teardown().await
+}
+
+/// Publish to the node's declaration queue as an intruder with full broker
+/// rights would (the admin user), retrying until the queue exists.
+async fn publish_signed_bytes(
+    mesh: &Mesh,
+    node: &str,
+    bytes: &[u8],
+    sig: Option<&str>,
+) -> anyhow::Result<()> {
+    wait_for("the declaration to be routed", WITHIN, || async {
+        let conn = Connection::connect(&mesh.env.admin_amqp_url(), Default::default()).await?;
+        let ch = conn.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let mut props = BasicProperties::default().with_delivery_mode(2);
+        if let Some(sig) = sig {
+            let mut h = FieldTable::default();
+            h.insert(SIGNATURE_HEADER.into(), AMQPValue::LongString(LongString::from(sig)));
+            props = props.with_headers(h);
+        }
+        let c = ch
+            .basic_publish(
+                "declarations".into(),
+                node.into(),
+                BasicPublishOptions { mandatory: true, ..Default::default() },
+                bytes,
+                props,
+            )
+            .await?
+            .await?;
+        let _ = conn.close(200, "done".into()).await;
+        Ok(matches!(c, lapin::Confirmation::Ack(None)).then_some(()))
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_revoked_node_is_cut_off_and_can_rejoin_under_a_new_key() -> anyhow::Result<()> {
+    let mut mesh = Mesh::start().await?;
+    let (node, state) = mesh.join_node("r").await?;
+    let old_url = field(&state, "broker_url");
+    mesh.add_joined_agent(&node, state.clone(), &[])?;
+    listed(&mesh, &node).await?;
+    let rabbit = Rabbit::new(mesh.env.admin_credentials());
+    let vhost = mesh.env.vhost().to_owned();
+    wait_for("the agent's connection", WITHIN, || async {
+        Ok(rabbit.connections(&vhost).await?.iter().any(|c| c.user == node).then_some(()))
+    })
+    .await?;
+    let (old_key, _) = identity_row(&mesh, &node).await?.expect("enrolled");
+
+    // A viewer or operator may not revoke; the admin may.
+    let operator = mesh.create_token("ops", "operator").await?;
+    let (status, _) = mesh.request_as(Method::DELETE, &format!("/v1/nodes/{node}"), Some(&operator), None).await?;
+    assert_eq!(status, 403);
+    let (status, v) = mesh.request_as(Method::DELETE, &format!("/v1/nodes/{node}"), Some(mesh.admin_token()), None).await?;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["broker_user_deleted"], true);
+
+    // Its connection is closed, its user gone, its publishes fail.
+    wait_for("the node's connections to close", WITHIN, || async {
+        Ok((!rabbit.connections(&vhost).await?.iter().any(|c| c.user == node)).then_some(()))
+    })
+    .await?;
+    assert!(!rabbit.user_exists(&node).await?);
+    assert!(Connection::connect(&old_url, Default::default()).await.is_err(), "the revoked user still connects");
+    assert_eq!(identity_row(&mesh, &node).await?.map(|r| r.1), Some(true));
+
+    // A fresh token re-enrols it under a new key.
+    mesh.stop_agent(&node);
+    let token = join_token(&mesh, &node, None).await?;
+    assert!(mesh.run_join(&node, &token, &state, "rejoin").await?.success());
+    let (new_key, revoked) = identity_row(&mesh, &node).await?.expect("enrolled");
+    assert!(!revoked);
+    assert_ne!(new_key, old_key);
+    let conn = Connection::connect(&field(&state, "broker_url"), Default::default()).await?;
+    try_publish(&conn, "reports", &format!("{node}.heartbeat"), &node).await.expect("publishes again");
+    let _ = conn.close(200, "done".into()).await;
+    mesh.teardown().await
+}
+
+async fn audit_entries(mesh: &Mesh, query: &str) -> anyhow::Result<Vec<Value>> {
+    let (status, v) = mesh.get(&format!("/v1/audit?{query}")).await?;
+    anyhow::ensure!(status == 200, "{status} {v}");
+    Ok(v["entries"].as_array().cloned().unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn api_tokens_roles_and_one_audit_entry_per_success() -> anyhow::Result<()> {
+    let mesh = Mesh::start().await?;
+    let file = json!({"path": "/etc/x", "content": "x", "mode": "0644", "selector": {}});
+
+    // No token, a bad token: 401 problem+json.
+    let r = reqwest::Client::new().put(format!("{}/v1/files/x", mesh.api)).json(&file).send().await?;
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let (status, _) = mesh.request_as(Method::GET, "/v1/nodes", Some("mesh_at_bogus"), None).await?;
+    assert_eq!(status, 401);
+    // Open routes stay open.
+    assert_eq!(reqwest::get(format!("{}/healthz", mesh.api)).await?.status(), 200);
+
+    let viewer = mesh.create_token("watcher", "viewer").await?;
+    let operator = mesh.create_token("deployer", "operator").await?;
+    assert_eq!(mesh.request_as(Method::GET, "/v1/nodes", Some(&viewer), None).await?.0, 200);
+    let (status, v) = mesh.request_as(Method::PUT, "/v1/files/x", Some(&viewer), Some(&file)).await?;
+    assert_eq!(status, 403, "{v}");
+    assert!(v["detail"].as_str().unwrap_or("").contains("operator"), "{v}");
+    assert_eq!(mesh.request_as(Method::POST, "/v1/tokens", Some(&operator), Some(&json!({"name": "x", "role": "admin"}))).await?.0, 403);
+    assert_eq!(mesh.request_as(Method::GET, "/v1/audit", Some(&operator), None).await?.0, 403);
+    let (status, v) = mesh.request_as(Method::PUT, "/v1/files/x", Some(&operator), Some(&file)).await?;
+    assert_eq!(status, 201, "{v}");
+
+    // Exactly one `ok` entry for the success, one `denied` for the viewer's try.
+    let ok = wait_for("the audit entry", WITHIN, || async {
+        let e = audit_entries(&mesh, "target=/v1/files/x&outcome=ok").await?;
+        Ok((!e.is_empty()).then_some(e))
+    })
+    .await?;
+    assert_eq!(ok.len(), 1, "{ok:?}");
+    assert_eq!(ok[0]["principal"], "deployer");
+    assert_eq!(ok[0]["role"], "operator");
+    assert_eq!(ok[0]["action"], "PUT /v1/files/{name}");
+    assert_eq!(ok[0]["context"], "config");
+    let denied = wait_for("the denied entry", WITHIN, || async {
+        let e = audit_entries(&mesh, "target=/v1/files/x&outcome=denied").await?;
+        Ok((!e.is_empty()).then_some(e))
+    })
+    .await?;
+    assert_eq!(denied.len(), 1);
+    assert_eq!(denied[0]["principal"], "watcher");
+    // The admin's token creations are audited by identity itself.
+    let tokens = audit_entries(&mesh, "action=POST%20/v1/tokens&outcome=ok").await?;
+    assert!(tokens.len() <= 2);
+
+    // Listing tokens never shows a secret; a revoked token authenticates nothing.
+    let (_, list) = mesh.get("/v1/tokens").await?;
+    let text = list.to_string();
+    assert!(!text.contains(&viewer) && !text.contains(&operator) && !text.contains(mesh.admin_token()));
+    let id = list["tokens"].as_array().unwrap().iter().find(|t| t["name"] == "watcher").unwrap()["id"].as_str().unwrap().to_owned();
+    assert_eq!(mesh.delete(&format!("/v1/tokens/{id}")).await?, 200);
+    assert_eq!(mesh.request_as(Method::GET, "/v1/nodes", Some(&viewer), None).await?.0, 401);
+    mesh.teardown().await
+}
