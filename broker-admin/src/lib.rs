@@ -337,7 +337,12 @@ impl Management {
     }
 
     /// Close every connection `user` has open on `vhost`; returns how many.
-    pub async fn close_connections_of(&self, vhost: &str, user: &str, reason: &str) -> Result<usize> {
+    pub async fn close_connections_of(
+        &self,
+        vhost: &str,
+        user: &str,
+        reason: &str,
+    ) -> Result<usize> {
         let mut closed = 0;
         for c in self.connections(vhost).await? {
             if c.user != user {

@@ -13,9 +13,9 @@ use mesh_bundle::credentials::{
     ADMIN_FILE, ADMIN_TOKEN_FILE, AdminCredentials, CONTROLLER_FILE, ControllerCredentials,
     SIGNING_KEY_FILE, etc_dir, read_toml, to_toml, write_secret_file,
 };
-use mesh_protocol::DeclarationSigner;
 use mesh_bundle::probe::ProbeError;
 use mesh_bundle::provision::{self, Names, Secrets};
+use mesh_protocol::DeclarationSigner;
 
 #[derive(Parser)]
 #[command(
@@ -282,7 +282,10 @@ async fn up(
             write_secret_file(&token_path, &format!("{t}\n"))?;
             println!("  changed  {} created", token_path.display());
             println!();
-            println!("  first admin API token (shown once; also in {}):", token_path.display());
+            println!(
+                "  first admin API token (shown once; also in {}):",
+                token_path.display()
+            );
             println!("    {t}");
             println!();
             changes += 1;

@@ -252,14 +252,11 @@ async fn cleanup(admin: &AdminCredentials, id: &str, names: &Names) -> anyhow::R
     match rabbit.users().await {
         Ok(users) => {
             let node_prefix = format!("{id}-");
-            for u in users
-                .iter()
-                .filter(|u| {
-                    u.starts_with(&node_prefix)
-                        || **u == names.controller_user
-                        || **u == names.identity_user
-                })
-            {
+            for u in users.iter().filter(|u| {
+                u.starts_with(&node_prefix)
+                    || **u == names.controller_user
+                    || **u == names.identity_user
+            }) {
                 if let Err(e) = rabbit.delete_user(u).await {
                     first_err.get_or_insert(e.into());
                 }

@@ -63,14 +63,23 @@ impl BrokerAccounts for RabbitAccounts {
                 .await
                 .map_err(broker)?;
             self.api
-                .put_topic_permissions(&self.vhost, n, p.topic_exchange, &p.topic_write, &p.topic_read)
+                .put_topic_permissions(
+                    &self.vhost,
+                    n,
+                    p.topic_exchange,
+                    &p.topic_write,
+                    &p.topic_read,
+                )
                 .await
                 .map_err(broker)?;
             Ok(())
         })
     }
 
-    fn delete_node_user<'a>(&'a self, node: &'a NodeId) -> BoxFuture<'a, Result<bool, BrokerError>> {
+    fn delete_node_user<'a>(
+        &'a self,
+        node: &'a NodeId,
+    ) -> BoxFuture<'a, Result<bool, BrokerError>> {
         Box::pin(async move { self.api.delete_user(node.as_str()).await.map_err(broker) })
     }
 
@@ -89,7 +98,8 @@ impl BrokerAccounts for RabbitAccounts {
     fn node_broker_url(&self, node: &NodeId, password: &str) -> String {
         format!(
             "{}/{}",
-            self.base.replacen("://", &format!("://{node}:{password}@"), 1),
+            self.base
+                .replacen("://", &format!("://{node}:{password}@"), 1),
             urlencoding::encode(&self.vhost)
         )
     }

@@ -84,13 +84,25 @@ fn unauthorized(detail: &str) -> Response {
 pub async fn guard(State(guard): State<Guard>, req: Request, next: Next) -> Response {
     let request_id = Uuid::now_v7();
     let method = req.method().clone();
-    let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_owned());
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|m| m.as_str().to_owned());
     let target = req.uri().path().to_owned();
     let mut response = match required(&method, route.as_deref()) {
         Access::Open => next.run(req).await,
         Access::Role(needed) => {
-            authorized(&guard, req, next, needed, &method, route.as_deref(), &target, request_id)
-                .await
+            authorized(
+                &guard,
+                req,
+                next,
+                needed,
+                &method,
+                route.as_deref(),
+                &target,
+                request_id,
+            )
+            .await
         }
     };
     if let Ok(v) = HeaderValue::from_str(&request_id.to_string()) {
@@ -125,7 +137,15 @@ async fn authorized(
     if principal.role < needed {
         tracing::info!(principal = %principal.name, role = %principal.role, %action, "refused: role too small");
         if is_mutation(method) {
-            audit(guard, &principal, &action, target, request_id, StatusCode::FORBIDDEN).await;
+            audit(
+                guard,
+                &principal,
+                &action,
+                target,
+                request_id,
+                StatusCode::FORBIDDEN,
+            )
+            .await;
         }
         return Problem::forbidden(format!(
             "`{action}` needs the {needed} role; token `{}` has {}",
@@ -136,7 +156,15 @@ async fn authorized(
     req.extensions_mut().insert(principal.clone());
     let response = next.run(req).await;
     if is_mutation(method) {
-        audit(guard, &principal, &action, target, request_id, response.status()).await;
+        audit(
+            guard,
+            &principal,
+            &action,
+            target,
+            request_id,
+            response.status(),
+        )
+        .await;
     }
     response
 }
@@ -205,7 +233,11 @@ mod tests {
             (Method::PUT, "/v1/nodes/{id}/labels", R(Role::Operator)),
             (Method::PUT, "/v1/files/{name}", R(Role::Operator)),
             (Method::DELETE, "/v1/files/{name}", R(Role::Operator)),
-            (Method::POST, "/v1/nodes/{id}/join-tokens", R(Role::Operator)),
+            (
+                Method::POST,
+                "/v1/nodes/{id}/join-tokens",
+                R(Role::Operator),
+            ),
             (Method::DELETE, "/v1/nodes/{id}", R(Role::Admin)),
             (Method::GET, "/v1/tokens", R(Role::Admin)),
             (Method::POST, "/v1/tokens", R(Role::Admin)),

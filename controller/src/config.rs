@@ -213,10 +213,13 @@ pub struct BrokerManagement {
 impl Credentials {
     /// The declaration-signing key, read from [`Credentials::signing_key_file`].
     pub fn signer(&self) -> Result<mesh_protocol::DeclarationSigner, ConfigError> {
-        let path = self.signing_key_file.as_ref().ok_or_else(|| ConfigError::Parse {
-            path: self.path.clone(),
-            message: "signing_key_file is missing (run bundle/up again)".into(),
-        })?;
+        let path = self
+            .signing_key_file
+            .as_ref()
+            .ok_or_else(|| ConfigError::Parse {
+                path: self.path.clone(),
+                message: "signing_key_file is missing (run bundle/up again)".into(),
+            })?;
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.clone(),
             source,

@@ -12,10 +12,10 @@ use std::sync::Arc;
 
 use lapin::Confirmation;
 use lapin::options::BasicPublishOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection};
 use mesh_plumbing::OutboxSignal;
 use mesh_plumbing::outbox::{self, OutboxRow};
-use lapin::types::{AMQPValue, FieldTable, LongString};
 use mesh_protocol::topology::{DECLARATIONS_EXCHANGE, SIGNATURE_HEADER};
 use mesh_protocol::{DeclarationSigner, NodeId};
 use sqlx::PgPool;

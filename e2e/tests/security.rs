@@ -15,8 +15,7 @@ use mesh_bundle::provision::Rabbit;
 use mesh_e2e::{Mesh, wait_for};
 use mesh_protocol::topology::SIGNATURE_HEADER;
 use mesh_protocol::{
-    Declaration, DeclarationItems, DeclarationSigner, Envelope, FileItem, FileMode, NodeId,
-    Section,
+    Declaration, DeclarationItems, DeclarationSigner, Envelope, FileItem, FileMode, NodeId, Section,
 };
 use reqwest::Method;
 use serde_json::{Value, json};
@@ -77,7 +76,10 @@ async fn enrolment_refuses_bad_tokens_and_leaks_no_secret() -> anyhow::Result<()
         &std::fs::metadata(state.join("node.key"))?.permissions(),
     ) & 0o777;
     assert_eq!(key_mode, 0o600);
-    assert_eq!(field(&state, "controller_key"), mesh.env.controller_public_key());
+    assert_eq!(
+        field(&state, "controller_key"),
+        mesh.env.controller_public_key()
+    );
     mesh.add_joined_agent(&node, state.clone(), &[("role", "web")])?;
     listed(&mesh, &node).await?;
     let (status, _) = mesh
@@ -94,8 +96,17 @@ async fn enrolment_refuses_bad_tokens_and_leaks_no_secret() -> anyhow::Result<()
 
     // Reuse: refused, and nothing changes (same key, the agent's credentials intact).
     let other_state = mesh.dir.path().join("reuse/state");
-    assert!(!mesh.run_join(&node, &token, &other_state, "reuse").await?.success());
-    assert!(mesh.log_of("join-reuse").contains("already used"), "{}", mesh.log_of("join-reuse"));
+    assert!(
+        !mesh
+            .run_join(&node, &token, &other_state, "reuse")
+            .await?
+            .success()
+    );
+    assert!(
+        mesh.log_of("join-reuse").contains("already used"),
+        "{}",
+        mesh.log_of("join-reuse")
+    );
     assert_eq!(identity_row(&mesh, &node).await?, Some(key_before.clone()));
     assert!(!other_state.join("credentials.toml").exists());
 
@@ -103,14 +114,32 @@ async fn enrolment_refuses_bad_tokens_and_leaks_no_secret() -> anyhow::Result<()
     let b = format!("{}-b", mesh.env.id());
     let c = format!("{}-c", mesh.env.id());
     let for_b = join_token(&mesh, &b, None).await?;
-    assert!(!mesh.run_join(&c, &for_b, &mesh.dir.path().join("c/state"), "c").await?.success());
-    assert!(mesh.log_of("join-c").contains("another node"), "{}", mesh.log_of("join-c"));
+    assert!(
+        !mesh
+            .run_join(&c, &for_b, &mesh.dir.path().join("c/state"), "c")
+            .await?
+            .success()
+    );
+    assert!(
+        mesh.log_of("join-c").contains("another node"),
+        "{}",
+        mesh.log_of("join-c")
+    );
     // Expired: refused, nothing created.
     let d = format!("{}-d", mesh.env.id());
     let short = join_token(&mesh, &d, Some(1)).await?;
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(!mesh.run_join(&d, &short, &mesh.dir.path().join("d/state"), "d").await?.success());
-    assert!(mesh.log_of("join-d").contains("expired"), "{}", mesh.log_of("join-d"));
+    assert!(
+        !mesh
+            .run_join(&d, &short, &mesh.dir.path().join("d/state"), "d")
+            .await?
+            .success()
+    );
+    assert!(
+        mesh.log_of("join-d").contains("expired"),
+        "{}",
+        mesh.log_of("join-d")
+    );
     // Unknown: 401 problem+json.
     let (status, v) = mesh
         .request_as(
@@ -126,12 +155,18 @@ async fn enrolment_refuses_bad_tokens_and_leaks_no_secret() -> anyhow::Result<()
         assert_eq!(identity_row(&mesh, n).await?, None, "identity {n} created");
     }
     // The token for b is still good after c's failed attempt with it.
-    assert!(mesh.run_join(&b, &for_b, &mesh.dir.path().join("b/state"), "b").await?.success());
+    assert!(
+        mesh.run_join(&b, &for_b, &mesh.dir.path().join("b/state"), "b")
+            .await?
+            .success()
+    );
 
     // No secret in any log: join tokens, the admin token, the broker password,
     // the node's private key, the controller's signing key.
     let password = mesh_bundle::credentials::password_of(&field(&state, "broker_url")).unwrap();
-    let node_key = std::fs::read_to_string(state.join("node.key"))?.trim().to_owned();
+    let node_key = std::fs::read_to_string(state.join("node.key"))?
+        .trim()
+        .to_owned();
     let secrets = [
         ("join token", token.as_str()),
         ("other join token", for_b.as_str()),
@@ -141,25 +176,52 @@ async fn enrolment_refuses_bad_tokens_and_leaks_no_secret() -> anyhow::Result<()
         ("node private key", node_key.as_str()),
         ("controller signing key", &mesh.env.signer().to_hex()),
     ];
-    let logs = ["controller", "join-a", "join-reuse", "join-c", "join-d", "join-b", &format!("agent-{node}")];
+    let logs = [
+        "controller",
+        "join-a",
+        "join-reuse",
+        "join-c",
+        "join-d",
+        "join-b",
+        &format!("agent-{node}"),
+    ];
     for log in logs {
         let text = mesh.log_of(log);
         assert!(!text.is_empty() || log == "join-b", "log {log} is empty");
         for (what, secret) in &secrets {
-            assert!(!text.contains(secret), "the {what} appears in the {log} log");
+            assert!(
+                !text.contains(secret),
+                "the {what} appears in the {log} log"
+            );
         }
     }
-    assert!(mesh.log_of("join-a").contains("DEBUG"), "the join ran at debug level");
+    assert!(
+        mesh.log_of("join-a").contains("DEBUG"),
+        "the join ran at debug level"
+    );
     mesh.teardown().await
 }
 
 /// Publish once on a fresh confirming channel: Ok when confirmed, Err(code) when refused.
-async fn try_publish(conn: &Connection, exchange: &str, key: &str, user_id: &str) -> Result<(), u16> {
+async fn try_publish(
+    conn: &Connection,
+    exchange: &str,
+    key: &str,
+    user_id: &str,
+) -> Result<(), u16> {
     let ch = conn.create_channel().await.map_err(code)?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await.map_err(code)?;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(code)?;
     let props = BasicProperties::default().with_user_id(user_id.into());
     let c = ch
-        .basic_publish(exchange.into(), key.into(), BasicPublishOptions::default(), b"{}", props)
+        .basic_publish(
+            exchange.into(),
+            key.into(),
+            BasicPublishOptions::default(),
+            b"{}",
+            props,
+        )
         .await
         .map_err(code)?;
     c.await.map_err(code).map(|_| ())
@@ -179,31 +241,69 @@ async fn a_nodes_broker_user_can_only_state_about_itself() -> anyhow::Result<()>
     let (b, _) = mesh.join_node("b").await?;
     let conn = Connection::connect(&field(&state, "broker_url"), Default::default()).await?;
     // Control: its own identity and routing key are accepted.
-    try_publish(&conn, "reports", &format!("{a}.heartbeat"), &a).await.expect("own report");
-    assert_eq!(try_publish(&conn, "reports", &format!("{a}.heartbeat"), &b).await, Err(406), "user_id of b");
-    assert_eq!(try_publish(&conn, "reports", &format!("{b}.heartbeat"), &a).await, Err(403), "b's routing key");
-    assert_eq!(try_publish(&conn, "declarations", &a, &a).await, Err(403), "declarations");
-    assert_eq!(try_publish(&conn, "record", "identity.operator.audit", &a).await, Err(403), "record");
+    try_publish(&conn, "reports", &format!("{a}.heartbeat"), &a)
+        .await
+        .expect("own report");
+    assert_eq!(
+        try_publish(&conn, "reports", &format!("{a}.heartbeat"), &b).await,
+        Err(406),
+        "user_id of b"
+    );
+    assert_eq!(
+        try_publish(&conn, "reports", &format!("{b}.heartbeat"), &a).await,
+        Err(403),
+        "b's routing key"
+    );
+    assert_eq!(
+        try_publish(&conn, "declarations", &a, &a).await,
+        Err(403),
+        "declarations"
+    );
+    assert_eq!(
+        try_publish(&conn, "record", "identity.operator.audit", &a).await,
+        Err(403),
+        "record"
+    );
     // Another node's declaration queue (it exists: the controller declares it).
     let admin = Connection::connect(&mesh.env.admin_amqp_url(), Default::default()).await?;
     let ach = admin.create_channel().await?;
-    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
     let mut args = FieldTable::default();
     args.insert("x-max-length".into(), AMQPValue::LongLongInt(64));
-    args.insert("x-overflow".into(), AMQPValue::LongString(LongString::from("drop-head")));
-    ach.queue_declare(format!("decl.{b}").as_str().into(), durable, args).await?;
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("drop-head")),
+    );
+    ach.queue_declare(format!("decl.{b}").as_str().into(), durable, args)
+        .await?;
     let ch = conn.create_channel().await?;
     let err = ch
-        .basic_consume(format!("decl.{b}").as_str().into(), "x".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            format!("decl.{b}").as_str().into(),
+            "x".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(code(err), 403, "consuming b's declarations");
     let ch = conn.create_channel().await?;
-    let err = ch.queue_declare("mine".into(), durable, FieldTable::default()).await.unwrap_err();
+    let err = ch
+        .queue_declare("mine".into(), durable, FieldTable::default())
+        .await
+        .unwrap_err();
     assert_eq!(code(err), 403, "declaring a queue");
     let ch = conn.create_channel().await?;
     let err = ch
-        .exchange_declare("mine".into(), ExchangeKind::Topic, ExchangeDeclareOptions::default(), FieldTable::default())
+        .exchange_declare(
+            "mine".into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(code(err), 403, "declaring an exchange");
@@ -236,12 +336,17 @@ async fn publish_declaration(
 }
 
 async fn config_outcome(mesh: &Mesh, node: &str, error_has: &str) -> anyhow::Result<Value> {
-    wait_for(&format!("a rejection naming `{error_has}`"), WITHIN, || async {
-        let (_, v) = mesh.get(&format!("/v1/nodes/{node}")).await?;
-        let s = &v["sections"]["config"];
-        let hit = s["outcome"] == "rejected" && s["error"].as_str().is_some_and(|e| e.contains(error_has));
-        Ok(hit.then(|| s.clone()))
-    })
+    wait_for(
+        &format!("a rejection naming `{error_has}`"),
+        WITHIN,
+        || async {
+            let (_, v) = mesh.get(&format!("/v1/nodes/{node}")).await?;
+            let s = &v["sections"]["config"];
+            let hit = s["outcome"] == "rejected"
+                && s["error"].as_str().is_some_and(|e| e.contains(error_has));
+            Ok(hit.then(|| s.clone()))
+        },
+    )
     .await
 }
 
@@ -266,7 +371,11 @@ async fn declarations_without_the_controllers_signature_are_not_applied() -> any
             section: Section::Config,
             generation: 102,
             items: DeclarationItems {
-                files: vec![FileItem { path: "/forged".into(), content: "forged 102".into(), mode: FileMode::new(0o644)? }],
+                files: vec![FileItem {
+                    path: "/forged".into(),
+                    content: "forged 102".into(),
+                    mode: FileMode::new(0o644)?,
+                }],
                 ..Default::default()
             },
         };
@@ -276,7 +385,13 @@ async fn declarations_without_the_controllers_signature_are_not_applied() -> any
     config_outcome(&mesh, &node, "does not verify").await?;
     assert!(!forged.exists(), "a forged declaration was applied");
     // Control: the same declaration signed with the controller's key is applied.
-    publish_signed_bytes(&mesh, &node, &env_bytes, Some(&mesh.env.signer().sign_hex(&env_bytes))).await?;
+    publish_signed_bytes(
+        &mesh,
+        &node,
+        &env_bytes,
+        Some(&mesh.env.signer().sign_hex(&env_bytes)),
+    )
+    .await?;
     wait_for("the genuine declaration to be applied", WITHIN, || {
         let ok = std::fs::read_to_string(&forged).is_ok_and(|t| t == "forged 102");
         async move { Ok(ok.then_some(())) }
@@ -300,14 +415,20 @@ async fn publish_signed_bytes(
         let mut props = BasicProperties::default().with_delivery_mode(2);
         if let Some(sig) = sig {
             let mut h = FieldTable::default();
-            h.insert(SIGNATURE_HEADER.into(), AMQPValue::LongString(LongString::from(sig)));
+            h.insert(
+                SIGNATURE_HEADER.into(),
+                AMQPValue::LongString(LongString::from(sig)),
+            );
             props = props.with_headers(h);
         }
         let c = ch
             .basic_publish(
                 "declarations".into(),
                 node.into(),
-                BasicPublishOptions { mandatory: true, ..Default::default() },
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
                 bytes,
                 props,
             )
@@ -329,37 +450,72 @@ async fn a_revoked_node_is_cut_off_and_can_rejoin_under_a_new_key() -> anyhow::R
     let rabbit = Rabbit::new(mesh.env.admin_credentials());
     let vhost = mesh.env.vhost().to_owned();
     wait_for("the agent's connection", WITHIN, || async {
-        Ok(rabbit.connections(&vhost).await?.iter().any(|c| c.user == node).then_some(()))
+        Ok(rabbit
+            .connections(&vhost)
+            .await?
+            .iter()
+            .any(|c| c.user == node)
+            .then_some(()))
     })
     .await?;
     let (old_key, _) = identity_row(&mesh, &node).await?.expect("enrolled");
 
     // A viewer or operator may not revoke; the admin may.
     let operator = mesh.create_token("ops", "operator").await?;
-    let (status, _) = mesh.request_as(Method::DELETE, &format!("/v1/nodes/{node}"), Some(&operator), None).await?;
+    let (status, _) = mesh
+        .request_as(
+            Method::DELETE,
+            &format!("/v1/nodes/{node}"),
+            Some(&operator),
+            None,
+        )
+        .await?;
     assert_eq!(status, 403);
-    let (status, v) = mesh.request_as(Method::DELETE, &format!("/v1/nodes/{node}"), Some(mesh.admin_token()), None).await?;
+    let (status, v) = mesh
+        .request_as(
+            Method::DELETE,
+            &format!("/v1/nodes/{node}"),
+            Some(mesh.admin_token()),
+            None,
+        )
+        .await?;
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["broker_user_deleted"], true);
 
     // Its connection is closed, its user gone, its publishes fail.
     wait_for("the node's connections to close", WITHIN, || async {
-        Ok((!rabbit.connections(&vhost).await?.iter().any(|c| c.user == node)).then_some(()))
+        Ok((!rabbit
+            .connections(&vhost)
+            .await?
+            .iter()
+            .any(|c| c.user == node))
+        .then_some(()))
     })
     .await?;
     assert!(!rabbit.user_exists(&node).await?);
-    assert!(Connection::connect(&old_url, Default::default()).await.is_err(), "the revoked user still connects");
+    assert!(
+        Connection::connect(&old_url, Default::default())
+            .await
+            .is_err(),
+        "the revoked user still connects"
+    );
     assert_eq!(identity_row(&mesh, &node).await?.map(|r| r.1), Some(true));
 
     // A fresh token re-enrols it under a new key.
     mesh.stop_agent(&node);
     let token = join_token(&mesh, &node, None).await?;
-    assert!(mesh.run_join(&node, &token, &state, "rejoin").await?.success());
+    assert!(
+        mesh.run_join(&node, &token, &state, "rejoin")
+            .await?
+            .success()
+    );
     let (new_key, revoked) = identity_row(&mesh, &node).await?.expect("enrolled");
     assert!(!revoked);
     assert_ne!(new_key, old_key);
     let conn = Connection::connect(&field(&state, "broker_url"), Default::default()).await?;
-    try_publish(&conn, "reports", &format!("{node}.heartbeat"), &node).await.expect("publishes again");
+    try_publish(&conn, "reports", &format!("{node}.heartbeat"), &node)
+        .await
+        .expect("publishes again");
     let _ = conn.close(200, "done".into()).await;
     mesh.teardown().await
 }
@@ -376,23 +532,61 @@ async fn api_tokens_roles_and_one_audit_entry_per_success() -> anyhow::Result<()
     let file = json!({"path": "/etc/x", "content": "x", "mode": "0644", "selector": {}});
 
     // No token, a bad token: 401 problem+json.
-    let r = reqwest::Client::new().put(format!("{}/v1/files/x", mesh.api)).json(&file).send().await?;
+    let r = reqwest::Client::new()
+        .put(format!("{}/v1/files/x", mesh.api))
+        .json(&file)
+        .send()
+        .await?;
     assert_eq!(r.status(), 401);
     assert_eq!(r.headers()["content-type"], "application/problem+json");
-    let (status, _) = mesh.request_as(Method::GET, "/v1/nodes", Some("mesh_at_bogus"), None).await?;
+    let (status, _) = mesh
+        .request_as(Method::GET, "/v1/nodes", Some("mesh_at_bogus"), None)
+        .await?;
     assert_eq!(status, 401);
     // Open routes stay open.
-    assert_eq!(reqwest::get(format!("{}/healthz", mesh.api)).await?.status(), 200);
+    assert_eq!(
+        reqwest::get(format!("{}/healthz", mesh.api))
+            .await?
+            .status(),
+        200
+    );
 
     let viewer = mesh.create_token("watcher", "viewer").await?;
     let operator = mesh.create_token("deployer", "operator").await?;
-    assert_eq!(mesh.request_as(Method::GET, "/v1/nodes", Some(&viewer), None).await?.0, 200);
-    let (status, v) = mesh.request_as(Method::PUT, "/v1/files/x", Some(&viewer), Some(&file)).await?;
+    assert_eq!(
+        mesh.request_as(Method::GET, "/v1/nodes", Some(&viewer), None)
+            .await?
+            .0,
+        200
+    );
+    let (status, v) = mesh
+        .request_as(Method::PUT, "/v1/files/x", Some(&viewer), Some(&file))
+        .await?;
     assert_eq!(status, 403, "{v}");
-    assert!(v["detail"].as_str().unwrap_or("").contains("operator"), "{v}");
-    assert_eq!(mesh.request_as(Method::POST, "/v1/tokens", Some(&operator), Some(&json!({"name": "x", "role": "admin"}))).await?.0, 403);
-    assert_eq!(mesh.request_as(Method::GET, "/v1/audit", Some(&operator), None).await?.0, 403);
-    let (status, v) = mesh.request_as(Method::PUT, "/v1/files/x", Some(&operator), Some(&file)).await?;
+    assert!(
+        v["detail"].as_str().unwrap_or("").contains("operator"),
+        "{v}"
+    );
+    assert_eq!(
+        mesh.request_as(
+            Method::POST,
+            "/v1/tokens",
+            Some(&operator),
+            Some(&json!({"name": "x", "role": "admin"}))
+        )
+        .await?
+        .0,
+        403
+    );
+    assert_eq!(
+        mesh.request_as(Method::GET, "/v1/audit", Some(&operator), None)
+            .await?
+            .0,
+        403
+    );
+    let (status, v) = mesh
+        .request_as(Method::PUT, "/v1/files/x", Some(&operator), Some(&file))
+        .await?;
     assert_eq!(status, 201, "{v}");
 
     // Exactly one `ok` entry for the success, one `denied` for the viewer's try.
@@ -420,9 +614,24 @@ async fn api_tokens_roles_and_one_audit_entry_per_success() -> anyhow::Result<()
     // Listing tokens never shows a secret; a revoked token authenticates nothing.
     let (_, list) = mesh.get("/v1/tokens").await?;
     let text = list.to_string();
-    assert!(!text.contains(&viewer) && !text.contains(&operator) && !text.contains(mesh.admin_token()));
-    let id = list["tokens"].as_array().unwrap().iter().find(|t| t["name"] == "watcher").unwrap()["id"].as_str().unwrap().to_owned();
+    assert!(
+        !text.contains(&viewer) && !text.contains(&operator) && !text.contains(mesh.admin_token())
+    );
+    let id = list["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "watcher")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     assert_eq!(mesh.delete(&format!("/v1/tokens/{id}")).await?, 200);
-    assert_eq!(mesh.request_as(Method::GET, "/v1/nodes", Some(&viewer), None).await?.0, 401);
+    assert_eq!(
+        mesh.request_as(Method::GET, "/v1/nodes", Some(&viewer), None)
+            .await?
+            .0,
+        401
+    );
     mesh.teardown().await
 }

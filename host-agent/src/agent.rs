@@ -15,11 +15,11 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions,
 };
+use lapin::types::AMQPValue;
 use lapin::types::FieldTable;
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer, Event,
 };
-use lapin::types::AMQPValue;
 use mesh_protocol::topology::{
     REPORTS_EXCHANGE, SIGNATURE_HEADER, declaration_queue, report_routing_key,
 };

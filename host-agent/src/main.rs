@@ -72,7 +72,11 @@ async fn join(args: JoinArgs) -> anyhow::Result<()> {
         public_key = %joined.public_key,
         "joined; start the agent with `mesh-agent run`"
     );
-    println!("joined as {}; credentials in {}", joined.node, joined.credentials.display());
+    println!(
+        "joined as {}; credentials in {}",
+        joined.node,
+        joined.credentials.display()
+    );
     Ok(())
 }
 

@@ -22,9 +22,9 @@ use mesh_host_agent::{Config, Store};
 use mesh_protocol::topology::{
     DECLARATION_QUEUE_MAX_LEN, DECLARATIONS_EXCHANGE, REPORTS_EXCHANGE, declaration_queue,
 };
-use mesh_protocol::{DeclarationSigner, 
-    Declaration, DeclarationItems, Envelope, FileItem, FileMode, MAX_REPORT_BYTES, NodeId, Outcome,
-    Report, Section,
+use mesh_protocol::{
+    Declaration, DeclarationItems, DeclarationSigner, Envelope, FileItem, FileMode,
+    MAX_REPORT_BYTES, NodeId, Outcome, Report, Section,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{Instant, timeout};

@@ -9,10 +9,19 @@ use clap::{Parser, Subcommand};
 use serde_json::{Value, json};
 
 #[derive(Parser)]
-#[command(name = "meshctl", version, about = "Operate a mesh through its HTTP API")]
+#[command(
+    name = "meshctl",
+    version,
+    about = "Operate a mesh through its HTTP API"
+)]
 struct Cli {
     /// The controller's API.
-    #[arg(long, env = "MESH_API", default_value = "http://127.0.0.1:7700", global = true)]
+    #[arg(
+        long,
+        env = "MESH_API",
+        default_value = "http://127.0.0.1:7700",
+        global = true
+    )]
     api: String,
     /// Your API token (bundle/up wrote the first admin token to /etc/mesh/admin-token).
     #[arg(long, env = "MESH_TOKEN", hide_env_values = true, global = true)]
@@ -77,8 +86,15 @@ struct Api {
 }
 
 impl Api {
-    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
-        let mut req = self.http.request(method.clone(), format!("{}{path}", self.base));
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
+        let mut req = self
+            .http
+            .request(method.clone(), format!("{}{path}", self.base));
         if let Some(t) = &self.token {
             req = req.bearer_auth(t);
         }
@@ -117,7 +133,11 @@ async fn main() -> anyhow::Result<()> {
                 None => json!({}),
             };
             let v = api
-                .call(Method::POST, &format!("/v1/nodes/{id}/join-tokens"), Some(body))
+                .call(
+                    Method::POST,
+                    &format!("/v1/nodes/{id}/join-tokens"),
+                    Some(body),
+                )
                 .await?;
             let token = v["token"].as_str().context("no token in the answer")?;
             eprintln!(
@@ -128,13 +148,19 @@ async fn main() -> anyhow::Result<()> {
             println!("{token}");
         }
         Command::Node(NodeCommand::Revoke { id }) => {
-            let v = api.call(Method::DELETE, &format!("/v1/nodes/{id}"), None).await?;
+            let v = api
+                .call(Method::DELETE, &format!("/v1/nodes/{id}"), None)
+                .await?;
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
         Command::Token(TokenCommand::Create { role, name }) => {
             let name = name.unwrap_or_else(|| format!("{role}-token"));
             let v = api
-                .call(Method::POST, "/v1/tokens", Some(json!({ "name": name, "role": role })))
+                .call(
+                    Method::POST,
+                    "/v1/tokens",
+                    Some(json!({ "name": name, "role": role })),
+                )
                 .await?;
             eprintln!(
                 "API token `{name}` ({role}), id {}; shown once:",
@@ -147,7 +173,9 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
         Command::Token(TokenCommand::Revoke { id }) => {
-            let v = api.call(Method::DELETE, &format!("/v1/tokens/{id}"), None).await?;
+            let v = api
+                .call(Method::DELETE, &format!("/v1/tokens/{id}"), None)
+                .await?;
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
         Command::Audit {

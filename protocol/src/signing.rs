@@ -88,7 +88,11 @@ impl PublicKey {
     }
 
     /// Verify a hex signature over `payload` (strict: no malleable signatures).
-    pub fn verify_hex(&self, payload: &[u8], signature: Option<&str>) -> Result<(), SignatureError> {
+    pub fn verify_hex(
+        &self,
+        payload: &[u8],
+        signature: Option<&str>,
+    ) -> Result<(), SignatureError> {
         let signature = signature.ok_or(SignatureError::Missing)?;
         let bytes = hex::decode(signature).map_err(|_| SignatureError::MalformedSignature)?;
         let bytes: [u8; 64] = bytes
@@ -116,7 +120,10 @@ mod tests {
             key.verify_hex(b"payloaD", Some(&sig)),
             Err(SignatureError::Mismatch)
         );
-        assert_eq!(key.verify_hex(b"payload", None), Err(SignatureError::Missing));
+        assert_eq!(
+            key.verify_hex(b"payload", None),
+            Err(SignatureError::Missing)
+        );
         assert_eq!(
             key.verify_hex(b"payload", Some("zz")),
             Err(SignatureError::MalformedSignature)

@@ -63,7 +63,8 @@ async fn create_join_token(
     let body: JoinTokenBody = if body.iter().all(u8::is_ascii_whitespace) {
         JoinTokenBody::default()
     } else {
-        serde_json::from_slice(&body).map_err(|e| Problem::unprocessable("ttl_secs", e.to_string()))?
+        serde_json::from_slice(&body)
+            .map_err(|e| Problem::unprocessable("ttl_secs", e.to_string()))?
     };
     let created = identity
         .create_join_token(
@@ -162,8 +163,13 @@ async fn list_tokens(
         return Err(Problem::unprocessable("limit", "must be at least 1"));
     }
     let tokens = identity.tokens(params.after, limit).await?;
-    let full = i64::try_from(tokens.len()).unwrap_or(i64::MAX) >= limit.min(identity.settings.max_page);
-    let next = if full { tokens.last().map(|t| t.id) } else { None };
+    let full =
+        i64::try_from(tokens.len()).unwrap_or(i64::MAX) >= limit.min(identity.settings.max_page);
+    let next = if full {
+        tokens.last().map(|t| t.id)
+    } else {
+        None
+    };
     Ok(Json(TokenList { tokens, next }))
 }
 
@@ -171,7 +177,12 @@ async fn revoke_token(
     State(identity): State<Arc<Identity>>,
     Path(id): Path<String>,
 ) -> Result<Json<TokenView>, Problem> {
-    let id = Uuid::parse_str(&id).map_err(|_| Error::NotFound(format!("no token `{}`", id.chars().take(40).collect::<String>())))?;
+    let id = Uuid::parse_str(&id).map_err(|_| {
+        Error::NotFound(format!(
+            "no token `{}`",
+            id.chars().take(40).collect::<String>()
+        ))
+    })?;
     Ok(Json(identity.revoke_token(id).await?))
 }
 

@@ -63,7 +63,8 @@ pub trait BrokerAccounts: Send + Sync + 'static {
         password: &'a str,
     ) -> BoxFuture<'a, Result<(), BrokerError>>;
     /// Delete the node's broker user; Ok(false) when there was none.
-    fn delete_node_user<'a>(&'a self, node: &'a NodeId) -> BoxFuture<'a, Result<bool, BrokerError>>;
+    fn delete_node_user<'a>(&'a self, node: &'a NodeId)
+    -> BoxFuture<'a, Result<bool, BrokerError>>;
     /// Close every broker connection of the node; returns how many.
     fn close_connections<'a>(
         &'a self,

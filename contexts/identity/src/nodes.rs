@@ -63,6 +63,9 @@ pub struct Revoked {
     pub connections_closed: usize,
 }
 
+/// A join token's row: node, expires_at, used_at, created_by, expired now.
+type JoinTokenRow = (String, DateTime<Utc>, Option<DateTime<Utc>>, String, bool);
+
 fn ttl_secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
@@ -113,14 +116,13 @@ impl Identity {
         let key = PublicKey::from_hex(&req.public_key)
             .map_err(|e| Error::invalid("public_key", e.to_string()))?;
         let mut tx = self.pool.begin().await?;
-        let row: Option<(String, DateTime<Utc>, Option<DateTime<Utc>>, String, bool)> =
-            sqlx::query_as(
-                "SELECT node, expires_at, used_at, created_by, expires_at <= now() \
+        let row: Option<JoinTokenRow> = sqlx::query_as(
+            "SELECT node, expires_at, used_at, created_by, expires_at <= now() \
                  FROM identity.join_tokens WHERE token_sha256 = $1 FOR UPDATE",
-            )
-            .bind(token_sha256_hex(req.token.expose()))
-            .fetch_optional(&mut *tx)
-            .await?;
+        )
+        .bind(token_sha256_hex(req.token.expose()))
+        .fetch_optional(&mut *tx)
+        .await?;
         let Some((token_node, expires_at, used_at, created_by, expired)) = row else {
             tracing::warn!(%node, "join refused: unknown token");
             return Err(Error::UnknownJoinToken);
@@ -136,20 +138,17 @@ impl Identity {
             return refuse(format!("the join token expired at {expires_at}"));
         }
         if token_node != node.as_str() {
-            return refuse(format!(
-                "the join token is for another node, not `{node}`"
-            ));
+            return refuse(format!("the join token is for another node, not `{node}`"));
         }
         sqlx::query("UPDATE identity.join_tokens SET used_at = now() WHERE token_sha256 = $1")
             .bind(token_sha256_hex(req.token.expose()))
             .execute(&mut *tx)
             .await?;
-        let previous: Option<Option<DateTime<Utc>>> = sqlx::query_scalar(
-            "SELECT revoked_at FROM identity.nodes WHERE name = $1 FOR UPDATE",
-        )
-        .bind(node.as_str())
-        .fetch_optional(&mut *tx)
-        .await?;
+        let previous: Option<Option<DateTime<Utc>>> =
+            sqlx::query_scalar("SELECT revoked_at FROM identity.nodes WHERE name = $1 FOR UPDATE")
+                .bind(node.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
         sqlx::query(
             "INSERT INTO identity.nodes (name, public_key, enrolled_by) VALUES ($1, $2, $3) \
              ON CONFLICT (name) DO UPDATE SET public_key = EXCLUDED.public_key, \

@@ -40,7 +40,10 @@ pub(crate) fn validate_name(field: &str, name: &str) -> Result<(), Error> {
     if ok {
         Ok(())
     } else {
-        Err(Error::invalid(field, "must be 1 to 64 of A-Z a-z 0-9 . _ @ -"))
+        Err(Error::invalid(
+            field,
+            "must be 1 to 64 of A-Z a-z 0-9 . _ @ -",
+        ))
     }
 }
 

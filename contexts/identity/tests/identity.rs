@@ -25,7 +25,11 @@ async fn the_audit_log_is_append_only_even_for_its_owner() {
         "DELETE FROM identity.audit",
         "TRUNCATE identity.audit",
     ] {
-        let err = sqlx::raw_sql(sql).execute(&mut c).await.unwrap_err().to_string();
+        let err = sqlx::raw_sql(sql)
+            .execute(&mut c)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("permission denied"), "`{sql}`: {err}");
     }
     // The owner can grant itself the privileges back (the residual risk of
@@ -39,7 +43,11 @@ async fn the_audit_log_is_append_only_even_for_its_owner() {
         "DELETE FROM identity.audit",
         "TRUNCATE identity.audit",
     ] {
-        let err = sqlx::raw_sql(sql).execute(&mut c).await.unwrap_err().to_string();
+        let err = sqlx::raw_sql(sql)
+            .execute(&mut c)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("append-only"), "`{sql}`: {err}");
     }
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM identity.audit")

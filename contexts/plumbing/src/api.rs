@@ -12,7 +12,9 @@ use serde::de::DeserializeOwned;
 /// What an operator's API token allows, from least to most: read (`viewer`),
 /// change the fleet (`operator`), manage tokens, revoke nodes and read the audit
 /// log (`admin`). Ordered: a role allows everything a lesser one does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     Viewer,
