@@ -72,6 +72,25 @@ impl Proc {
         let _ = self.0.wait();
     }
 
+    /// Ask the process to stop (SIGTERM), wait up to `within` for it, then
+    /// SIGKILL. An agent stopped this way stops its units first; a SIGKILLed one
+    /// leaves them running (orphans).
+    pub fn terminate(&mut self, within: Duration) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.0.id().to_string()])
+                .status();
+            let deadline = Instant::now() + within;
+            while Instant::now() < deadline {
+                if matches!(self.0.try_wait(), Ok(Some(_))) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        self.kill();
+    }
+
     pub fn pid(&self) -> u32 {
         self.0.id()
     }
@@ -92,6 +111,16 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// An agent's units outlive a SIGKILLed agent; stop the agent gracefully so its
+/// units go with it, even when a test fails half-way.
+impl Drop for AgentHandle {
+    fn drop(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.terminate(Duration::from_secs(5));
+        }
     }
 }
 
@@ -509,7 +538,8 @@ impl Mesh {
     pub async fn teardown(mut self) -> anyhow::Result<()> {
         for a in self.agents.values_mut() {
             if let Some(mut p) = a.proc.take() {
-                p.kill();
+                // Gracefully: the agent stops its units before it exits.
+                p.terminate(Duration::from_secs(5));
             }
         }
         self.kill_controller();

@@ -121,8 +121,9 @@ fn alive(pid: u64) -> bool {
         .unwrap_or(false)
 }
 
-/// Pids of processes whose environment says they are unit `unit` of `module`.
-fn unit_processes(module: &str, unit: &str) -> Vec<u64> {
+/// Pids of processes of this mesh (working dir under its directory) whose
+/// environment says they are unit `unit` of `module`.
+fn unit_processes(mesh: &Mesh, module: &str, unit: &str) -> Vec<u64> {
     let want_module = format!("MESH_MODULE={module}");
     let want_unit = format!("MESH_UNIT={unit}");
     let mut pids = Vec::new();
@@ -136,6 +137,11 @@ fn unit_processes(module: &str, unit: &str) -> Vec<u64> {
         let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
             continue;
         };
+        let ours = std::fs::read_link(format!("/proc/{pid}/cwd"))
+            .is_ok_and(|cwd| cwd.starts_with(mesh.dir.path()));
+        if !ours {
+            continue;
+        }
         let vars: Vec<&[u8]> = env.split(|b| *b == 0).collect();
         if vars.contains(&want_module.as_bytes())
             && vars.contains(&want_unit.as_bytes())
@@ -188,10 +194,14 @@ async fn a_killed_node_loses_its_replicas_and_stops_the_surplus_on_return() -> a
     })
     .await?;
     wait_for("exactly one process of killweb-0", WITHIN, || async {
-        Ok(
-            (unit_processes("killweb", "killweb-0") == vec![new_pid] && !alive(old_pid))
-                .then_some(()),
-        )
+        let pids = unit_processes(&mesh, "killweb", "killweb-0");
+        if pids == vec![new_pid] && !alive(old_pid) {
+            return Ok(Some(()));
+        }
+        Err(anyhow::anyhow!(
+            "processes of killweb-0: {pids:?}; replacement {new_pid}; old {old_pid} alive: {}",
+            alive(old_pid)
+        ))
     })
     .await?;
     let settled = running(&mesh, "killweb", 2).await?;
