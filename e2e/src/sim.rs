@@ -401,14 +401,41 @@ pub async fn restart_postgres(env: &TestEnv) -> anyhow::Result<Duration> {
     let started = Instant::now();
     let ver_s = ver.to_string();
     tokio::task::spawn_blocking(move || {
-        run(std::process::Command::new("pg_ctlcluster").args([
+        let cluster = run(std::process::Command::new("pg_ctlcluster").args([
             "--skip-systemctl-redirect",
             &ver_s,
             "main",
             "restart",
             "-m",
             "fast",
+        ]));
+        if cluster.is_ok() {
+            return cluster;
+        }
+        // A server started without pg_ctlcluster (pg_lsclusters says "down" while
+        // it runs) makes pg_ctlcluster refuse; pg_ctl restarts it with the
+        // options it was started with (postmaster.opts).
+        let data = format!("/var/lib/postgresql/{ver_s}/main");
+        run(std::process::Command::new("runuser").args([
+            "-u",
+            "postgres",
+            "--",
+            &format!("/usr/lib/postgresql/{ver_s}/bin/pg_ctl"),
+            "-D",
+            &data,
+            "restart",
+            "-m",
+            "fast",
+            "-w",
+            "-l",
+            &format!("/var/log/postgresql/postgresql-{ver_s}-main.log"),
         ]))
+        .map_err(|e| {
+            anyhow!(
+                "{e:#}; before that: {:#}",
+                cluster.err().unwrap_or_else(|| anyhow!("?"))
+            )
+        })
     })
     .await??;
     crate::wait_for(

@@ -1,0 +1,333 @@
+//! The fault suite, part two: restarts of the machine's PostgreSQL and RabbitMQ.
+//! They cut every test sharing those services, so every test here is
+//! `#[ignore]`d and `bundle/test` runs them alone, one at a time, after the rest:
+//!
+//! ```sh
+//! cargo test -p mesh-e2e --test disruptive -- --ignored --test-threads=1
+//! ```
+//!
+//! Restarts use the Debian tools present wherever `bundle/up` ran:
+//! `pg_ctlcluster --skip-systemctl-redirect <ver> main restart -m fast` and
+//! `rabbitmqctl stop_app` / `start_app` (every connection closed; durable queues
+//! and persistent messages kept).
+
+use std::time::Duration;
+
+use mesh_e2e::sim::{
+    SimNode, add_nodes, broker_connections, broker_sockets_limit, confirmed, connect_all,
+    inbox_count, metric_sum, metrics, queue_depth, restart_broker, restart_postgres, scalar,
+};
+use mesh_e2e::{Mesh, wait_for};
+use mesh_protocol::Section;
+use serde_json::json;
+
+/// How long the controller may take to absorb 1,000 nodes reconnecting at once
+/// (each a hello and a heartbeat) after a broker restart, counted from the
+/// broker being up. Documented in docs/benchmarks.md ("Thundering herd").
+const HERD_BOUND: Duration = Duration::from_secs(45);
+
+/// PostgreSQL restarts (fast shutdown: every session cut) while 10,000 reports
+/// stream in. The controller holds its batch and retries it in place, does not
+/// acknowledge what it could not commit, keeps its broker session, refuses
+/// nothing, and after the restart applies every report.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "restarts PostgreSQL: run alone (bundle/test does)"]
+async fn a_database_restart_mid_stream_loses_nothing() -> anyhow::Result<()> {
+    let mesh = Mesh::start().await?;
+    let creds = add_nodes(&mesh.env, "d", 20).await?;
+    let mut nodes = connect_all(creds, 16).await?;
+    let mut ids = Vec::new();
+    let mut confirms = Vec::new();
+    for n in &mut nodes {
+        let h = n.hello(&[]);
+        ids.push(h.id);
+        confirms.push(n.send(&h).await?);
+    }
+    confirmed(confirms).await?;
+    let publisher = tokio::spawn(async move {
+        let mut ids = Vec::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        for _ in 0..500 {
+            tick.tick().await;
+            let mut confirms = Vec::new();
+            for n in &mut nodes {
+                let a = n.applied(Section::Config, 1);
+                ids.push(a.id);
+                confirms.push(n.send(&a).await?);
+            }
+            confirmed(confirms).await?;
+        }
+        for n in nodes {
+            n.close().await;
+        }
+        anyhow::Ok(ids)
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let took = restart_postgres(&mesh.env).await?;
+    eprintln!("PostgreSQL restarted in {took:?}");
+    ids.extend(publisher.await??);
+    assert_eq!(ids.len(), 20 * 501);
+
+    for context in ["inventory", "config"] {
+        wait_for(
+            &format!("every report in the {context} inbox"),
+            Duration::from_secs(120),
+            || async {
+                Ok(
+                    (inbox_count(&mesh.env, context, &ids).await? == ids.len() as i64)
+                        .then_some(()),
+                )
+            },
+        )
+        .await?;
+    }
+    assert_eq!(
+        queue_depth(&mesh.env, "dead-letter").await?,
+        0,
+        "nothing refused"
+    );
+    let text = metrics(&mesh).await?;
+    assert!(
+        metric_sum(&text, "mesh_batches_retried_total", "") >= 1.0,
+        "the outage was not seen (no batch retried):\n{text}"
+    );
+    assert_eq!(
+        metric_sum(&text, "mesh_broker_connects_total", ""),
+        1.0,
+        "the broker session was dropped instead of holding the batch"
+    );
+    mesh.teardown().await
+}
+
+/// RabbitMQ's application stops for 4 s and starts again while an operator
+/// changes a file 30 times for 8 real agents. Agents and controller reconnect
+/// with jittered backoff (their reconnect times spread), every agent ends with
+/// the newest file, every node's applied report for the newest generation
+/// arrives (nothing lost: the relay keeps unconfirmed rows, the agent keeps
+/// unconfirmed reports), and heartbeats flow again.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "restarts RabbitMQ: run alone (bundle/test does)"]
+async fn a_broker_restart_mid_stream_loses_no_declaration_nor_applied_report() -> anyhow::Result<()>
+{
+    let mut mesh = Mesh::start().await?;
+    let mut agents = Vec::new();
+    for i in 0..8 {
+        agents.push(mesh.add_agent(&format!("b{i}"), &[("role", "web")]).await?);
+    }
+    let file = |n: usize| json!({"path": "/etc/app.conf", "content": format!("version {n}"), "mode": "0644", "selector": {"role": "web"}});
+    let (status, body) = mesh.put("/v1/files/app", &file(0)).await?;
+    assert!(status < 300, "{status} {body}");
+    let has = |mesh: &Mesh, n: usize| {
+        agents.iter().all(|a| {
+            std::fs::read_to_string(mesh.agent(a).file("/etc/app.conf"))
+                .map(|t| t == format!("version {n}"))
+                .unwrap_or(false)
+        })
+    };
+    wait_for(
+        "every agent to have version 0",
+        Duration::from_secs(60),
+        || {
+            let ok = has(&mesh, 0);
+            async move { Ok(ok.then_some(())) }
+        },
+    )
+    .await?;
+
+    let before_restart = std::time::SystemTime::now();
+    let changes = async {
+        for n in 1..=30 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            // The API stays up while the broker is down: changes are stored and
+            // wait in the outbox.
+            let (status, body) = mesh.put("/v1/files/app", &file(n)).await?;
+            anyhow::ensure!(status < 300, "{status} {body}");
+        }
+        anyhow::Ok(())
+    };
+    let restart = async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        restart_broker(Duration::from_secs(4)).await
+    };
+    let (changed, up) = tokio::join!(changes, restart);
+    changed?;
+    let up = up?;
+    let up_wall = std::time::SystemTime::now() - up.elapsed();
+
+    wait_for(
+        "every agent to have version 30",
+        Duration::from_secs(90),
+        || {
+            let ok = has(&mesh, 30);
+            async move { Ok(ok.then_some(())) }
+        },
+    )
+    .await?;
+    wait_for(
+        "every node's applied report for the newest generation",
+        Duration::from_secs(60),
+        || async {
+            let behind = scalar(
+                &mesh.env,
+                "config",
+                "SELECT count(*) FROM config.sections WHERE applied_generation < generation",
+            )
+            .await?;
+            Ok((behind == 0).then_some(()))
+        },
+    )
+    .await?;
+    let sections = scalar(&mesh.env, "config", "SELECT count(*) FROM config.sections").await?;
+    assert_eq!(sections, 8);
+
+    // Reconnect times: after the broker came back, spread by jitter.
+    let epoch_ms = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+    };
+    // The management API lists connections from statistics sampled every few
+    // seconds: wait until every agent's new connection is listed.
+    let after = epoch_ms(before_restart);
+    let conns = wait_for(
+        "every agent's new connection to be listed",
+        Duration::from_secs(30),
+        || async {
+            let conns = broker_connections(&mesh.env).await?;
+            let fresh = conns
+                .iter()
+                .filter(|(user, at)| agents.contains(user) && *at >= after)
+                .count();
+            Ok((fresh == agents.len()).then_some(conns))
+        },
+    )
+    .await?;
+    let mut agent_times: Vec<u64> = conns
+        .iter()
+        .filter(|(user, at)| agents.contains(user) && *at >= after)
+        .map(|(_, at)| *at)
+        .collect();
+    agent_times.sort_unstable();
+    eprintln!(
+        "agent reconnects, ms after the broker was up: {:?}",
+        agent_times
+            .iter()
+            .map(|t| *t as i64 - epoch_ms(up_wall) as i64)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        !conns
+            .iter()
+            .any(|(user, at)| agents.contains(user) && *at < after),
+        "an agent kept a connection from before the restart: {conns:?}"
+    );
+    let spread = agent_times[7] - agent_times[0];
+    assert!(
+        spread >= 250,
+        "agents reconnected within {spread} ms of each other: no jitter?"
+    );
+    let controller_user = mesh.env.names().controller_user.clone();
+    assert!(
+        conns
+            .iter()
+            .any(|(u, at)| *u == controller_user && *at + 1000 >= epoch_ms(before_restart)),
+        "the controller reconnected: {conns:?}"
+    );
+    // Heartbeats flow again: every node was seen after the broker came back.
+    wait_for(
+        "heartbeats after the restart",
+        Duration::from_secs(30),
+        || async {
+            let stale = scalar(
+            &mesh.env,
+            "inventory",
+            "SELECT count(*) FROM inventory.nodes WHERE last_seen < now() - interval '3 seconds'",
+        )
+        .await?;
+            Ok((stale == 0).then_some(()))
+        },
+    )
+    .await?;
+    assert_eq!(
+        queue_depth(&mesh.env, "dead-letter").await?,
+        0,
+        "nothing refused"
+    );
+    mesh.teardown().await
+}
+
+/// 1,000 simulated nodes (each its own broker user and connection) reconnect all
+/// at once, without jitter, after a broker restart, each sending a hello and a
+/// heartbeat: the controller absorbs the herd within [`HERD_BOUND`].
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "restarts RabbitMQ: run alone (bundle/test does)"]
+async fn a_thousand_nodes_reconnecting_at_once_are_absorbed() -> anyhow::Result<()> {
+    const HERD: usize = 1000;
+    let mesh = Mesh::start().await?;
+    let limit = broker_sockets_limit(&mesh.env).await?;
+    anyhow::ensure!(
+        limit >= HERD as u64 + 100,
+        "the broker may hold only {limit} sockets, fewer than {HERD} nodes need: \
+         start it with a higher file limit (bundle/up does: ulimit -n 65536)"
+    );
+    let creds = add_nodes(&mesh.env, "h", HERD).await?;
+    let mut nodes = connect_all(creds.clone(), 50).await?;
+    let mut confirms = Vec::new();
+    for n in &mut nodes {
+        let h = n.hello(&[]);
+        confirms.push(n.send(&h).await?);
+    }
+    confirmed(confirms).await?;
+    wait_for(
+        "every node to be known",
+        Duration::from_secs(120),
+        || async {
+            let n = scalar(
+                &mesh.env,
+                "inventory",
+                "SELECT count(*) FROM inventory.nodes",
+            )
+            .await?;
+            Ok((n == HERD as i64).then_some(()))
+        },
+    )
+    .await?;
+
+    let up = restart_broker(Duration::from_secs(2)).await?;
+    drop(nodes);
+    // The herd: every node at once, no jitter (the worst case, not what agents do).
+    let herd = futures_util::future::join_all(creds.into_iter().map(|c| async move {
+        let mut n = SimNode::connect(c).await?;
+        let h = n.hello(&[]);
+        let hb = n.heartbeat(Default::default());
+        confirmed(vec![n.send(&h).await?, n.send(&hb).await?]).await?;
+        anyhow::Ok((n, h.id))
+    }))
+    .await;
+    let connected = up.elapsed();
+    let mut ids = Vec::with_capacity(HERD);
+    let mut nodes = Vec::with_capacity(HERD);
+    for r in herd {
+        let (n, id) = r?;
+        ids.push(id);
+        nodes.push(n);
+    }
+    wait_for("the controller to absorb the herd", HERD_BOUND, || async {
+        Ok((inbox_count(&mesh.env, "inventory", &ids).await? == HERD as i64).then_some(()))
+    })
+    .await?;
+    wait_for("the heartbeat queue to drain", HERD_BOUND, || async {
+        Ok((queue_depth(&mesh.env, "reports.heartbeat").await? == 0).then_some(()))
+    })
+    .await?;
+    let absorbed = up.elapsed();
+    eprintln!(
+        "herd of {HERD}: all reconnected and published {connected:?} after the broker was up; \
+         absorbed after {absorbed:?} (bound {HERD_BOUND:?})"
+    );
+    assert!(absorbed <= HERD_BOUND);
+    for n in nodes {
+        n.close().await;
+    }
+    mesh.teardown().await
+}
