@@ -26,7 +26,10 @@ const LABELS: [&str; 5] = [
 ];
 
 fn typed(e: &DecodeError) {
-    assert!(LABELS.contains(&e.metric_label()), "unknown label for {e:?}");
+    assert!(
+        LABELS.contains(&e.metric_label()),
+        "unknown label for {e:?}"
+    );
     assert!(!e.to_string().is_empty());
 }
 
@@ -133,7 +136,8 @@ fn arb_json() -> impl Strategy<Value = Value> {
         any::<bool>().prop_map(Value::Bool),
         any::<i64>().prop_map(|n| json!(n)),
         any::<u64>().prop_map(|n| json!(n)),
-        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+        any::<f64>()
+            .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
         ".{0,40}".prop_map(Value::String),
         prop_oneof![
             Just("/etc/../../x"),
@@ -242,7 +246,8 @@ fn arb_mutation() -> impl Strategy<Value = Mutation> {
     prop_oneof![
         (any::<usize>(), arb_json()).prop_map(|(i, v)| Mutation::Replace(i, v)),
         any::<usize>().prop_map(Mutation::Remove),
-        (any::<usize>(), "[a-z_]{1,8}", arb_json()).prop_map(|(i, k, v)| Mutation::AddField(i, k, v)),
+        (any::<usize>(), "[a-z_]{1,8}", arb_json())
+            .prop_map(|(i, k, v)| Mutation::AddField(i, k, v)),
     ]
 }
 
@@ -328,7 +333,10 @@ fn corpus_replays() {
         let path = entry.expect("entry").path();
         let bytes = std::fs::read(&path).expect("read");
         decode_all(&bytes);
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
         if name.starts_with("accept-") {
             assert!(
                 Envelope::<Report>::decode(&bytes, MAX_REPORT_BYTES).is_ok()
