@@ -56,16 +56,20 @@ impl RecordEvent {
 
     /// The typed form of the events this crate knows.
     pub fn kind(&self) -> Result<RecordKind, DecodeError> {
-        let parse = |v: &serde_json::Value| -> Result<NodeLabelsChanged, DecodeError> {
-            serde_json::from_value(v.clone()).map_err(|e| {
-                DecodeError::invalid("body", format!("{}.{}: {e}", self.context, self.event))
-            })
-        };
         match (self.context.as_str(), self.event.as_str()) {
-            ("inventory", "node.joined") => Ok(RecordKind::NodeJoined(parse(&self.body)?)),
-            ("inventory", "node.updated") => Ok(RecordKind::NodeUpdated(parse(&self.body)?)),
+            ("inventory", "node.joined") => Ok(RecordKind::NodeJoined(self.body()?)),
+            ("inventory", "node.updated") => Ok(RecordKind::NodeUpdated(self.body()?)),
+            ("identity", "node.enrolled") => Ok(RecordKind::NodeEnrolled(self.body()?)),
+            ("identity", "node.revoked") => Ok(RecordKind::NodeRevoked(self.body()?)),
             _ => Err(DecodeError::UnknownKind(self.routing_key())),
         }
+    }
+
+    /// The body read as `T`, naming the event in the error.
+    fn body<T: serde::de::DeserializeOwned>(&self) -> Result<T, DecodeError> {
+        serde_json::from_value(self.body.clone()).map_err(|e| {
+            DecodeError::invalid("body", format!("{}.{}: {e}", self.context, self.event))
+        })
     }
 }
 
@@ -85,6 +89,8 @@ pub struct NodeLabelsChanged {
 pub enum RecordKind {
     NodeJoined(NodeLabelsChanged),
     NodeUpdated(NodeLabelsChanged),
+    NodeEnrolled(NodeIdentityChanged),
+    NodeRevoked(NodeIdentityChanged),
 }
 
 /// Event name (after the context) of an operator action's audit entry: every

@@ -138,7 +138,8 @@ impl Context for Config {
                     .await
                     .map_err(HandlerError::from)
             }
-            // An event of inventory's this crate does not know yet: not an error.
+            Ok(RecordKind::NodeEnrolled(_) | RecordKind::NodeRevoked(_)) => Ok(()),
+            // An event this crate does not know yet: not an error.
             Err(DecodeError::UnknownKind(kind)) => {
                 tracing::debug!(kind, "ignoring record event");
                 Ok(())

@@ -39,7 +39,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
-use mesh_protocol::{Envelope, NodeId, Report};
+use mesh_protocol::{DecodeError, Envelope, NodeId, RecordEvent, RecordKind, Report};
 use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
@@ -182,5 +182,44 @@ impl Context for Inventory {
         reports::handle(tx, reports, &self.settings)
             .await
             .map_err(HandlerError::from)
+    }
+
+    /// Identity's word on a node: revoked nodes are never scheduled again (the
+    /// next sweep moves their stateless assignments); re-enrolment makes them
+    /// schedulable again.
+    fn subscriptions(&self) -> &'static [&'static str] {
+        &["identity.node.*"]
+    }
+
+    async fn handle_event(
+        &self,
+        tx: &mut PgConnection,
+        event: &RecordEvent,
+    ) -> Result<(), HandlerError> {
+        let (body, revoked) = match event.kind() {
+            Ok(RecordKind::NodeRevoked(body)) => (body, true),
+            Ok(RecordKind::NodeEnrolled(body)) => (body, false),
+            Ok(_) => return Ok(()),
+            Err(DecodeError::UnknownKind(kind)) => {
+                tracing::debug!(kind, "ignoring record event");
+                return Ok(());
+            }
+            Err(e) => return Err(HandlerError::Permanent(e.to_string())),
+        };
+        // Only the newest identity change counts; a node inventory has not heard
+        // from yet gets its state when it says hello (and cannot, once revoked).
+        let sql = if revoked {
+            "UPDATE inventory.nodes SET admin_state = 'revoked', drain_blocked = NULL, identity_at = $2 \
+             WHERE id = $1 AND (identity_at IS NULL OR identity_at < $2)"
+        } else {
+            "UPDATE inventory.nodes SET admin_state = CASE WHEN admin_state = 'revoked' THEN 'active' ELSE admin_state END, \
+             identity_at = $2 WHERE id = $1 AND (identity_at IS NULL OR identity_at < $2)"
+        };
+        sqlx::query(sql)
+            .bind(body.node.as_str())
+            .bind(body.at)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
     }
 }

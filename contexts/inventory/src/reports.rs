@@ -183,7 +183,7 @@ async fn hello(
                 "UPDATE inventory.nodes SET hostname = $2, arch = $3, cpus = $4, memory_bytes = $5, \
                  agent_version = $6, public_key = $7, reported_labels = $8, hello_at = $9, \
                  last_seen = greatest(last_seen, $9), last_seq = greatest(last_seq, $10), \
-                 version = $11 WHERE id = $1",
+                 version = $11, units_seq = least(units_seq, $10) WHERE id = $1",
             )
             .bind(node.as_str())
             .bind(&hello.hostname)

@@ -110,6 +110,7 @@ async fn events(f: &Fixture) -> Vec<(String, NodeLabelsChanged)> {
             match event.kind().unwrap() {
                 RecordKind::NodeJoined(b) => ("node.joined".to_owned(), b),
                 RecordKind::NodeUpdated(b) => ("node.updated".to_owned(), b),
+                other => panic!("inventory wrote an event it does not own: {other:?}"),
             }
         })
         .collect()
@@ -433,5 +434,41 @@ async fn roles_cannot_cross_schemas() {
         .unwrap_err();
     assert!(err.to_string().contains("permission denied"), "{err}");
     config.close().await;
+    f.env.teardown().await.unwrap();
+}
+
+async fn identity_event(f: &Fixture, event: &str, node: &NodeId, at: DateTime<Utc>) {
+    let body = mesh_protocol::NodeIdentityChanged {
+        node: node.clone(),
+        public_key: None,
+        at,
+    };
+    let event = RecordEvent::new("identity", event, &body);
+    let mut tx = f.pool.begin().await.unwrap();
+    f.inventory.handle_event(&mut tx, &event).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn state_of(f: &Fixture, node: &NodeId) -> String {
+    f.inventory.node(node).await.unwrap().unwrap().state
+}
+
+#[tokio::test]
+async fn identity_revocation_and_reenrolment_reach_inventory_in_order() {
+    let f = setup().await;
+    let a = node(&f, "a");
+    handle(&f, &[hello(&a, 1, labels(&[]), &[])]).await;
+    assert_eq!(state_of(&f, &a).await, "alive");
+    assert!(f.inventory.subscriptions().contains(&"identity.node.*"));
+
+    let t0 = Utc::now();
+    identity_event(&f, "node.revoked", &a, t0).await;
+    assert_eq!(state_of(&f, &a).await, "revoked");
+    // An enrolment older than the revocation, arriving late, changes nothing.
+    identity_event(&f, "node.enrolled", &a, t0 - Duration::seconds(5)).await;
+    assert_eq!(state_of(&f, &a).await, "revoked");
+    // A newer one (re-enrolment under a fresh key) makes it schedulable again.
+    identity_event(&f, "node.enrolled", &a, t0 + Duration::seconds(5)).await;
+    assert_eq!(state_of(&f, &a).await, "alive");
     f.env.teardown().await.unwrap();
 }
