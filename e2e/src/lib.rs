@@ -20,6 +20,12 @@ pub mod sim;
 /// Path of a workspace binary next to the test executable's directory.
 pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
+    // A binary run from target/<profile>/ (the benchmark): its siblings.
+    if let Some(sibling) = exe.parent().map(|d| d.join(name))
+        && sibling.exists()
+    {
+        return Ok(sibling);
+    }
     // target/<profile>/deps/<test> → target/<profile>/<name>
     let dir = exe
         .parent()

@@ -87,7 +87,7 @@ async fn a_controller_killed_twenty_times_under_load_loses_and_doubles_nothing()
             tick.tick().await;
             let mut confirms = Vec::with_capacity(nodes.len());
             for n in &mut nodes {
-                let env = if round % HELLO_EVERY == 0 {
+                let env = if round.is_multiple_of(HELLO_EVERY) {
                     n.hello(&[("role", "sim")])
                 } else {
                     n.applied(Section::Config, 1)
@@ -217,7 +217,7 @@ fn poison(
     let as_json = |env: &Envelope<Report>| -> Value {
         serde_json::from_slice(&env.encode()).unwrap_or(Value::Null)
     };
-    let key = if i % 3 == 0 { "hello" } else { "applied" };
+    let key = if i.is_multiple_of(3) { "hello" } else { "applied" };
     match i % 10 {
         0 => {
             let len = rng.random_range(1..300);
@@ -229,7 +229,7 @@ fn poison(
             let cut = rng.random_range(0..bytes.len());
             (key, bytes[..cut].to_vec(), true, "malformed")
         }
-        2 if (i / 10) % 4 == 0 => {
+        2 if (i / 10).is_multiple_of(4) => {
             let mut bytes = valid.encode();
             bytes.truncate(bytes.len() - 1);
             bytes.extend(std::iter::repeat_n(b' ', 65 * 1024));

@@ -1,0 +1,1117 @@
+//! `mesh-bench fleet`: the whole-system benchmark of docs/benchmarks.md.
+//!
+//! One run, against the machine's PostgreSQL and RabbitMQ in an isolated
+//! environment (test kit) and a real release `mesh-controller` process:
+//! baselines (raw broker, raw database, ideal pipeline), heartbeat ingest,
+//! steady fleet, fan-out, catch-up and idle cost. Prints a table and writes it
+//! as JSON. A benchmark, not a test: it fails only when the harness fails.
+//!
+//! Simulated nodes: the broker checks `user_id` against the connection's user,
+//! so a node normally needs its own connection. Ten thousand connections (a
+//! thread each in lapin) would measure the simulator, not the mesh; instead one
+//! broker user with RabbitMQ's `impersonator` tag publishes for every simulated
+//! node, with `user_id` = that node's id, over `--connections` connections.
+//! The controller sees exactly what distinct agents would send (its identity
+//! check is on `user_id`); what the broker spends on 10,000 idle connections
+//! is not in these figures (docs/benchmarks.md says so).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, anyhow, bail, ensure};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueuePurgeOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection};
+use mesh_e2e::sim::{metric_sum, metrics, scalar};
+use mesh_e2e::{Mesh, wait_for};
+use mesh_protocol::{AppliedGenerations, Envelope, Heartbeat, NodeId, Report, Section};
+use serde::Serialize;
+use serde_json::json;
+
+pub struct Options {
+    pub nodes: usize,
+    pub connections: usize,
+    pub steady_secs: u64,
+    pub catchup_secs: u64,
+    pub ingest_messages: usize,
+    pub baseline_messages: usize,
+}
+
+#[derive(Serialize, Clone)]
+pub struct Row {
+    pub figure: String,
+    pub value: f64,
+    pub unit: String,
+    pub baseline: Option<f64>,
+    pub ratio: Option<f64>,
+    pub target: String,
+    pub pass: Option<bool>,
+}
+
+fn row(figure: &str, value: f64, unit: &str) -> Row {
+    Row {
+        figure: figure.into(),
+        value,
+        unit: unit.into(),
+        baseline: None,
+        ratio: None,
+        target: String::new(),
+        pass: None,
+    }
+}
+
+impl Row {
+    fn baseline(mut self, b: f64) -> Row {
+        self.baseline = Some(b);
+        self.ratio = Some(if b > 0.0 { self.value / b } else { 0.0 });
+        self
+    }
+    fn target(mut self, t: &str, pass: bool) -> Row {
+        self.target = t.into();
+        self.pass = Some(pass);
+        self
+    }
+}
+
+// ------------------------------------------------------------------ /proc
+
+/// utime + stime of a process in seconds.
+fn cpu_secs(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let Some((_, after)) = stat.rsplit_once(')') else {
+        return 0.0;
+    };
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let t = |i: usize| f.get(i).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+    (t(11) + t(12)) / 100.0
+}
+
+fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/statm"))
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 4096
+}
+
+/// Pids whose command name is `comm` (beam.smp, postgres).
+fn pids(comm: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .map(|c| c.trim() == comm)
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// CPU seconds so far of the controller, the broker and every PostgreSQL process.
+#[derive(Clone, Copy)]
+struct Cpu {
+    controller: f64,
+    broker: f64,
+    database: f64,
+    at: Instant,
+}
+
+fn cpu(controller: u32) -> Cpu {
+    Cpu {
+        controller: cpu_secs(controller),
+        broker: pids("beam.smp").into_iter().map(cpu_secs).sum(),
+        database: pids("postgres").into_iter().map(cpu_secs).sum(),
+        at: Instant::now(),
+    }
+}
+
+// ------------------------------------------------------------------ broker
+
+async fn confirm_channel(url: &str) -> anyhow::Result<(Connection, Channel)> {
+    let conn = Connection::connect(url, Default::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    Ok((conn, ch))
+}
+
+fn admin_http() -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()?)
+}
+
+/// A broker user allowed to publish reports with any node's `user_id`.
+async fn impersonator(mesh: &Mesh) -> anyhow::Result<String> {
+    let env = &mesh.env;
+    let admin = env.admin_credentials();
+    let user = format!("{}-simulator", env.id());
+    let password = hex_password();
+    let http = admin_http()?;
+    let api = &admin.rabbitmq_api;
+    let vhost = urlencoding::encode(env.vhost()).into_owned();
+    http.put(format!("{api}/api/users/{user}"))
+        .basic_auth(&admin.rabbitmq_user, Some(&admin.rabbitmq_password))
+        .json(&json!({"password": password, "tags": "impersonator"}))
+        .send()
+        .await?
+        .error_for_status()?;
+    http.put(format!("{api}/api/permissions/{vhost}/{user}"))
+        .basic_auth(&admin.rabbitmq_user, Some(&admin.rabbitmq_password))
+        .json(&json!({"configure": "^$", "write": "^reports$", "read": "^$"}))
+        .send()
+        .await?
+        .error_for_status()?;
+    let amqp = url::Url::parse(&admin.amqp_url)?;
+    Ok(format!(
+        "amqp://{user}:{password}@{}:{}/{vhost}",
+        amqp.host_str().unwrap_or("127.0.0.1"),
+        amqp.port().unwrap_or(5672)
+    ))
+}
+
+fn hex_password() -> String {
+    (0..32)
+        .map(|_| format!("{:x}", rand::random::<u8>() % 16))
+        .collect()
+}
+
+/// A report ready to publish: routing key, body, message id.
+type Wire = (String, Vec<u8>, String);
+
+/// Publishers for simulated nodes: `connections` confirm channels of the
+/// impersonator, each with a window of unconfirmed publishes.
+struct Fleet {
+    nodes: Vec<NodeId>,
+    channels: Vec<(Connection, Channel)>,
+    seq: AtomicU64,
+}
+
+impl Fleet {
+    fn heartbeat(&self, node: &NodeId, applied: AppliedGenerations) -> Wire {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let env = Envelope::new(node.clone(), seq, Report::Heartbeat(Heartbeat { applied }));
+        (
+            format!("{node}.heartbeat"),
+            env.encode(),
+            env.id.to_string(),
+        )
+    }
+
+    async fn publish(
+        ch: &Channel,
+        node: &NodeId,
+        key: &str,
+        payload: &[u8],
+        id: &str,
+    ) -> anyhow::Result<lapin::PublisherConfirm> {
+        let props = BasicProperties::default()
+            .with_user_id(node.as_str().into())
+            .with_message_id(id.into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        Ok(ch
+            .basic_publish(
+                "reports".into(),
+                key.into(),
+                BasicPublishOptions::default(),
+                payload,
+                props,
+            )
+            .await?)
+    }
+}
+
+async fn settle(confirms: &mut Vec<lapin::PublisherConfirm>) -> anyhow::Result<()> {
+    for c in confirms.drain(..) {
+        let c = c.await?;
+        ensure!(c.is_ack(), "the broker refused a publish: {c:?}");
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------ baselines
+
+fn sample_payload() -> Vec<u8> {
+    let node = NodeId::parse("t00000000-n1234").unwrap_or_else(|_| unreachable!("valid id"));
+    let mut applied = AppliedGenerations::new();
+    applied.insert(Section::Config, 3);
+    Envelope::new(node, 42, Report::Heartbeat(Heartbeat { applied })).encode()
+}
+
+/// (a) persistent publish with pipelined confirms → consume with manual acks,
+/// one classic durable queue, heartbeat-sized messages. Messages/s.
+async fn baseline_broker(mesh: &Mesh, n: usize) -> anyhow::Result<f64> {
+    let url = mesh.env.admin_amqp_url();
+    let (pc, pch) = confirm_channel(&url).await?;
+    let q = "bench.baseline";
+    pch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    pch.queue_purge(q.into(), QueuePurgeOptions::default())
+        .await?;
+    let (cc, cch) = confirm_channel(&url).await?;
+    cch.basic_qos(1000, BasicQosOptions::default()).await?;
+    let mut consumer = cch
+        .basic_consume(
+            q.into(),
+            "baseline".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let payload = sample_payload();
+    let start = Instant::now();
+    let consume = tokio::spawn(async move {
+        let mut got = 0;
+        while got < n {
+            let d = consumer
+                .next()
+                .await
+                .ok_or_else(|| anyhow!("consumer ended"))??;
+            got += 1;
+            d.acker.ack(BasicAckOptions::default()).await?;
+        }
+        anyhow::Ok(())
+    });
+    let mut confirms = Vec::new();
+    for _ in 0..n {
+        confirms.push(
+            pch.basic_publish(
+                "".into(),
+                q.into(),
+                BasicPublishOptions::default(),
+                &payload,
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await?,
+        );
+        if confirms.len() >= 1000 {
+            settle(&mut confirms).await?;
+        }
+    }
+    settle(&mut confirms).await?;
+    consume.await??;
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let _ = pch.queue_delete(q.into(), Default::default()).await;
+    let _ = pc.close(200, "done".into()).await;
+    let _ = cc.close(200, "done".into()).await;
+    Ok(rate)
+}
+
+async fn bench_table(mesh: &Mesh, rows: usize) -> anyhow::Result<sqlx::PgPool> {
+    let pool = sqlx::PgPool::connect(&mesh.env.database_url("observability")).await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS observability.bench_nodes \
+         (id text PRIMARY KEY, last_seen timestamptz NOT NULL, seq bigint NOT NULL)",
+    )
+    .execute(&pool)
+    .await?;
+    let ids: Vec<String> = (0..rows).map(|i| format!("node-{i}")).collect();
+    sqlx::query(
+        "INSERT INTO observability.bench_nodes SELECT u, now(), 0 FROM UNNEST($1::text[]) u \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(&ids)
+    .execute(&pool)
+    .await?;
+    Ok(pool)
+}
+
+async fn upsert(pool: &sqlx::PgPool, ids: &[String], seqs: &[i64]) -> anyhow::Result<()> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO observability.bench_nodes AS n (id, last_seen, seq) \
+         SELECT u.id, now(), u.seq FROM UNNEST($1::text[], $2::bigint[]) AS u(id, seq) \
+         ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen, \
+         seq = greatest(n.seq, excluded.seq)",
+    )
+    .bind(ids)
+    .bind(seqs)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// (b) batched UPSERTs (200 distinct rows per transaction, UNNEST) of the rows a
+/// heartbeat updates, one connection. Rows/s.
+async fn baseline_database(mesh: &Mesh, nodes: usize, n: usize) -> anyhow::Result<f64> {
+    let pool = bench_table(mesh, nodes).await?;
+    let start = Instant::now();
+    let mut done = 0;
+    let mut k = 0usize;
+    while done < n {
+        let ids: Vec<String> = (0..200)
+            .map(|j| format!("node-{}", (k + j) % nodes))
+            .collect();
+        let seqs: Vec<i64> = (0..200).map(|j| (k + j) as i64).collect();
+        k += 200;
+        upsert(&pool, &ids, &seqs).await?;
+        done += 200;
+    }
+    let rate = done as f64 / start.elapsed().as_secs_f64();
+    pool.close().await;
+    Ok(rate)
+}
+
+/// (c) the ideal pipeline: a publisher as in (a) while a consumer takes batches
+/// of at most 200 (waiting at most 20 ms), UPSERTs them (no routing, no inbox,
+/// no outbox), commits, then acks the batch with `multiple`. Messages/s.
+async fn baseline_pipeline(mesh: &Mesh, nodes: usize, n: usize) -> anyhow::Result<f64> {
+    let pool = bench_table(mesh, nodes).await?;
+    let url = mesh.env.admin_amqp_url();
+    let (pc, pch) = confirm_channel(&url).await?;
+    let q = "bench.pipeline";
+    pch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    pch.queue_purge(q.into(), QueuePurgeOptions::default())
+        .await?;
+    let (cc, cch) = confirm_channel(&url).await?;
+    cch.basic_qos(1000, BasicQosOptions::default()).await?;
+    let mut consumer = cch
+        .basic_consume(
+            q.into(),
+            "pipeline".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let start = Instant::now();
+    let consume = tokio::spawn(async move {
+        let mut got = 0;
+        while got < n {
+            let first = consumer
+                .next()
+                .await
+                .ok_or_else(|| anyhow!("consumer ended"))??;
+            let mut batch = vec![first];
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
+            while batch.len() < 200 {
+                match tokio::time::timeout_at(deadline, consumer.next()).await {
+                    Ok(Some(d)) => batch.push(d?),
+                    _ => break,
+                }
+            }
+            let mut rows: BTreeMap<String, i64> = BTreeMap::new();
+            for d in &batch {
+                let env = Envelope::<Report>::decode(&d.data, mesh_protocol::MAX_REPORT_BYTES)?;
+                let e = rows
+                    .entry(format!("node-{}", env.seq as usize % nodes))
+                    .or_insert(0);
+                *e = (*e).max(env.seq as i64);
+            }
+            let (ids, seqs): (Vec<String>, Vec<i64>) = rows.into_iter().unzip();
+            upsert(&pool, &ids, &seqs).await?;
+            got += batch.len();
+            if let Some(last) = batch.last() {
+                last.acker.ack(BasicAckOptions { multiple: true }).await?;
+            }
+        }
+        pool.close().await;
+        anyhow::Ok(())
+    });
+    let node = NodeId::parse("t00000000-n1").unwrap_or_else(|_| unreachable!("valid id"));
+    let mut confirms = Vec::new();
+    for i in 0..n {
+        let env = Envelope::new(
+            node.clone(),
+            i as u64,
+            Report::Heartbeat(Heartbeat {
+                applied: [(Section::Config, 3)].into(),
+            }),
+        );
+        confirms.push(
+            pch.basic_publish(
+                "".into(),
+                q.into(),
+                BasicPublishOptions::default(),
+                &env.encode(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await?,
+        );
+        if confirms.len() >= 1000 {
+            settle(&mut confirms).await?;
+        }
+    }
+    settle(&mut confirms).await?;
+    consume.await??;
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let _ = pch.queue_delete(q.into(), Default::default()).await;
+    let _ = pc.close(200, "done".into()).await;
+    let _ = cc.close(200, "done".into()).await;
+    Ok(rate)
+}
+
+// ------------------------------------------------------------------ the mesh
+
+async fn handled_heartbeats(mesh: &Mesh) -> anyhow::Result<u64> {
+    let text = metrics(mesh).await?;
+    Ok(metric_sum(&text, "mesh_messages_handled_total", "reports.heartbeat") as u64)
+}
+
+/// The controller with benchmark settings: production defaults (10 s
+/// heartbeats, 30 s grace, 2 s sweeps, 30 s re-send), info logging.
+async fn restart_controller(mesh: &mut Mesh) -> anyhow::Result<()> {
+    mesh.kill_controller();
+    let dir = mesh.dir.path();
+    std::fs::write(
+        dir.join("controller.toml"),
+        format!(
+            "credentials = {:?}\napi_listen = \"127.0.0.1:{}\"\nshutdown_deadline_secs = 3\n",
+            dir.join("credentials.toml"),
+            mesh.api_port()
+        ),
+    )?;
+    mesh.start_controller(&[("RUST_LOG", "info")]).await
+}
+
+fn controller_pid(mesh: &mut Mesh) -> anyhow::Result<u32> {
+    Ok(mesh.controller().context("controller running")?.pid())
+}
+
+/// Every node says hello (labels `role=sim`); waits until inventory and config
+/// know them all.
+async fn join(mesh: &Mesh, fleet: &Fleet) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let per = fleet.nodes.len().div_ceil(fleet.channels.len());
+    let mut tasks = Vec::new();
+    for (c, (_, ch)) in fleet.channels.iter().enumerate() {
+        let ch = ch.clone();
+        let nodes: Vec<NodeId> = fleet
+            .nodes
+            .iter()
+            .skip(c * per)
+            .take(per)
+            .cloned()
+            .collect();
+        tasks.push(tokio::spawn(async move {
+            let mut confirms = Vec::new();
+            for node in nodes {
+                let env = mesh_e2e::hello(node.as_str(), &[("role", "sim")]);
+                confirms.push(
+                    Fleet::publish(
+                        &ch,
+                        &node,
+                        &format!("{node}.hello"),
+                        &env.encode(),
+                        &env.id.to_string(),
+                    )
+                    .await?,
+                );
+                if confirms.len() >= 256 {
+                    settle(&mut confirms).await?;
+                }
+            }
+            settle(&mut confirms).await
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let n = fleet.nodes.len() as i64;
+    wait_for(
+        "every node known to config",
+        Duration::from_secs(900),
+        || async {
+            let known = scalar(&mesh.env, "config", "SELECT count(*) FROM config.nodes").await?;
+            Ok((known >= n).then_some(()))
+        },
+    )
+    .await?;
+    Ok(start.elapsed())
+}
+
+/// Heartbeat ingest: `total` heartbeats as fast as the broker confirms them;
+/// committed/s and publish-to-commit latency (the k-th heartbeat published is
+/// the k-th committed: one FIFO queue, one consumer).
+async fn ingest(mesh: &Mesh, fleet: &Fleet, total: usize) -> anyhow::Result<(f64, f64, f64)> {
+    let before = handled_heartbeats(mesh).await?;
+    let published: Arc<std::sync::Mutex<Vec<Instant>>> =
+        Arc::new(std::sync::Mutex::new(Vec::with_capacity(total)));
+    let per = total.div_ceil(fleet.channels.len());
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for (c, (_, ch)) in fleet.channels.iter().enumerate() {
+        let ch = ch.clone();
+        let msgs: Vec<(NodeId, Wire)> = (0..per)
+            .map(|i| {
+                let node = fleet.nodes[(c * per + i) % fleet.nodes.len()].clone();
+                let hb = fleet.heartbeat(&node, Default::default());
+                (node, hb)
+            })
+            .collect();
+        let published = published.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut confirms = Vec::new();
+            for (node, (key, payload, id)) in msgs {
+                confirms.push(Fleet::publish(&ch, &node, &key, &payload, &id).await?);
+                if let Ok(mut p) = published.lock() {
+                    p.push(Instant::now());
+                }
+                if confirms.len() >= 500 {
+                    settle(&mut confirms).await?;
+                }
+            }
+            settle(&mut confirms).await
+        }));
+    }
+    // Commit times, polled from the controller's counter.
+    let sent = per * fleet.channels.len();
+    let mut commits: Vec<(u64, Instant)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let h = handled_heartbeats(mesh).await?.saturating_sub(before);
+        commits.push((h, Instant::now()));
+        if h >= sent as u64 {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("ingest: only {h} of {sent} heartbeats committed after 600 s");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let elapsed = commits
+        .last()
+        .map(|(_, t)| t.duration_since(start))
+        .unwrap_or_default();
+    let rate = sent as f64 / elapsed.as_secs_f64();
+    let mut published = published.lock().map_err(|_| anyhow!("poisoned"))?.clone();
+    published.sort();
+    let mut lat = Vec::with_capacity(published.len());
+    let mut j = 0;
+    for (k, p) in published.iter().enumerate() {
+        while j < commits.len() && commits[j].0 < k as u64 + 1 {
+            j += 1;
+        }
+        if let Some((_, t)) = commits.get(j) {
+            lat.push(t.duration_since(*p).as_secs_f64() * 1000.0);
+        }
+    }
+    lat.sort_by(|a, b| a.total_cmp(b));
+    let pct = |q: f64| {
+        lat.get(((lat.len() as f64 * q) as usize).min(lat.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    Ok((rate, pct(0.5), pct(0.99)))
+}
+
+/// Steady heartbeats: every node once per `interval`, spread evenly, for as
+/// long as `run` is not cancelled. Returns heartbeats published.
+fn steady(
+    fleet: Arc<Fleet>,
+    interval: Duration,
+    applied: Arc<BTreeMap<NodeId, AppliedGenerations>>,
+    stop: tokio_util_token::Token,
+) -> tokio::task::JoinHandle<anyhow::Result<u64>> {
+    tokio::spawn(async move {
+        let n = fleet.nodes.len();
+        let tick = interval.as_secs_f64() / n as f64;
+        // Ticks of 10 ms, each publishing the nodes whose slot fell in it.
+        let mut timer = tokio::time::interval(Duration::from_millis(10));
+        timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        let start = Instant::now();
+        let mut next = 0usize;
+        let mut confirms = Vec::new();
+        let mut sent = 0u64;
+        while !stop.is_stopped() {
+            timer.tick().await;
+            let due = (start.elapsed().as_secs_f64() / tick) as usize;
+            while next < due {
+                let node = &fleet.nodes[next % n];
+                let a = applied.get(node).cloned().unwrap_or_default();
+                let (key, payload, id) = fleet.heartbeat(node, a);
+                let (_, ch) = &fleet.channels[next % fleet.channels.len()];
+                confirms.push(Fleet::publish(ch, node, &key, &payload, &id).await?);
+                next += 1;
+                sent += 1;
+            }
+            if confirms.len() >= 200 {
+                settle(&mut confirms).await?;
+            }
+        }
+        settle(&mut confirms).await?;
+        Ok(sent)
+    })
+}
+
+/// A tiny stop flag (no extra dependency).
+mod tokio_util_token {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[derive(Clone, Default)]
+    pub struct Token(Arc<AtomicBool>);
+
+    impl Token {
+        pub fn stop(&self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+        pub fn is_stopped(&self) -> bool {
+            self.0.load(Ordering::Relaxed)
+        }
+    }
+}
+
+/// Heartbeat-to-last_seen latency: probe heartbeats (sequence numbers far above
+/// the fleet's) for sample nodes, each polled until `inventory.nodes.last_seq`
+/// shows it. Milliseconds, one per probe.
+async fn probe_latencies(
+    mesh: &Mesh,
+    fleet: &Fleet,
+    probes: usize,
+    every: Duration,
+) -> anyhow::Result<Vec<f64>> {
+    let pool = sqlx::PgPool::connect(&mesh.env.database_url("inventory")).await?;
+    let (_, ch) = &fleet.channels[0];
+    let mut out = Vec::with_capacity(probes);
+    for i in 0..probes {
+        tokio::time::sleep(every).await;
+        let node = &fleet.nodes[(i * 7919) % fleet.nodes.len()];
+        let seq = 1_000_000_000 + i as u64;
+        let env = Envelope::new(
+            node.clone(),
+            seq,
+            Report::Heartbeat(Heartbeat {
+                applied: Default::default(),
+            }),
+        );
+        let sent = Instant::now();
+        let c = Fleet::publish(
+            ch,
+            node,
+            &format!("{node}.heartbeat"),
+            &env.encode(),
+            &env.id.to_string(),
+        )
+        .await?;
+        let deadline = sent + Duration::from_secs(30);
+        loop {
+            let s: i64 = sqlx::query_scalar("SELECT last_seq FROM inventory.nodes WHERE id = $1")
+                .bind(node.as_str())
+                .fetch_one(&pool)
+                .await?;
+            if s >= seq as i64 {
+                out.push(sent.elapsed().as_secs_f64() * 1000.0);
+                break;
+            }
+            if Instant::now() > deadline {
+                out.push(30_000.0);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+        let _ = c.await?;
+    }
+    pool.close().await;
+    Ok(out)
+}
+
+fn percentile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(((v.len() as f64 * q) as usize).min(v.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// Outbox rows the controller's relay published so far (declarations, events).
+async fn outbox_published(mesh: &Mesh) -> anyhow::Result<f64> {
+    Ok(metric_sum(
+        &metrics(mesh).await?,
+        "mesh_outbox_published_total",
+        "",
+    ))
+}
+
+/// Messages the broker took in on the vhost so far (management API).
+async fn vhost_published(mesh: &Mesh) -> anyhow::Result<u64> {
+    let admin = mesh.env.admin_credentials();
+    let v: serde_json::Value = admin_http()?
+        .get(format!(
+            "{}/api/vhosts/{}",
+            admin.rabbitmq_api,
+            urlencoding::encode(mesh.env.vhost())
+        ))
+        .basic_auth(&admin.rabbitmq_user, Some(&admin.rabbitmq_password))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    Ok(v["message_stats"]["publish"].as_u64().unwrap_or(0))
+}
+
+/// What each node has been declared, as a node that applied everything reports it.
+async fn declared_generations(mesh: &Mesh) -> anyhow::Result<BTreeMap<NodeId, AppliedGenerations>> {
+    let mut out: BTreeMap<NodeId, AppliedGenerations> = BTreeMap::new();
+    for (context, section) in [
+        ("config", Section::Config),
+        ("inventory", Section::Inventory),
+    ] {
+        let pool = sqlx::PgPool::connect(&mesh.env.database_url(context)).await?;
+        let sql = format!("SELECT node, generation FROM {context}.sections");
+        let rows: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .fetch_all(&pool)
+            .await?;
+        pool.close().await;
+        for (node, g) in rows {
+            if let Ok(node) = NodeId::parse(&node) {
+                out.entry(node)
+                    .or_default()
+                    .insert(section, g.max(0) as u64);
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn put_files(
+    mesh: &Mesh,
+    count: usize,
+    tag: &str,
+    selector: (&str, &str),
+) -> anyhow::Result<()> {
+    for i in 0..count {
+        let (status, body) = mesh
+            .put(
+                &format!("/v1/files/{tag}-{i}"),
+                &json!({"path": format!("/etc/mesh-bench/{tag}-{i}"), "content": format!("{tag} {i}"), "mode": "0644", "selector": {selector.0: selector.1}}),
+            )
+            .await?;
+        ensure!(status < 300, "PUT file: {status} {body}");
+    }
+    Ok(())
+}
+
+async fn sent_declarations(mesh: &Mesh, after_id: i64) -> anyhow::Result<(i64, i64)> {
+    let pool = sqlx::PgPool::connect(&mesh.env.database_url("config")).await?;
+    let r: (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(sent_at) FROM config.outbox WHERE id > $1 AND exchange = 'declarations'",
+    )
+    .bind(after_id)
+    .fetch_one(&pool)
+    .await?;
+    pool.close().await;
+    Ok(r)
+}
+
+pub async fn run(o: Options) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let mut mesh = Mesh::start().await?;
+    let result = run_in(&mut mesh, &o, &mut rows).await;
+    let teardown = mesh.teardown().await;
+    result?;
+    if let Err(e) = teardown {
+        // The figures stand; say what is left behind.
+        eprintln!("warning: {e:#}");
+    }
+    Ok(rows)
+}
+
+/// Rows as they are measured: kept, and shown at once (a run that fails late
+/// still shows what it measured).
+struct Rows<'a>(&'a mut Vec<Row>);
+
+impl Rows<'_> {
+    fn push(&mut self, r: Row) {
+        eprintln!(
+            "  {}: {:.2} {} {}",
+            r.figure,
+            r.value,
+            r.unit,
+            r.ratio
+                .map(|x| format!("(ratio {x:.2})"))
+                .unwrap_or_default()
+        );
+        self.0.push(r);
+    }
+}
+
+async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let mut rows = Rows(rows);
+    restart_controller(mesh).await?;
+    eprintln!("baselines…");
+    let a = baseline_broker(mesh, o.baseline_messages).await?;
+    rows.push(row("(a) broker: publish-confirm → consume-ack", a, "msg/s"));
+    let b = baseline_database(mesh, o.nodes, o.baseline_messages * 2).await?;
+    rows.push(row(
+        "(b) database: 200-row UNNEST UPSERT per commit",
+        b,
+        "rows/s",
+    ));
+    let c = baseline_pipeline(mesh, o.nodes, o.baseline_messages).await?;
+    rows.push(row(
+        "(c) ideal pipeline: consume → batch UPSERT → commit → ack",
+        c,
+        "msg/s",
+    ));
+
+    eprintln!(
+        "simulated fleet of {} nodes over {} connections…",
+        o.nodes, o.connections
+    );
+    let url = impersonator(mesh).await?;
+    let mut channels = Vec::new();
+    for _ in 0..o.connections {
+        channels.push(confirm_channel(&url).await?);
+    }
+    let nodes: Vec<NodeId> = (0..o.nodes)
+        .map(|i| NodeId::parse(&format!("{}-n{i}", mesh.env.id())))
+        .collect::<Result<_, _>>()?;
+    let fleet = Arc::new(Fleet {
+        nodes,
+        channels,
+        seq: AtomicU64::new(1),
+    });
+    // A declared file for every node first, so that joining declares config.
+    put_files(mesh, 1, "base", ("role", "sim")).await?;
+    let joined = join(mesh, &fleet).await?;
+    rows.push(row(
+        "join: every node's hello handled and known to config",
+        joined.as_secs_f64(),
+        "s",
+    ));
+
+    eprintln!("heartbeat ingest…");
+    let (rate, p50, p99) = ingest(mesh, &fleet, o.ingest_messages).await?;
+    rows.push(
+        row("heartbeat ingest, committed", rate, "msg/s")
+            .baseline(c)
+            .target("≥ 0.7 × (c)", rate >= 0.7 * c),
+    );
+    rows.push(row("heartbeat ingest, publish→commit p50", p50, "ms"));
+    rows.push(row("heartbeat ingest, publish→commit p99", p99, "ms"));
+
+    eprintln!("steady fleet for {} s…", o.steady_secs);
+    let applied = Arc::new(declared_generations(mesh).await?);
+    let pid = controller_pid(mesh)?;
+    let stop = tokio_util_token::Token::default();
+    let beat = steady(
+        fleet.clone(),
+        Duration::from_secs(10),
+        applied.clone(),
+        stop.clone(),
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await; // warm up
+    let c0 = cpu(pid);
+    let pub0 = vhost_published(mesh).await?;
+    let out0 = outbox_published(mesh).await?;
+    let probes = (o.steady_secs as usize).max(10) * 2;
+    let mut lat = probe_latencies(
+        mesh,
+        &fleet,
+        probes,
+        Duration::from_secs_f64(o.steady_secs as f64 / probes as f64 * 0.9),
+    )
+    .await?;
+    let remaining = Duration::from_secs(o.steady_secs).saturating_sub(c0.at.elapsed());
+    tokio::time::sleep(remaining).await;
+    let c1 = cpu(pid);
+    let pub1 = vhost_published(mesh).await?;
+    let out1 = outbox_published(mesh).await?;
+    let secs = c1.at.duration_since(c0.at).as_secs_f64();
+    let share = |a: f64, b: f64| (b - a) / secs * 100.0;
+    let ctl = share(c0.controller, c1.controller);
+    let brk = share(c0.broker, c1.broker);
+    let db = share(c0.database, c1.database);
+    let rss = rss_bytes(pid) as f64 / 1e6;
+    rows.push(row(
+        "steady: heartbeats/s offered",
+        o.nodes as f64 / 10.0,
+        "msg/s",
+    ));
+    rows.push(row("steady: controller CPU", ctl, "% of a core").target("< 15%", ctl < 15.0));
+    rows.push(row("steady: controller RSS", rss, "MB").target("< 150 MB", rss < 150.0));
+    rows.push(row("steady: broker CPU (beam.smp)", brk, "% of a core"));
+    rows.push(row(
+        "steady: database CPU (all postgres)",
+        db,
+        "% of a core",
+    ));
+    let all = ctl + brk + db;
+    rows.push(row("steady: whole system CPU", all, "% of a core").target("< 30%", all < 30.0));
+    let p99 = percentile(&mut lat, 0.99);
+    rows.push(row(
+        "steady: heartbeat→last_seen p50",
+        percentile(&mut lat, 0.5),
+        "ms",
+    ));
+    rows.push(row("steady: heartbeat→last_seen p99", p99, "ms").target("< 100 ms", p99 < 100.0));
+    let per_node_min = (pub1 - pub0) as f64 / o.nodes as f64 / (secs / 60.0);
+    rows.push(row(
+        "idle cost, 1 file per node: broker msgs/node/min",
+        per_node_min,
+        "msg",
+    ));
+    rows.push(row(
+        "idle cost, 1 file per node: controller-published msgs/min",
+        (out1 - out0) / (secs / 60.0),
+        "msg",
+    ));
+
+    eprintln!("fan-out…");
+    let last_id = scalar(
+        &mesh.env,
+        "config",
+        "SELECT coalesce(max(id), 0) FROM config.outbox",
+    )
+    .await?;
+    let fan_start = Instant::now();
+    put_files(mesh, 1, "fan", ("role", "sim")).await?;
+    let n = o.nodes as i64;
+    let fan = wait_for(
+        "every declaration confirmed",
+        Duration::from_secs(600),
+        || async {
+            let (written, sent) = sent_declarations(mesh, last_id).await?;
+            Ok((written >= n && sent >= n).then_some(fan_start.elapsed()))
+        },
+    )
+    .await?;
+    rows.push(
+        row(
+            "fan-out: one change for every node, all confirmed",
+            fan.as_secs_f64(),
+            "s",
+        )
+        .target("< 5 s", fan.as_secs_f64() < 5.0),
+    );
+
+    eprintln!("idle cost with 100 files on one node in a hundred…");
+    put_files(mesh, 98, "many", ("group", "many")).await?;
+    wait_for("the outbox to drain", Duration::from_secs(900), || async {
+        let unsent = scalar(
+            &mesh.env,
+            "config",
+            "SELECT count(*) FROM config.outbox WHERE sent_at IS NULL",
+        )
+        .await?;
+        Ok((unsent == 0).then_some(()))
+    })
+    .await?;
+    stop.stop();
+    beat.await??;
+    let applied = Arc::new(declared_generations(mesh).await?);
+    let stop = tokio_util_token::Token::default();
+    let beat = steady(
+        fleet.clone(),
+        Duration::from_secs(10),
+        applied,
+        stop.clone(),
+    );
+    tokio::time::sleep(Duration::from_secs(15)).await; // past any re-send window
+    let p0 = vhost_published(mesh).await?;
+    let q0 = outbox_published(mesh).await?;
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let p1 = vhost_published(mesh).await?;
+    let q1 = outbox_published(mesh).await?;
+    let mins = t0.elapsed().as_secs_f64() / 60.0;
+    let many = (p1 - p0) as f64 / o.nodes as f64 / mins;
+    rows.push(row(
+        "idle cost, 100 files on 1% of nodes: controller-published msgs/min",
+        (q1 - q0) / mins,
+        "msg",
+    ));
+    rows.push(
+        row(
+            "idle cost, 100 files on 1% of nodes: broker msgs/node/min",
+            many,
+            "msg",
+        )
+        .baseline(per_node_min)
+        .target(
+            "= 1-file figure (±10%)",
+            (many - per_node_min).abs() <= 0.1 * per_node_min.max(0.1),
+        ),
+    );
+
+    eprintln!("catch-up: controller stopped for {} s…", o.catchup_secs);
+    mesh.kill_controller();
+    tokio::time::sleep(Duration::from_secs(o.catchup_secs)).await;
+    let backlog = mesh_e2e::sim::queue_depth(&mesh.env, "reports.heartbeat").await?;
+    let restart = Instant::now();
+    mesh.start_controller(&[("RUST_LOG", "info")]).await?;
+    let drained = wait_for(
+        "the backlog to drain",
+        Duration::from_secs(1800),
+        || async {
+            let d = mesh_e2e::sim::queue_depth(&mesh.env, "reports.heartbeat").await?;
+            Ok((d < 200).then_some(restart.elapsed()))
+        },
+    )
+    .await?;
+    stop.stop();
+    beat.await??;
+    let drain_rate = backlog as f64 / drained.as_secs_f64();
+    rows.push(row(
+        "catch-up: backlog after the stop",
+        backlog as f64,
+        "msgs",
+    ));
+    rows.push(row(
+        "catch-up: time to drain (incl. controller start)",
+        drained.as_secs_f64(),
+        "s",
+    ));
+    rows.push(row("catch-up: drain rate", drain_rate, "msg/s").baseline(c));
+    for (conn, _) in &fleet.channels {
+        let _ = conn.close(200, "bench done".into()).await;
+    }
+    Ok(())
+}
+
+pub fn print(rows: &[Row]) {
+    println!("| figure | value | baseline | ratio | target | pass |");
+    println!("|---|---:|---:|---:|---|---|");
+    for r in rows {
+        let num = |v: f64| {
+            if v >= 100.0 {
+                format!("{v:.0}")
+            } else {
+                format!("{v:.2}")
+            }
+        };
+        println!(
+            "| {} | {} {} | {} | {} | {} | {} |",
+            r.figure,
+            num(r.value),
+            r.unit,
+            r.baseline.map(num).unwrap_or_default(),
+            r.ratio.map(|x| format!("{x:.2}")).unwrap_or_default(),
+            r.target,
+            match r.pass {
+                Some(true) => "pass",
+                Some(false) => "FAIL",
+                None => "",
+            }
+        );
+    }
+}
