@@ -31,7 +31,8 @@ pub use record::{
     AUDIT_EVENT, AuditEntry, NodeIdentityChanged, NodeLabelsChanged, RecordEvent, RecordKind,
 };
 pub use report::{
-    Applied, AppliedGenerations, Heartbeat, Hello, ItemOutcome, Outcome, Report, ReportKind,
+    Applied, AppliedGenerations, Heartbeat, Hello, ItemOutcome, MAX_ERROR_CHARS, Outcome, Report,
+    ReportKind,
 };
 pub use secret::{Secret, new_token, redact_url, token_sha256_hex};
 pub use signing::{DeclarationSigner, PublicKey, SignatureError};

@@ -160,6 +160,16 @@ pub enum Outcome {
     Rejected,
 }
 
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Applied => "applied",
+            Outcome::Failed => "failed",
+            Outcome::Rejected => "rejected",
+        }
+    }
+}
+
 /// The outcome of one item of a declaration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -185,7 +195,31 @@ pub struct Applied {
     pub error: Option<String>,
 }
 
+/// Longest error text a receiver keeps from an applied report, in characters.
+pub const MAX_ERROR_CHARS: usize = 4000;
+
 impl Applied {
+    /// The report's error in words for an operator: its `error`, else its failed
+    /// items (`item: error; …`), at most [`MAX_ERROR_CHARS`]; none if all went well.
+    pub fn error_text(&self) -> Option<String> {
+        let text = match &self.error {
+            Some(e) => e.clone(),
+            None => {
+                let failed: Vec<String> = self
+                    .items
+                    .iter()
+                    .filter(|i| !i.ok)
+                    .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("failed")))
+                    .collect();
+                if failed.is_empty() {
+                    return None;
+                }
+                failed.join("; ")
+            }
+        };
+        Some(text.chars().take(MAX_ERROR_CHARS).collect())
+    }
+
     fn validate(&self) -> Result<(), DecodeError> {
         if self.outcome != Outcome::Rejected
             && (self.section.is_none() || self.generation.is_none())

@@ -15,9 +15,6 @@ use sqlx::types::Json;
 use crate::reconcile::{Scope, reconcile};
 use crate::{ConfigSettings, Error, SCHEMA};
 
-/// Longest error text kept per applied outcome.
-const MAX_ERROR_CHARS: usize = 4000;
-
 fn to_i64(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -152,33 +149,6 @@ async fn heartbeat_batch(
     Ok(())
 }
 
-fn error_text(a: &Applied) -> Option<String> {
-    let text = match &a.error {
-        Some(e) => e.clone(),
-        None => {
-            let failed: Vec<String> = a
-                .items
-                .iter()
-                .filter(|i| !i.ok)
-                .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("failed")))
-                .collect();
-            if failed.is_empty() {
-                return None;
-            }
-            failed.join("; ")
-        }
-    };
-    Some(text.chars().take(MAX_ERROR_CHARS).collect())
-}
-
-fn outcome_str(o: Outcome) -> &'static str {
-    match o {
-        Outcome::Applied => "applied",
-        Outcome::Failed => "failed",
-        Outcome::Rejected => "rejected",
-    }
-}
-
 struct AppliedRow {
     applied: Option<i64>,
     newest: (i64, DateTime<Utc>, u64),
@@ -214,9 +184,9 @@ async fn applied_batch(
         let key = (generation.unwrap_or(0), env.sent_at, env.seq);
         if key >= row.newest {
             row.newest = key;
-            row.outcome = outcome_str(a.outcome);
+            row.outcome = a.outcome.as_str();
             row.generation = generation;
-            row.error = error_text(a);
+            row.error = a.error_text();
         }
     }
     if rows.is_empty() {

@@ -15,9 +15,6 @@ use sqlx::types::Json;
 use crate::sweep::{NodeLiveness, emit_liveness};
 use crate::{Error, InventorySettings, SCHEMA};
 
-/// Longest error text kept per applied outcome.
-const MAX_ERROR_CHARS: usize = 4000;
-
 pub(crate) async fn handle(
     tx: &mut PgConnection,
     reports: &[Envelope<Report>],
@@ -305,34 +302,6 @@ async fn upsert_generations(
     Ok(())
 }
 
-/// The error text of an applied report: its error, else its failed items.
-pub(crate) fn error_text(a: &Applied) -> Option<String> {
-    let text = match &a.error {
-        Some(e) => e.clone(),
-        None => {
-            let failed: Vec<String> = a
-                .items
-                .iter()
-                .filter(|i| !i.ok)
-                .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("failed")))
-                .collect();
-            if failed.is_empty() {
-                return None;
-            }
-            failed.join("; ")
-        }
-    };
-    Some(text.chars().take(MAX_ERROR_CHARS).collect())
-}
-
-pub(crate) fn outcome_str(o: Outcome) -> &'static str {
-    match o {
-        Outcome::Applied => "applied",
-        Outcome::Failed => "failed",
-        Outcome::Rejected => "rejected",
-    }
-}
-
 /// Per (node, section): the highest generation reported applied, and the newest
 /// report's outcome, its generation and error.
 struct AppliedRow {
@@ -376,9 +345,9 @@ async fn applied_batch(
         let key = (generation.unwrap_or(0), env.sent_at, env.seq);
         if key >= row.newest {
             row.newest = key;
-            row.outcome = outcome_str(a.outcome);
+            row.outcome = a.outcome.as_str();
             row.generation = generation;
-            row.error = error_text(a);
+            row.error = a.error_text();
         }
     }
     if rows.is_empty() {
