@@ -65,6 +65,11 @@ async fn a_database_restart_mid_stream_loses_nothing() -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let took = restart_postgres(&mesh.env).await?;
     eprintln!("PostgreSQL restarted in {took:?}");
+    // The outage happened in the middle of the stream, not after it.
+    assert!(
+        !publisher.is_finished(),
+        "the stream ended before the database came back; the test proved nothing"
+    );
     ids.extend(publisher.await??);
     assert_eq!(ids.len(), 20 * 501);
 
@@ -87,9 +92,13 @@ async fn a_database_restart_mid_stream_loses_nothing() -> anyhow::Result<()> {
         "nothing refused"
     );
     let text = metrics(&mesh).await?;
-    assert!(
-        metric_sum(&text, "mesh_batches_retried_total", "") >= 1.0,
-        "the outage was not seen (no batch retried):\n{text}"
+    // Whether a batch had to be retried depends on timing: a pool that finds
+    // its connections dead waits (acquire timeout) for new ones, and a restart
+    // shorter than that wait is ridden out without an error. Either way nothing
+    // may be lost or refused, and the broker session must hold.
+    eprintln!(
+        "batches retried during the outage: {}",
+        metric_sum(&text, "mesh_batches_retried_total", "")
     );
     assert_eq!(
         metric_sum(&text, "mesh_broker_connects_total", ""),

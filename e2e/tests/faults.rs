@@ -217,7 +217,11 @@ fn poison(
     let as_json = |env: &Envelope<Report>| -> Value {
         serde_json::from_slice(&env.encode()).unwrap_or(Value::Null)
     };
-    let key = if i.is_multiple_of(3) { "hello" } else { "applied" };
+    let key = if i.is_multiple_of(3) {
+        "hello"
+    } else {
+        "applied"
+    };
     match i % 10 {
         0 => {
             let len = rng.random_range(1..300);
