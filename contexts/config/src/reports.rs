@@ -3,11 +3,11 @@
 
 use std::collections::BTreeMap;
 
-use chrono::{DateTime, Utc};
+use mesh_plumbing::applied;
 use mesh_plumbing::outbox;
 use mesh_protocol::{
-    Applied, Declaration, DeclarationItems, Envelope, Hello, NodeId, NodeLabelsChanged, Outcome,
-    Report, Section,
+    Applied, Declaration, DeclarationItems, Envelope, Hello, NodeId, NodeLabelsChanged, Report,
+    Section,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -149,14 +149,6 @@ async fn heartbeat_batch(
     Ok(())
 }
 
-struct AppliedRow {
-    applied: Option<i64>,
-    newest: (i64, DateTime<Utc>, u64),
-    outcome: &'static str,
-    generation: Option<i64>,
-    error: Option<String>,
-}
-
 /// Applied reports of the config section, one statement per batch. The applied
 /// generation only advances on outcome `applied`; outcome and error are the
 /// newest report's unless it concerns an older generation than the recorded one.
@@ -164,31 +156,7 @@ async fn applied_batch(
     tx: &mut PgConnection,
     reports: &[(&Envelope<Report>, &Applied)],
 ) -> Result<(), Error> {
-    let mut rows: BTreeMap<&str, AppliedRow> = BTreeMap::new();
-    for (env, a) in reports {
-        let generation = a.generation.map(to_i64);
-        let applied = if a.outcome == Outcome::Applied {
-            generation
-        } else {
-            None
-        };
-        let row = rows.entry(env.node.as_str()).or_insert(AppliedRow {
-            applied: None,
-            newest: (-1, DateTime::<Utc>::MIN_UTC, 0),
-            outcome: "",
-            generation: None,
-            error: None,
-        });
-        row.applied = row.applied.max(applied);
-        // The outcome kept is that of the highest generation, then the newest report.
-        let key = (generation.unwrap_or(0), env.sent_at, env.seq);
-        if key >= row.newest {
-            row.newest = key;
-            row.outcome = a.outcome.as_str();
-            row.generation = generation;
-            row.error = a.error_text();
-        }
-    }
+    let rows = applied::fold(reports, |env, _| Some(env.node.as_str()));
     if rows.is_empty() {
         return Ok(());
     }

@@ -5,9 +5,10 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
+use mesh_plumbing::applied;
 use mesh_plumbing::outbox;
 use mesh_protocol::{
-    Applied, Envelope, Hello, Labels, NodeId, NodeLabelsChanged, Outcome, RecordEvent, Report,
+    Applied, Envelope, Hello, Labels, NodeId, NodeLabelsChanged, RecordEvent, Report,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -302,16 +303,6 @@ async fn upsert_generations(
     Ok(())
 }
 
-/// Per (node, section): the highest generation reported applied, and the newest
-/// report's outcome, its generation and error.
-struct AppliedRow {
-    applied: Option<i64>,
-    newest: (i64, DateTime<Utc>, u64),
-    outcome: &'static str,
-    generation: Option<i64>,
-    error: Option<String>,
-}
-
 /// All applied reports of a batch in one upsert. The generation only advances
 /// on outcome `applied`; the outcome and error are the newest report's, unless
 /// it concerns an older generation than the recorded outcome's.
@@ -319,37 +310,13 @@ async fn applied_batch(
     tx: &mut PgConnection,
     reports: &[(&Envelope<Report>, &Applied)],
 ) -> Result<(), Error> {
-    let mut rows: BTreeMap<(&str, &str), AppliedRow> = BTreeMap::new();
-    for (env, a) in reports {
+    let rows = applied::fold(reports, |env, a| {
         let Some(section) = a.section else {
             tracing::debug!(node = %env.node, "applied report without a section: nothing to record");
-            continue;
+            return None;
         };
-        let generation = a.generation.map(to_i64);
-        let applied = if a.outcome == Outcome::Applied {
-            generation
-        } else {
-            None
-        };
-        let row = rows
-            .entry((env.node.as_str(), section.as_str()))
-            .or_insert(AppliedRow {
-                applied: None,
-                newest: (-1, DateTime::<Utc>::MIN_UTC, 0),
-                outcome: "",
-                generation: None,
-                error: None,
-            });
-        row.applied = row.applied.max(applied);
-        // The outcome kept is that of the highest generation, then the newest report.
-        let key = (generation.unwrap_or(0), env.sent_at, env.seq);
-        if key >= row.newest {
-            row.newest = key;
-            row.outcome = a.outcome.as_str();
-            row.generation = generation;
-            row.error = a.error_text();
-        }
-    }
+        Some((env.node.as_str(), section.as_str()))
+    });
     if rows.is_empty() {
         return Ok(());
     }

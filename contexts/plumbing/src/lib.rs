@@ -7,6 +7,7 @@
 //! holds is the controller's relay. It knows no particular context.
 
 pub mod api;
+pub mod applied;
 mod context;
 pub mod inbox;
 mod migrate;
