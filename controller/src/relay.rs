@@ -7,7 +7,14 @@
 //! contexts keep an inbox), so a publish repeated after a crash is harmless.
 //! Caveats: a declaration returned unroutable means its node's queue is missing:
 //! the queue is declared again and the row retried on the next round.
+//!
+//! Rounds are pipelined: up to [`WINDOW`] rounds are in flight, each settled
+//! (confirms awaited, rows marked sent) by its own task while the next round is
+//! read and published. A cursor keeps in-flight rows from being read twice; it
+//! is dropped whenever nothing is in flight, so a row committed below it (ids
+//! are allocated before commit) or refused is read on the next pass.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use lapin::Confirmation;
@@ -19,11 +26,16 @@ use mesh_plumbing::outbox::{self, OutboxRow};
 use mesh_protocol::topology::{DECLARATIONS_EXCHANGE, SIGNATURE_HEADER};
 use mesh_protocol::{DeclarationSigner, NodeId};
 use sqlx::PgPool;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{self, DeclarationQueues};
 use crate::metrics::Metrics;
 use crate::router::Contexts;
+
+/// Rounds in flight at once, each up to `batch` rows: the relay reads and
+/// publishes the next round while the broker confirms the ones before it.
+const WINDOW: usize = 4;
 
 pub struct Relay {
     pub contexts: Arc<Contexts>,
@@ -55,6 +67,19 @@ fn properties(row: &OutboxRow, signer: &DeclarationSigner) -> BasicProperties {
     props.with_headers(headers)
 }
 
+/// One round handed to the broker: its rows and their pending confirms.
+struct Round {
+    schema: &'static str,
+    pool: PgPool,
+    published: Vec<(i64, Option<NodeId>, bool, lapin::PublisherConfirm)>,
+}
+
+/// What the broker made of a round.
+struct Settled {
+    /// Some publish was refused or returned: its row waits for a later round.
+    refused: bool,
+}
+
 impl Relay {
     pub async fn run(
         self: Arc<Self>,
@@ -62,46 +87,88 @@ impl Relay {
         shutdown: CancellationToken,
     ) -> Result<(), lapin::Error> {
         let ch = amqp::confirm_channel(&conn).await?;
+        let schemas = self.contexts.schemas();
+        // Per schema, the highest id handed to the broker while rounds are in
+        // flight: the next round reads on past it instead of waiting for the
+        // confirms (and the UPDATE) of the rounds before it.
+        let mut cursor: HashMap<&'static str, i64> = HashMap::new();
+        let mut in_flight: JoinSet<Result<Settled, lapin::Error>> = JoinSet::new();
+        let mut more = true;
         loop {
-            let mut full = false;
-            for (schema, pool) in self.contexts.schemas() {
-                full |= self.round(&ch, schema, pool).await?;
-            }
-            if full {
+            if more && in_flight.len() < WINDOW {
+                if in_flight.is_empty() {
+                    // Nothing in flight: read from the oldest unsent row again,
+                    // which picks up rows committed out of id order and rows
+                    // refused or not marked sent.
+                    cursor.clear();
+                }
+                more = false;
+                for (schema, pool) in &schemas {
+                    let after = cursor.get(schema).copied().unwrap_or(0);
+                    let Some((round, last, full)) =
+                        self.publish_round(&ch, schema, pool, after).await?
+                    else {
+                        continue;
+                    };
+                    more |= full;
+                    cursor.insert(schema, last);
+                    let relay = self.clone();
+                    in_flight.spawn(async move { relay.settle(round).await });
+                }
                 continue;
             }
             tokio::select! {
+                Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
+                    let settled = match done {
+                        Ok(settled) => settled?,
+                        // A settle task panicked: its rows stay unsent and are read again.
+                        Err(e) => {
+                            tracing::error!(error = %e, "settling a relay round failed");
+                            Settled { refused: true }
+                        }
+                    };
+                    // A refused publish waits for the next wake-up instead of spinning.
+                    if settled.refused {
+                        more = false;
+                    }
+                }
                 _ = shutdown.cancelled() => return Ok(()),
-                _ = self.signal.notified() => {}
-                _ = tokio::time::sleep(self.poll) => {}
+                _ = self.signal.notified(), if !more => more = true,
+                _ = tokio::time::sleep(self.poll), if !more => more = true,
             }
         }
     }
 
-    /// Publish one batch of `schema`'s outbox. Returns true if the batch was full
-    /// (more may be waiting).
-    async fn round(
+    /// Publish one batch of `schema`'s outbox rows above `after`. Returns the
+    /// round, the highest id read, and whether the batch was full (more may be
+    /// waiting); none when nothing is waiting.
+    async fn publish_round(
         &self,
         ch: &lapin::Channel,
         schema: &'static str,
         pool: &PgPool,
-    ) -> Result<bool, lapin::Error> {
-        let rows = match outbox::pending(pool, schema, self.batch).await {
+        after: i64,
+    ) -> Result<Option<(Round, i64, bool)>, lapin::Error> {
+        let rows = match outbox::pending_after(pool, schema, after, self.batch).await {
             Ok(rows) => rows,
             Err(e) => {
                 tracing::warn!(context = schema, error = %e, "reading the outbox failed; retrying next round");
-                return Ok(false);
+                return Ok(None);
             }
         };
-        let labels = Metrics::context(schema);
-        if rows.is_empty() {
-            self.metrics.outbox_backlog.get_or_create(&labels).set(0);
-            return Ok(false);
-        }
-        let mut pending = Vec::with_capacity(rows.len());
+        let Some(last) = rows.last().map(|r| r.id) else {
+            if after == 0 {
+                let labels = Metrics::context(schema);
+                self.metrics.outbox_backlog.get_or_create(&labels).set(0);
+            }
+            return Ok(None);
+        };
+        let full = rows.len() as i64 >= self.batch;
+        let mut published = Vec::with_capacity(rows.len());
         for row in &rows {
             let node = row.node.as_deref().and_then(|n| NodeId::parse(n).ok());
-            if row.exchange == DECLARATIONS_EXCHANGE {
+            let declaration = row.exchange == DECLARATIONS_EXCHANGE;
+            if declaration {
                 match &node {
                     Some(node) => self.declaration_queues.ensure(ch, node).await?,
                     None => {
@@ -127,33 +194,48 @@ impl Relay {
                     properties(row, &self.signer),
                 )
                 .await?;
-            pending.push((row, node, confirm));
+            published.push((row.id, node, declaration, confirm));
         }
-        let mut sent = Vec::with_capacity(pending.len());
-        for (row, node, confirm) in pending {
+        let round = Round {
+            schema,
+            pool: pool.clone(),
+            published,
+        };
+        Ok(Some((round, last, full)))
+    }
+
+    /// Wait for a round's confirms and mark what the broker took as sent.
+    async fn settle(&self, round: Round) -> Result<Settled, lapin::Error> {
+        let Round {
+            schema,
+            pool,
+            published,
+        } = round;
+        let total = published.len();
+        let mut sent = Vec::with_capacity(total);
+        for (id, node, declaration, confirm) in published {
             match confirm.await? {
-                Confirmation::Ack(None) | Confirmation::NotRequested => sent.push(row.id),
+                Confirmation::Ack(None) | Confirmation::NotRequested => sent.push(id),
                 Confirmation::Ack(Some(_returned)) => match node {
                     // The node's queue is gone: declare it again next round.
-                    Some(node) if row.exchange == DECLARATIONS_EXCHANGE => {
-                        self.declaration_queues.forget(&node)
-                    }
+                    Some(node) if declaration => self.declaration_queues.forget(&node),
                     // A record event no context subscribes to: nobody is waiting for it.
-                    _ => sent.push(row.id),
+                    _ => sent.push(id),
                 },
                 Confirmation::Nack(_) => {
                     tracing::warn!(
                         context = schema,
-                        row = row.id,
+                        row = id,
                         "broker refused the publish (queue full?); retrying"
                     );
                 }
             }
         }
-        if let Err(e) = outbox::mark_sent(pool, schema, &sent).await {
+        if let Err(e) = outbox::mark_sent(&pool, schema, &sent).await {
             // They will be published again: receivers are idempotent.
             tracing::warn!(context = schema, error = %e, "marking rows sent failed");
         }
+        let labels = Metrics::context(schema);
         self.metrics
             .published
             .get_or_create(&labels)
@@ -161,9 +243,9 @@ impl Relay {
         self.metrics
             .outbox_backlog
             .get_or_create(&labels)
-            .set((rows.len() - sent.len()) as i64);
-        // Go again at once only if the batch was full and all of it went out;
-        // a refused publish waits for the next round instead of spinning.
-        Ok(rows.len() as i64 >= self.batch && sent.len() == rows.len())
+            .set((total - sent.len()) as i64);
+        Ok(Settled {
+            refused: sent.len() < total,
+        })
     }
 }

@@ -451,10 +451,10 @@ async fn a_revoked_node_is_cut_off_and_can_rejoin_under_a_new_key() -> anyhow::R
     let vhost = mesh.env.vhost().to_owned();
     wait_for("the agent's connection", WITHIN, || async {
         Ok(rabbit
-            .connections(&vhost)
+            .connections_of(&node)
             .await?
             .iter()
-            .any(|c| c.user == node)
+            .any(|c| c.vhost == vhost)
             .then_some(()))
     })
     .await?;
@@ -485,10 +485,10 @@ async fn a_revoked_node_is_cut_off_and_can_rejoin_under_a_new_key() -> anyhow::R
     // Its connection is closed, its user gone, its publishes fail.
     wait_for("the node's connections to close", WITHIN, || async {
         Ok((!rabbit
-            .connections(&vhost)
+            .connections_of(&node)
             .await?
             .iter()
-            .any(|c| c.user == node))
+            .any(|c| c.vhost == vhost))
         .then_some(()))
     })
     .await?;

@@ -462,9 +462,11 @@ async fn kill_connections(env: &TestEnv, user: &str) -> anyhow::Result<usize> {
     let a = env.admin_credentials();
     let http = reqwest::Client::new();
     let conns: Vec<serde_json::Value> = http
+        // Connection tracking, not statistics: lists a connection at once.
         .get(format!(
-            "{}/api/connections",
-            a.rabbitmq_api.trim_end_matches('/')
+            "{}/api/connections/username/{}",
+            a.rabbitmq_api.trim_end_matches('/'),
+            urlencoding::encode(user)
         ))
         .basic_auth(&a.rabbitmq_user, Some(&a.rabbitmq_password))
         .send()
@@ -519,7 +521,7 @@ async fn reconnects_after_losing_the_broker() -> anyhow::Result<()> {
     })
     .await?;
 
-    // The management API lists a connection a moment after it opened.
+    // The agent connects a moment after it starts.
     let until = Instant::now() + DEADLINE;
     while kill_connections(&env, node.as_str()).await? == 0 {
         anyhow::ensure!(

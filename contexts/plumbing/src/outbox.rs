@@ -130,11 +130,27 @@ pub async fn pending(
     schema: &str,
     limit: i64,
 ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+    pending_after(pool, schema, 0, limit).await
+}
+
+/// The oldest unsent rows with an id above `after`, at most `limit`: a relay
+/// that has rows in flight reads on past them instead of reading them again.
+///
+/// Ids come from a sequence, and transactions commit out of order: a row can
+/// become visible below an id already read. A reader using `after > 0` must
+/// therefore read from 0 again whenever it has nothing in flight.
+pub async fn pending_after(
+    pool: &PgPool,
+    schema: &str,
+    after: i64,
+    limit: i64,
+) -> Result<Vec<OutboxRow>, sqlx::Error> {
     let sql = format!(
         "SELECT id, message_id, exchange, routing_key, kind, node, payload FROM {schema}.outbox \
-         WHERE sent_at IS NULL ORDER BY id LIMIT $1"
+         WHERE sent_at IS NULL AND id > $1 ORDER BY id LIMIT $2"
     );
     sqlx::query_as(AssertSqlSafe(sql))
+        .bind(after)
         .bind(limit)
         .fetch_all(pool)
         .await
