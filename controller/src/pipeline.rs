@@ -5,10 +5,14 @@
 //! Guarantees: a delivery is acknowledged only after (a) the transactions that
 //! handled it committed, or (b) its dead-letter copy was confirmed by the broker.
 //! Assumptions: one consumer per queue and channel, so delivery tags grow within
-//! a batch and an ack with `multiple` covers exactly the batch.
+//! a batch and from batch to batch; batches are acknowledged in delivery order,
+//! so an ack with `multiple` covers the batch and committed batches before it.
+//! Heartbeat batches are handled up to three at once (their handling commutes);
+//! every other queue's one at a time.
 //! Caveats: a transient failure (database down) holds the batch and retries it in
 //! place with capped backoff; the broker keeps the rest, bounded by the prefetch.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +25,7 @@ use lapin::{Channel, Connection};
 use mesh_plumbing::{HandlerError, OutboxSignal};
 use mesh_protocol::topology;
 use mesh_protocol::{Envelope, MAX_REPORT_BYTES, NodeId, RecordEvent, Report, ReportKind};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -84,6 +89,61 @@ pub enum PipelineError {
     Cancelled(String),
     #[error("the broker refused a dead-letter copy from {0}")]
     DeadLetterRefused(String),
+    #[error("a batch task failed: {0}")]
+    Task(String),
+}
+
+/// How many batches of `source` may be handled at once. Heartbeats: 3, because
+/// their handling is idempotent and order-free (greatest last_seen, last_seq and
+/// generation; rows locked in key order, so concurrent batches cannot deadlock)
+/// and overlapping the next batch's collection and statements with the previous
+/// batch's commit is what keeps ingest near the ideal pipeline. Everything else:
+/// 1, so that a node's reports of one kind are handled in the order it sent them.
+fn batches_in_flight(source: Source) -> usize {
+    match source {
+        Source::Reports(ReportKind::Heartbeat) => 3,
+        _ => 1,
+    }
+}
+
+type BatchTask = JoinHandle<Result<Handled, PipelineError>>;
+
+/// Batch tasks of one consumer; aborted when the consumer ends, so that none
+/// outlives its channel (what they did not acknowledge is delivered again).
+#[derive(Default)]
+struct InFlight(VecDeque<BatchTask>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// A batch whose handling ended.
+struct Handled {
+    batch: Vec<Delivery>,
+    started: Instant,
+    /// False when shutdown interrupted it before commit.
+    done: bool,
+}
+
+/// What the consumer loop does next.
+enum Step {
+    Stop,
+    Done(Result<Result<Handled, PipelineError>, tokio::task::JoinError>),
+    Delivery(Option<Result<Delivery, lapin::Error>>),
+}
+
+/// The oldest batch in flight, once handled (pending forever when none is).
+async fn head(
+    in_flight: &mut VecDeque<BatchTask>,
+) -> Result<Result<Handled, PipelineError>, tokio::task::JoinError> {
+    match in_flight.front_mut() {
+        Some(h) => h.await,
+        None => std::future::pending().await,
+    }
 }
 
 impl Pipeline {
@@ -110,10 +170,33 @@ impl Pipeline {
             .await?;
         tracing::info!(queue, "consuming");
         let batch_max = self.settings.batch_max.max(1);
+        let depth = batches_in_flight(source);
+        // Batches being handled, oldest first. Each is handled by its own task
+        // while the next is collected; they are acknowledged strictly in order,
+        // so an ack with `multiple` covers only committed batches.
+        let mut in_flight = InFlight::default();
+        let in_flight = &mut in_flight.0;
         loop {
-            let first = tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                d = consumer.next() => d,
+            let step = if in_flight.len() >= depth {
+                Step::Done(head(in_flight).await)
+            } else {
+                tokio::select! {
+                    _ = shutdown.cancelled() => Step::Stop,
+                    done = head(in_flight), if !in_flight.is_empty() => Step::Done(done),
+                    d = consumer.next() => Step::Delivery(d),
+                }
+            };
+            let first = match step {
+                Step::Stop => return Ok(()),
+                Step::Done(done) => {
+                    in_flight.pop_front();
+                    if !self.finish(&queue, done).await? {
+                        // Shutting down in the middle of retries: leave it unacked.
+                        return Ok(());
+                    }
+                    continue;
+                }
+                Step::Delivery(d) => d,
             };
             let mut batch = match first {
                 Some(d) => vec![d?],
@@ -126,29 +209,50 @@ impl Pipeline {
                     Ok(None) | Err(_) => break,
                 }
             }
-            let started = Instant::now();
-            let span = tracing::debug_span!("batch", queue = %queue, size = batch.len());
-            let done = self
-                .process(&dead_letters, source, &queue, &batch, &shutdown)
-                .instrument(span)
-                .await?;
-            if !done {
-                // Shutting down in the middle of retries: leave the batch unacked.
-                return Ok(());
-            }
-            if let Some(last) = batch.last() {
-                last.acker.ack(BasicAckOptions { multiple: true }).await?;
-            }
-            let labels = Metrics::queue(&queue);
-            self.metrics
-                .handled
-                .get_or_create(&labels)
-                .inc_by(batch.len() as u64);
-            self.metrics
-                .batch_seconds
-                .get_or_create(&labels)
-                .observe(started.elapsed().as_secs_f64());
+            let this = self.clone();
+            let dead_letters = dead_letters.clone();
+            let queue = queue.clone();
+            let shutdown = shutdown.clone();
+            in_flight.push_back(tokio::spawn(async move {
+                let started = Instant::now();
+                let span = tracing::debug_span!("batch", queue = %queue, size = batch.len());
+                let done = this
+                    .process(&dead_letters, source, &queue, &batch, &shutdown)
+                    .instrument(span)
+                    .await?;
+                Ok(Handled {
+                    batch,
+                    started,
+                    done,
+                })
+            }));
         }
+    }
+
+    /// Acknowledge a handled batch (all batches before it are acknowledged
+    /// already) and count it. Returns false if shutdown interrupted it.
+    async fn finish(
+        &self,
+        queue: &str,
+        done: Result<Result<Handled, PipelineError>, tokio::task::JoinError>,
+    ) -> Result<bool, PipelineError> {
+        let handled = done.map_err(|e| PipelineError::Task(e.to_string()))??;
+        if !handled.done {
+            return Ok(false);
+        }
+        if let Some(last) = handled.batch.last() {
+            last.acker.ack(BasicAckOptions { multiple: true }).await?;
+        }
+        let labels = Metrics::queue(queue);
+        self.metrics
+            .handled
+            .get_or_create(&labels)
+            .inc_by(handled.batch.len() as u64);
+        self.metrics
+            .batch_seconds
+            .get_or_create(&labels)
+            .observe(handled.started.elapsed().as_secs_f64());
+        Ok(true)
     }
 
     /// Handle one batch. Returns false when shutdown interrupted it before commit.

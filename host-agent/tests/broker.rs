@@ -474,19 +474,17 @@ async fn kill_connections(env: &TestEnv, user: &str) -> anyhow::Result<usize> {
         .error_for_status()?
         .json()
         .await?;
-    let mut n = 0;
-    for c in conns.iter().filter(|c| c["user"] == user) {
-        let name = c["name"].as_str().unwrap_or_default();
+    let n = conns.iter().filter(|c| c["user"] == user).count();
+    if n > 0 {
         http.delete(format!(
-            "{}/api/connections/{}",
+            "{}/api/connections/username/{}",
             a.rabbitmq_api.trim_end_matches('/'),
-            urlencoding::encode(name)
+            urlencoding::encode(user)
         ))
         .basic_auth(&a.rabbitmq_user, Some(&a.rabbitmq_password))
         .send()
         .await?
         .error_for_status()?;
-        n += 1;
     }
     Ok(n)
 }
