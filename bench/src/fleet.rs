@@ -824,7 +824,7 @@ async fn put_modules(
             .request(
                 reqwest::Method::PUT,
                 &format!("/v1/modules/idle{i}"),
-                &[("if-match", "*")],
+                &[], // a new module: no If-Match
                 Some(&spec),
             )
             .await?;
@@ -858,18 +858,39 @@ async fn sent_to(mesh: &Mesh, nodes: &[NodeId]) -> anyhow::Result<i64> {
 /// minute of each node in `group` over 30 s of steady heartbeats, counting its
 /// heartbeats and the declarations sent to it.
 async fn idle_cost(mesh: &Mesh, fleet: &Arc<Fleet>, group: &[NodeId]) -> anyhow::Result<f64> {
-    wait_for("the outboxes to drain", Duration::from_secs(900), || async {
-        let mut unsent = 0;
-        for context in ["config", "inventory"] {
-            let sql = format!("SELECT count(*) FROM {context}.outbox WHERE sent_at IS NULL");
-            unsent += scalar(&mesh.env, context, &sql).await?;
-        }
-        Ok((unsent == 0).then_some(()))
-    })
-    .await?;
-    let applied = Arc::new(declared_generations(mesh).await?);
+    // Placement declares over several sweeps (2 s apart): what was declared is
+    // settled when the outboxes are empty and the declared generations did not
+    // change over three sweeps.
+    let last = std::cell::RefCell::new(declared_generations(mesh).await?);
+    let applied = wait_for(
+        "declarations to settle",
+        Duration::from_secs(900),
+        || async {
+            tokio::time::sleep(Duration::from_secs(6)).await;
+            let mut unsent = 0;
+            for context in ["config", "inventory"] {
+                let sql = format!("SELECT count(*) FROM {context}.outbox WHERE sent_at IS NULL");
+                unsent += scalar(&mesh.env, context, &sql).await?;
+            }
+            let now = declared_generations(mesh).await?;
+            let settled = unsent == 0 && now == *last.borrow();
+            Ok(if settled {
+                Some(now)
+            } else {
+                last.replace(now);
+                None
+            })
+        },
+    )
+    .await;
+    let applied = Arc::new(applied?);
     let stop = tokio_util_token::Token::default();
-    let beat = steady(fleet.clone(), Duration::from_secs(10), applied, stop.clone());
+    let beat = steady(
+        fleet.clone(),
+        Duration::from_secs(10),
+        applied,
+        stop.clone(),
+    );
     tokio::time::sleep(Duration::from_secs(15)).await; // past any re-send window
     let h0 = handled_heartbeats(mesh).await?;
     let d0 = sent_to(mesh, group).await?;
@@ -1134,7 +1155,10 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
     eprintln!("idle cost with 1 module on {} nodes…", group.len());
     put_modules(mesh, 0..1, group.len()).await?;
     let one = idle_cost(mesh, &fleet, &group).await?;
-    eprintln!("idle cost with 100 modules and 100 files on {} nodes…", group.len());
+    eprintln!(
+        "idle cost with 100 modules and 100 files on {} nodes…",
+        group.len()
+    );
     put_modules(mesh, 1..100, group.len()).await?;
     put_files(mesh, 98, "many", ("group", "many")).await?;
     let many = idle_cost(mesh, &fleet, &group).await?;

@@ -133,7 +133,8 @@ struct Handled {
 enum Step {
     Stop,
     Done(Result<Result<Handled, PipelineError>, tokio::task::JoinError>),
-    Delivery(Option<Result<Delivery, lapin::Error>>),
+    /// The first delivery of the next batch (boxed: a delivery is large).
+    Delivery(Box<Option<Result<Delivery, lapin::Error>>>),
 }
 
 /// The oldest batch in flight, once handled (pending forever when none is).
@@ -183,7 +184,7 @@ impl Pipeline {
                 tokio::select! {
                     _ = shutdown.cancelled() => Step::Stop,
                     done = head(in_flight), if !in_flight.is_empty() => Step::Done(done),
-                    d = consumer.next() => Step::Delivery(d),
+                    d = consumer.next() => Step::Delivery(Box::new(d)),
                 }
             };
             let first = match step {
@@ -196,7 +197,7 @@ impl Pipeline {
                     }
                     continue;
                 }
-                Step::Delivery(d) => d,
+                Step::Delivery(d) => *d,
             };
             let mut batch = match first {
                 Some(d) => vec![d?],
