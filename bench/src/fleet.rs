@@ -626,6 +626,12 @@ async fn ingest(mesh: &Mesh, fleet: &Fleet, total: usize) -> anyhow::Result<(f64
     Ok((rate, pct(0.5), pct(0.99)))
 }
 
+/// A running steady heartbeat: its stop token and its task.
+type Beat = (
+    tokio_util_token::Token,
+    tokio::task::JoinHandle<anyhow::Result<u64>>,
+);
+
 /// Steady heartbeats: every node once per `interval`, spread evenly, for as
 /// long as `run` is not cancelled. Returns heartbeats published.
 fn steady(
@@ -857,10 +863,18 @@ async fn sent_to(mesh: &Mesh, nodes: &[NodeId]) -> anyhow::Result<i64> {
 /// generation declared to them, as agents that applied it do): messages per
 /// minute of each node in `group` over 30 s of steady heartbeats, counting its
 /// heartbeats and the declarations sent to it.
-async fn idle_cost(mesh: &Mesh, fleet: &Arc<Fleet>, group: &[NodeId]) -> anyhow::Result<f64> {
+/// `beat` is the steady heartbeat running now; it is replaced by one reporting
+/// the settled generations, which is returned still running.
+async fn idle_cost(
+    mesh: &Mesh,
+    fleet: &Arc<Fleet>,
+    group: &[NodeId],
+    beat: Beat,
+) -> anyhow::Result<(f64, Beat)> {
     // Placement declares over several sweeps (2 s apart): what was declared is
-    // settled when the outboxes are empty and the declared generations did not
-    // change over three sweeps.
+    // settled when every node is alive (placement pauses otherwise), the
+    // outboxes are empty and the declared generations did not change over three
+    // sweeps.
     let last = std::cell::RefCell::new(declared_generations(mesh).await?);
     let applied = wait_for(
         "declarations to settle",
@@ -872,8 +886,14 @@ async fn idle_cost(mesh: &Mesh, fleet: &Arc<Fleet>, group: &[NodeId]) -> anyhow:
                 let sql = format!("SELECT count(*) FROM {context}.outbox WHERE sent_at IS NULL");
                 unsent += scalar(&mesh.env, context, &sql).await?;
             }
+            let not_alive = scalar(
+                &mesh.env,
+                "inventory",
+                "SELECT count(*) FROM inventory.nodes WHERE state <> 'alive'",
+            )
+            .await?;
             let now = declared_generations(mesh).await?;
-            let settled = unsent == 0 && now == *last.borrow();
+            let settled = unsent == 0 && not_alive == 0 && now == *last.borrow();
             Ok(if settled {
                 Some(now)
             } else {
@@ -885,12 +905,14 @@ async fn idle_cost(mesh: &Mesh, fleet: &Arc<Fleet>, group: &[NodeId]) -> anyhow:
     .await;
     let applied = Arc::new(applied?);
     let stop = tokio_util_token::Token::default();
-    let beat = steady(
+    let next = steady(
         fleet.clone(),
         Duration::from_secs(10),
         applied,
         stop.clone(),
     );
+    beat.0.stop();
+    beat.1.await??;
     tokio::time::sleep(Duration::from_secs(15)).await; // past any re-send window
     let h0 = handled_heartbeats(mesh).await?;
     let d0 = sent_to(mesh, group).await?;
@@ -899,11 +921,9 @@ async fn idle_cost(mesh: &Mesh, fleet: &Arc<Fleet>, group: &[NodeId]) -> anyhow:
     let h1 = handled_heartbeats(mesh).await?;
     let d1 = sent_to(mesh, group).await?;
     let mins = t0.elapsed().as_secs_f64() / 60.0;
-    stop.stop();
-    beat.await??;
     let heartbeats = (h1 - h0) as f64 / fleet.nodes.len() as f64 / mins;
     let declarations = (d1 - d0) as f64 / group.len() as f64 / mins;
-    Ok(heartbeats + declarations)
+    Ok((heartbeats + declarations, (stop, next)))
 }
 
 async fn sent_declarations(mesh: &Mesh, after_id: i64) -> anyhow::Result<(i64, i64)> {
@@ -1135,8 +1155,9 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
     // group=many and assigned first 1 module, then 100 modules and 98 more
     // files. Their messages per minute (heartbeats + declarations sent to them)
     // must not grow: sections are re-sent only to nodes behind, never on a timer.
-    stop.stop();
-    beat.await??;
+    // Heartbeats keep flowing throughout: a fleet silent for longer than the
+    // grace is judged unreachable, and placement pauses while it is.
+    let mut beat = (stop, beat);
     let group: Vec<NodeId> = fleet
         .nodes
         .iter()
@@ -1154,14 +1175,16 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
     }
     eprintln!("idle cost with 1 module on {} nodes…", group.len());
     put_modules(mesh, 0..1, group.len()).await?;
-    let one = idle_cost(mesh, &fleet, &group).await?;
+    let one;
+    (one, beat) = idle_cost(mesh, &fleet, &group, beat).await?;
     eprintln!(
         "idle cost with 100 modules and 100 files on {} nodes…",
         group.len()
     );
     put_modules(mesh, 1..100, group.len()).await?;
     put_files(mesh, 98, "many", ("group", "many")).await?;
-    let many = idle_cost(mesh, &fleet, &group).await?;
+    let many;
+    (many, beat) = idle_cost(mesh, &fleet, &group, beat).await?;
     rows.push(row(
         "idle cost, 1 module: msgs/node/min of the nodes that run it",
         one,
@@ -1179,14 +1202,7 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
             (many - one).abs() <= 0.1 * one.max(0.1),
         ),
     );
-    let applied = Arc::new(declared_generations(mesh).await?);
-    let stop = tokio_util_token::Token::default();
-    let beat = steady(
-        fleet.clone(),
-        Duration::from_secs(10),
-        applied,
-        stop.clone(),
-    );
+    let (stop, beat) = beat;
 
     eprintln!("catch-up: controller stopped for {} s…", o.catchup_secs);
     mesh.kill_controller();
