@@ -193,8 +193,18 @@ impl Management {
 
     /// DELETE; `Ok(false)` when it did not exist.
     pub async fn delete(&self, path: &str) -> Result<bool> {
+        self.delete_within(path, None).await
+    }
+
+    /// `DELETE /api/{path}`, waiting up to `timeout` instead of the client's
+    /// usual 30 s. False if it was not there.
+    async fn delete_within(&self, path: &str, timeout: Option<Duration>) -> Result<bool> {
         let what = format!("DELETE /api/{path}");
-        let resp = self.send(&what, self.http.delete(self.url(path))).await?;
+        let mut req = self.http.delete(self.url(path));
+        if let Some(timeout) = timeout {
+            req = req.timeout(timeout);
+        }
+        let resp = self.send(&what, req).await?;
         if resp.status() == reqwest::StatusCode::NOT_FOUND {
             return Ok(false);
         }
@@ -239,19 +249,8 @@ impl Management {
     /// request waits up to ten minutes instead of the client's usual 30 s.
     pub async fn delete_vhost(&self, vhost: &str) -> Result<bool> {
         let path = format!("vhosts/{}", seg(vhost));
-        let what = format!("DELETE /api/{path}");
-        let req = self
-            .http
-            .delete(self.url(&path))
-            .timeout(Duration::from_secs(600));
-        let resp = self.send(&what, req).await?;
-        if resp.status() == reqwest::StatusCode::NOT_FOUND {
-            return Ok(false);
-        }
-        if !resp.status().is_success() {
-            return Err(Self::fail(&what, resp).await);
-        }
-        Ok(true)
+        self.delete_within(&path, Some(Duration::from_secs(600)))
+            .await
     }
 
     /// All vhost names.
