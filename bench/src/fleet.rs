@@ -251,12 +251,13 @@ fn sample_payload() -> Vec<u8> {
     Envelope::new(node, 42, Report::Heartbeat(Heartbeat { applied })).encode()
 }
 
-/// (a) persistent publish with pipelined confirms → consume with manual acks,
-/// one classic durable queue, heartbeat-sized messages. Messages/s.
-async fn baseline_broker(mesh: &Mesh, n: usize) -> anyhow::Result<f64> {
-    let url = mesh.env.admin_amqp_url();
-    let (pc, pch) = confirm_channel(&url).await?;
-    let q = "bench.baseline";
+/// A fresh durable queue `q` for a baseline: a confirm channel to publish on
+/// and a consumer (prefetch 1,000), each on its own connection.
+async fn baseline_queue(
+    url: &str,
+    q: &str,
+) -> anyhow::Result<(Connection, Channel, Connection, lapin::Consumer)> {
+    let (pc, pch) = confirm_channel(url).await?;
     pch.queue_declare(
         q.into(),
         QueueDeclareOptions {
@@ -268,16 +269,25 @@ async fn baseline_broker(mesh: &Mesh, n: usize) -> anyhow::Result<f64> {
     .await?;
     pch.queue_purge(q.into(), QueuePurgeOptions::default())
         .await?;
-    let (cc, cch) = confirm_channel(&url).await?;
+    let (cc, cch) = confirm_channel(url).await?;
     cch.basic_qos(1000, BasicQosOptions::default()).await?;
-    let mut consumer = cch
+    let consumer = cch
         .basic_consume(
             q.into(),
-            "baseline".into(),
+            format!("bench.{q}").as_str().into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
         .await?;
+    Ok((pc, pch, cc, consumer))
+}
+
+/// (a) persistent publish with pipelined confirms → consume with manual acks,
+/// one classic durable queue, heartbeat-sized messages. Messages/s.
+async fn baseline_broker(mesh: &Mesh, n: usize) -> anyhow::Result<f64> {
+    let url = mesh.env.admin_amqp_url();
+    let q = "bench.baseline";
+    let (pc, pch, cc, mut consumer) = baseline_queue(&url, q).await?;
     let payload = sample_payload();
     let start = Instant::now();
     let consume = tokio::spawn(async move {
@@ -359,14 +369,17 @@ async fn baseline_database(mesh: &Mesh, nodes: usize, n: usize) -> anyhow::Resul
     let start = Instant::now();
     let mut done = 0;
     let mut k = 0usize;
+    // Rows in one statement must be distinct: a fleet smaller than 200 gives
+    // smaller statements.
+    let per = nodes.clamp(1, 200);
     while done < n {
-        let ids: Vec<String> = (0..200)
+        let ids: Vec<String> = (0..per)
             .map(|j| format!("node-{}", (k + j) % nodes))
             .collect();
-        let seqs: Vec<i64> = (0..200).map(|j| (k + j) as i64).collect();
-        k += 200;
+        let seqs: Vec<i64> = (0..per).map(|j| (k + j) as i64).collect();
+        k += per;
         upsert(&pool, &ids, &seqs).await?;
-        done += 200;
+        done += per;
     }
     let rate = done as f64 / start.elapsed().as_secs_f64();
     pool.close().await;
@@ -379,29 +392,8 @@ async fn baseline_database(mesh: &Mesh, nodes: usize, n: usize) -> anyhow::Resul
 async fn baseline_pipeline(mesh: &Mesh, nodes: usize, n: usize) -> anyhow::Result<f64> {
     let pool = bench_table(mesh, nodes).await?;
     let url = mesh.env.admin_amqp_url();
-    let (pc, pch) = confirm_channel(&url).await?;
     let q = "bench.pipeline";
-    pch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
-    pch.queue_purge(q.into(), QueuePurgeOptions::default())
-        .await?;
-    let (cc, cch) = confirm_channel(&url).await?;
-    cch.basic_qos(1000, BasicQosOptions::default()).await?;
-    let mut consumer = cch
-        .basic_consume(
-            q.into(),
-            "pipeline".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (pc, pch, cc, mut consumer) = baseline_queue(&url, q).await?;
     let start = Instant::now();
     let consume = tokio::spawn(async move {
         let mut got = 0;
