@@ -202,8 +202,13 @@ async fn spec_change_restarts_and_policy_change_does_not() {
     .await;
     assert_eq!(u.restarts, 0, "a new spec is a new unit");
     assert!(!alive(pid1));
-    let cmdline = std::fs::read(format!("/proc/{}/cmdline", u.pid.unwrap())).unwrap();
-    assert!(String::from_utf8_lossy(&cmdline).contains("999"));
+    // The shell execs `sleep`; while an exec is under way /proc shows an
+    // empty command line, so wait for the new one rather than read it once.
+    let cmdline = format!("/proc/{}/cmdline", u.pid.unwrap());
+    wait_for("the new process to run the new args", || {
+        std::fs::read(&cmdline).is_ok_and(|c| String::from_utf8_lossy(&c).contains("999"))
+    })
+    .await;
     fx.sup.shutdown().await;
 }
 
