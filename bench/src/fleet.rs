@@ -110,7 +110,7 @@ impl Row {
 // ------------------------------------------------------------------ /proc
 
 /// utime + stime of a process in seconds.
-fn cpu_secs(pid: u32) -> f64 {
+pub(crate) fn cpu_secs(pid: u32) -> f64 {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return 0.0;
     };
@@ -131,7 +131,7 @@ fn rss_bytes(pid: u32) -> u64 {
 }
 
 /// Pids whose command name is `comm` (beam.smp, postgres).
-fn pids(comm: &str) -> Vec<u32> {
+pub(crate) fn pids(comm: &str) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -308,7 +308,7 @@ impl Fleet {
     }
 }
 
-async fn settle(confirms: &mut Vec<lapin::PublisherConfirm>) -> anyhow::Result<()> {
+pub(crate) async fn settle(confirms: &mut Vec<lapin::PublisherConfirm>) -> anyhow::Result<()> {
     for c in confirms.drain(..) {
         let c = c.await?;
         ensure!(c.is_ack(), "the broker refused a publish: {c:?}");
@@ -318,7 +318,7 @@ async fn settle(confirms: &mut Vec<lapin::PublisherConfirm>) -> anyhow::Result<(
 
 // ------------------------------------------------------------------ baselines
 
-fn sample_payload() -> Vec<u8> {
+pub(crate) fn sample_payload() -> Vec<u8> {
     let node = NodeId::parse("t00000000-n1234").unwrap_or_else(|_| unreachable!("valid id"));
     let mut applied = AppliedGenerations::new();
     applied.insert(Section::Config, 3);

@@ -21,6 +21,7 @@ use mesh_e2e::{Mesh, hello, wait_for};
 use mesh_protocol::{Envelope, Heartbeat, NodeId, Report};
 
 mod fleet;
+mod paths;
 
 #[derive(Parser)]
 #[command(name = "mesh-bench")]
@@ -61,6 +62,13 @@ enum Cmd {
         /// that need a skipped baseline are printed without their ratio.
         #[arg(long, value_delimiter = ',')]
         skip: Vec<fleet::Phase>,
+    },
+    /// What each feature of the report path (topic exchange, queue bound,
+    /// properties, batched acks) adds to baseline (a): msg/s and broker CPU.
+    BrokerPaths {
+        /// Messages per variant.
+        #[arg(long, default_value_t = 50_000)]
+        messages: usize,
     },
     /// Heartbeat ingest: reports/s committed, controller CPU and RSS.
     Heartbeats {
@@ -104,6 +112,7 @@ async fn main() -> anyhow::Result<()> {
             eprintln!("written: {}", json.display());
             Ok(())
         }
+        Cmd::BrokerPaths { messages } => paths::run(messages).await,
         Cmd::Heartbeats {
             nodes,
             seconds,
