@@ -92,9 +92,11 @@ async fn hello(tx: &mut PgConnection, node: &NodeId, hello: &Hello) -> Result<()
     Ok(())
 }
 
-/// Heartbeats: one statement finds the nodes behind whose section was last sent
-/// longer than `resend_after` ago (and marks it sent now), one bulk insert
-/// re-declares them; one statement records newer applied generations.
+/// Heartbeats: one statement records newer applied generations and finds the
+/// nodes behind whose section was last sent longer than `resend_after` ago
+/// (marking it sent now); one bulk insert re-declares them. A row marked sent
+/// by this statement is the one whose `last_sent_at` is now the transaction's
+/// `now()` (it was older than `now()` minus `resend_after` before).
 async fn heartbeat_batch(
     tx: &mut PgConnection,
     applied: BTreeMap<&str, i64>,
@@ -104,27 +106,29 @@ async fn heartbeat_batch(
         return Ok(());
     }
     let (nodes, generations): (Vec<&str>, Vec<i64>) = applied.into_iter().unzip();
-    let resend: Vec<(String, i64, Json<DeclarationItems>)> = sqlx::query_as(
-        "UPDATE config.sections AS s SET last_sent_at = now() \
+    let touched: Vec<(String, i64, Json<DeclarationItems>, bool)> = sqlx::query_as(
+        "UPDATE config.sections AS s SET \
+           last_sent_at = CASE WHEN r.applied < s.generation \
+                               AND s.last_sent_at < now() - make_interval(secs => $3) \
+                          THEN now() ELSE s.last_sent_at END, \
+           applied_generation = greatest(s.applied_generation, r.applied) \
          FROM UNNEST($1::text[], $2::bigint[]) AS r(node, applied) \
-         WHERE s.node = r.node AND r.applied < s.generation \
-           AND s.last_sent_at < now() - make_interval(secs => $3) \
-         RETURNING s.node, s.generation, s.items",
+         WHERE s.node = r.node \
+           AND ((r.applied < s.generation AND s.last_sent_at < now() - make_interval(secs => $3)) \
+                OR r.applied > s.applied_generation) \
+         RETURNING s.node, s.generation, s.items, \
+           (r.applied < s.generation AND s.last_sent_at = now())",
     )
     .bind(&nodes)
     .bind(&generations)
     .bind(settings.resend_after.as_secs_f64())
     .fetch_all(&mut *tx)
     .await?;
-    sqlx::query(
-        "UPDATE config.sections AS s SET applied_generation = r.applied \
-         FROM UNNEST($1::text[], $2::bigint[]) AS r(node, applied) \
-         WHERE s.node = r.node AND r.applied > s.applied_generation",
-    )
-    .bind(&nodes)
-    .bind(&generations)
-    .execute(&mut *tx)
-    .await?;
+    let resend: Vec<_> = touched
+        .into_iter()
+        .filter(|(_, _, _, resend)| *resend)
+        .map(|(node, generation, items, _)| (node, generation, items))
+        .collect();
     if resend.is_empty() {
         return Ok(());
     }

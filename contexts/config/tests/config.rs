@@ -364,6 +364,23 @@ async fn behind_nodes_are_sent_their_section_again() {
         1
     );
 
+    // Behind but sent just now while its applied generation advances: the
+    // advance is recorded, nothing is re-sent.
+    sqlx::query(
+        "UPDATE config.sections SET generation = 2, applied_generation = 0, last_sent_at = now()",
+    )
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    handle(&f, &[heartbeat(&a, 1)]).await;
+    assert!(declarations(&f, mark).await.is_empty());
+    let s = f.config.section(&a).await.unwrap().unwrap();
+    assert_eq!((s.generation, s.applied_generation), (2, 1));
+    sqlx::query("UPDATE config.sections SET generation = 1")
+        .execute(&f.pool)
+        .await
+        .unwrap();
+
     // Ahead (the database was restored from an older backup): a new generation above it.
     handle(&f, &[hello(&a, 7)]).await;
     let d = declarations(&f, mark).await;

@@ -272,6 +272,9 @@ async fn heartbeat_batch(
 }
 
 /// Raise applied generations (never lower them), one statement, keys unique.
+/// Rows already at or above their generation (every heartbeat of a node that
+/// is up to date) are filtered out before the insert: an `ON CONFLICT DO
+/// UPDATE … WHERE` that updates nothing still locks the row it conflicts with.
 async fn upsert_generations(
     tx: &mut PgConnection,
     rows: BTreeMap<(&str, &str), i64>,
@@ -292,6 +295,8 @@ async fn upsert_generations(
          SELECT u.node, u.section, u.generation \
          FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(node, section, generation) \
          WHERE EXISTS (SELECT 1 FROM inventory.nodes n WHERE n.id = u.node) \
+           AND NOT EXISTS (SELECT 1 FROM inventory.applied o WHERE o.node = u.node \
+                           AND o.section = u.section AND o.generation >= u.generation) \
          ON CONFLICT (node, section) DO UPDATE SET generation = excluded.generation, updated_at = now() \
          WHERE a.generation < excluded.generation",
     )
