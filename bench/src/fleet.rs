@@ -477,41 +477,10 @@ async fn baseline_pipeline(
     let pool = bench_table(mesh, nodes).await?;
     let url = mesh.env.admin_amqp_url();
     let q = "bench.pipeline";
-    let (pc, pch, cc, mut consumer) = baseline_queue(&url, q).await?;
+    let (pc, pch, cc, consumer) = baseline_queue(&url, q).await?;
     let c0 = cpu(std::process::id());
     let start = Instant::now();
-    let consume = tokio::spawn(async move {
-        let mut got = 0;
-        while got < n {
-            let first = consumer
-                .next()
-                .await
-                .ok_or_else(|| anyhow!("consumer ended"))??;
-            let mut batch = vec![first];
-            let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
-            while batch.len() < 200 {
-                match tokio::time::timeout_at(deadline, consumer.next()).await {
-                    Ok(Some(d)) => batch.push(d?),
-                    _ => break,
-                }
-            }
-            let mut rows: BTreeMap<String, i64> = BTreeMap::new();
-            for d in &batch {
-                let env = Envelope::<Report>::decode(&d.data, mesh_protocol::MAX_REPORT_BYTES)?;
-                let e = rows
-                    .entry(format!("node-{}", env.seq as usize % nodes))
-                    .or_insert(0);
-                *e = (*e).max(env.seq as i64);
-            }
-            let (ids, seqs): (Vec<String>, Vec<i64>) = rows.into_iter().unzip();
-            upsert(&pool, &ids, &seqs).await?;
-            got += batch.len();
-            if let Some(last) = batch.last() {
-                last.acker.ack(BasicAckOptions { multiple: true }).await?;
-            }
-        }
-        anyhow::Ok(pool)
-    });
+    let consume = ideal_consumer(consumer, pool, nodes, n, Default::default());
     let node = NodeId::parse("t00000000-n1").unwrap_or_else(|_| unreachable!("valid id"));
     let mut confirms = Vec::new();
     for i in 0..n {
@@ -549,6 +518,53 @@ async fn baseline_pipeline(
     let _ = pc.close(200, "done".into()).await;
     let _ = cc.close(200, "done".into()).await;
     Ok((rate, spent))
+}
+
+/// The ideal pipeline's consumer: batches of at most 200 (waiting at most
+/// 20 ms), decoded, UPSERTed (no routing, no inbox, no outbox), committed, then
+/// acked with `multiple`; counts what it committed in `committed`. Returns the
+/// pool when `n` messages are done, so the caller reads the database's CPU
+/// before its backends exit.
+fn ideal_consumer(
+    mut consumer: lapin::Consumer,
+    pool: sqlx::PgPool,
+    nodes: usize,
+    n: usize,
+    committed: Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<anyhow::Result<sqlx::PgPool>> {
+    tokio::spawn(async move {
+        let mut got = 0;
+        while got < n {
+            let first = consumer
+                .next()
+                .await
+                .ok_or_else(|| anyhow!("consumer ended"))??;
+            let mut batch = vec![first];
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
+            while batch.len() < 200 {
+                match tokio::time::timeout_at(deadline, consumer.next()).await {
+                    Ok(Some(d)) => batch.push(d?),
+                    _ => break,
+                }
+            }
+            let mut rows: BTreeMap<String, i64> = BTreeMap::new();
+            for d in &batch {
+                let env = Envelope::<Report>::decode(&d.data, mesh_protocol::MAX_REPORT_BYTES)?;
+                let e = rows
+                    .entry(format!("node-{}", env.seq as usize % nodes))
+                    .or_insert(0);
+                *e = (*e).max(env.seq as i64);
+            }
+            let (ids, seqs): (Vec<String>, Vec<i64>) = rows.into_iter().unzip();
+            upsert(&pool, &ids, &seqs).await?;
+            got += batch.len();
+            if let Some(last) = batch.last() {
+                last.acker.ack(BasicAckOptions { multiple: true }).await?;
+            }
+            committed.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        }
+        anyhow::Ok(pool)
+    })
 }
 
 /// Broker and database CPU between two readings, % of one core.
@@ -640,11 +656,42 @@ async fn join(mesh: &Mesh, fleet: &Fleet) -> anyhow::Result<Duration> {
     Ok(start.elapsed())
 }
 
+/// Who commits the heartbeats of an ingest, and where that is counted.
+enum Committer {
+    /// The controller: its `mesh_messages_handled_total`.
+    Controller,
+    /// The ideal consumer of (c′), in this process.
+    Ideal(Arc<AtomicU64>),
+}
+
+impl Committer {
+    async fn committed(&self, mesh: &Mesh) -> anyhow::Result<u64> {
+        match self {
+            Committer::Controller => handled_heartbeats(mesh).await,
+            Committer::Ideal(n) => Ok(n.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+/// Heartbeats an ingest of `total` publishes: whole rounds over the channels.
+fn ingest_size(fleet: &Fleet, total: usize) -> usize {
+    total.div_ceil(fleet.channels.len()) * fleet.channels.len()
+}
+
 /// Heartbeat ingest: `total` heartbeats as fast as the broker confirms them;
 /// committed/s and publish-to-commit latency (the k-th heartbeat published is
-/// the k-th committed: one FIFO queue, one consumer).
-async fn ingest(mesh: &Mesh, fleet: &Fleet, total: usize) -> anyhow::Result<(f64, f64, f64)> {
-    let before = handled_heartbeats(mesh).await?;
+/// the k-th committed: one FIFO queue, one consumer). Each heartbeat reports
+/// the generations declared to its node (`applied`), as an agent that applied
+/// them does: a node reporting less is behind and is sent its sections again,
+/// which would measure re-sending, not heartbeats.
+async fn ingest(
+    mesh: &Mesh,
+    fleet: &Fleet,
+    total: usize,
+    applied: &BTreeMap<NodeId, AppliedGenerations>,
+    by: &Committer,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let before = by.committed(mesh).await?;
     let published: Arc<std::sync::Mutex<Vec<Instant>>> =
         Arc::new(std::sync::Mutex::new(Vec::with_capacity(total)));
     let per = total.div_ceil(fleet.channels.len());
@@ -657,7 +704,7 @@ async fn ingest(mesh: &Mesh, fleet: &Fleet, total: usize) -> anyhow::Result<(f64
         let msgs: Vec<(NodeId, Wire)> = (0..per)
             .map(|i| {
                 let node = fleet.nodes[own[i % own.len()]].clone();
-                let hb = fleet.heartbeat(&node, Default::default());
+                let hb = fleet.heartbeat(&node, applied.get(&node).cloned().unwrap_or_default());
                 (node, hb)
             })
             .collect();
@@ -676,12 +723,12 @@ async fn ingest(mesh: &Mesh, fleet: &Fleet, total: usize) -> anyhow::Result<(f64
             settle(&mut confirms).await
         }));
     }
-    // Commit times, polled from the controller's counter.
-    let sent = per * fleet.channels.len();
+    // Commit times, polled from the committer's counter.
+    let sent = ingest_size(fleet, total);
     let mut commits: Vec<(u64, Instant)> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
-        let h = handled_heartbeats(mesh).await?.saturating_sub(before);
+        let h = by.committed(mesh).await?.saturating_sub(before);
         commits.push((h, Instant::now()));
         if h >= sent as u64 {
             break;
@@ -1094,10 +1141,10 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
         "s",
     ));
 
-    let pid = controller_pid(mesh)?;
     if o.runs(Phase::Ingest) {
-        ingest_phase(mesh, &fleet, o, c, pid, &mut rows).await?;
+        ingest_phase(mesh, &fleet, o, c, &mut rows).await?;
     }
+    let pid = controller_pid(mesh)?;
 
     // Steady heartbeats from every node from here on: measured in the steady
     // phase, and the background of fan-out, idle cost and catch-up.
@@ -1181,16 +1228,24 @@ async fn baselines(mesh: &Mesh, o: &Options, rows: &mut Rows<'_>) -> anyhow::Res
 }
 
 async fn ingest_phase(
-    mesh: &Mesh,
+    mesh: &mut Mesh,
     fleet: &Fleet,
     o: &Options,
     c: Option<f64>,
-    pid: u32,
     rows: &mut Rows<'_>,
 ) -> anyhow::Result<()> {
     eprintln!("heartbeat ingest…");
+    let applied = declared_generations(mesh).await?;
+    let pid = controller_pid(mesh)?;
     let i0 = cpu(pid);
-    let (rate, p50, p99) = ingest(mesh, fleet, o.ingest_messages).await?;
+    let (rate, p50, p99) = ingest(
+        mesh,
+        fleet,
+        o.ingest_messages,
+        &applied,
+        &Committer::Controller,
+    )
+    .await?;
     let i1 = cpu(pid);
     rows.push(
         row("heartbeat ingest, committed", rate, "msg/s")
@@ -1215,6 +1270,47 @@ async fn ingest_phase(
             "% of a core",
         ));
     }
+
+    // (c′): the same fleet publishing the same way into the same queue, taken by
+    // the ideal consumer of (c) instead of the controller. Against (c), whose
+    // single publisher confirms in large batches, the ratio above also carries
+    // what many publishers cost the broker; against (c′) it is the controller's.
+    eprintln!("(c′) the ideal pipeline fed by the fleet…");
+    mesh.kill_controller();
+    let conn = Connection::connect(&mesh.env.admin_amqp_url(), Default::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(1000, BasicQosOptions::default()).await?;
+    let consumer = ch
+        .basic_consume(
+            mesh_protocol::topology::report_queue(mesh_protocol::ReportKind::Heartbeat)
+                .as_str()
+                .into(),
+            "bench.ideal".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let pool = bench_table(mesh, o.nodes).await?;
+    let counter = Arc::new(AtomicU64::new(0));
+    let n = ingest_size(fleet, o.ingest_messages);
+    let consume = ideal_consumer(consumer, pool, o.nodes, n, counter.clone());
+    let (ideal, _, _) = ingest(
+        mesh,
+        fleet,
+        o.ingest_messages,
+        &applied,
+        &Committer::Ideal(counter),
+    )
+    .await?;
+    consume.await??.close().await;
+    let _ = conn.close(200, "done".into()).await;
+    restart_controller(mesh).await?;
+    rows.push(row(
+        "(c′) ideal pipeline fed by the fleet (its publishers, exchange, queue)",
+        ideal,
+        "msg/s",
+    ));
+    rows.push(row("heartbeat ingest ÷ (c′)", rate, "msg/s").baseline(ideal));
     Ok(())
 }
 
