@@ -141,6 +141,16 @@ pub struct DeclarationQueues {
 impl DeclarationQueues {
     /// Make sure `decl.<node>` exists and is bound, declaring it at most once per
     /// connection (the set is cleared on reconnect).
+    ///
+    /// Declare and bind are sent without waiting for the broker's reply
+    /// (`nowait`): a fan-out to 10,000 nodes after a start would otherwise wait
+    /// for 20,000 round trips, one after the other (measured: 15 s instead of
+    /// 4 s). The broker handles a channel's frames in order, so a declaration
+    /// published next on the same channel finds the queue; one published on
+    /// another channel may overtake the declare, and then comes back unroutable
+    /// (it is published `mandatory`): the relay forgets the node, declares again
+    /// and retries the row. A declare the broker refuses closes the channel,
+    /// which ends the session; the next one starts with an empty set.
     pub async fn ensure(&self, ch: &Channel, node: &NodeId) -> AmqpResult<()> {
         if self.known.lock().map(|k| k.contains(node)).unwrap_or(false) {
             return Ok(());
@@ -148,7 +158,10 @@ impl DeclarationQueues {
         let queue = topology::declaration_queue(node);
         ch.queue_declare(
             queue.as_str().into(),
-            durable(),
+            QueueDeclareOptions {
+                nowait: true,
+                ..durable()
+            },
             bounded(DECLARATION_QUEUE_MAX_LEN, "drop-head"),
         )
         .await?;
@@ -156,7 +169,7 @@ impl DeclarationQueues {
             queue.as_str().into(),
             DECLARATIONS_EXCHANGE.into(),
             node.as_str().into(),
-            QueueBindOptions::default(),
+            QueueBindOptions { nowait: true },
             FieldTable::default(),
         )
         .await?;
