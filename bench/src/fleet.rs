@@ -610,8 +610,9 @@ fn controller_pid(mesh: &mut Mesh) -> anyhow::Result<u32> {
     Ok(mesh.controller().context("controller running")?.pid())
 }
 
-/// Every node says hello (labels `role=sim`); waits until inventory and config
-/// know them all.
+/// Every node says hello (labels `role=sim`); waits until config knows them
+/// all and every declaration the join caused has been sent, so that what is
+/// measured next does not carry the join's tail.
 async fn join(mesh: &Mesh, fleet: &Fleet) -> anyhow::Result<Duration> {
     let start = Instant::now();
     let window = fleet.window();
@@ -653,7 +654,23 @@ async fn join(mesh: &Mesh, fleet: &Fleet) -> anyhow::Result<Duration> {
         },
     )
     .await?;
+    wait_for(
+        "every declaration of the join sent",
+        Duration::from_secs(900),
+        || async { Ok((unsent(mesh).await? == 0).then_some(())) },
+    )
+    .await?;
     Ok(start.elapsed())
+}
+
+/// Outbox rows not yet confirmed by the broker, in config's and inventory's.
+async fn unsent(mesh: &Mesh) -> anyhow::Result<i64> {
+    let mut n = 0;
+    for context in ["config", "inventory"] {
+        let sql = format!("SELECT count(*) FROM {context}.outbox WHERE sent_at IS NULL");
+        n += scalar(&mesh.env, context, &sql).await?;
+    }
+    Ok(n)
 }
 
 /// Who commits the heartbeats of an ingest, and where that is counted.
@@ -1022,11 +1039,7 @@ async fn idle_cost(
         Duration::from_secs(900),
         || async {
             tokio::time::sleep(Duration::from_secs(6)).await;
-            let mut unsent = 0;
-            for context in ["config", "inventory"] {
-                let sql = format!("SELECT count(*) FROM {context}.outbox WHERE sent_at IS NULL");
-                unsent += scalar(&mesh.env, context, &sql).await?;
-            }
+            let unsent = unsent(mesh).await?;
             let not_alive = scalar(
                 &mesh.env,
                 "inventory",
@@ -1141,9 +1154,11 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
         "s",
     ));
 
-    if o.runs(Phase::Ingest) {
-        ingest_phase(mesh, &fleet, o, c, &mut rows).await?;
-    }
+    let ingested = if o.runs(Phase::Ingest) {
+        Some(ingest_phase(mesh, &fleet, o, c, &mut rows).await?)
+    } else {
+        None
+    };
     let pid = controller_pid(mesh)?;
 
     // Steady heartbeats from every node from here on: measured in the steady
@@ -1157,6 +1172,24 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
         stop.clone(),
     );
     tokio::time::sleep(Duration::from_secs(5)).await; // warm up
+    // The ingest leaves hundreds of thousands of dead row versions behind, which
+    // autovacuum then cleans: its work is the ingest's aftermath, not the steady
+    // fleet's (whose own vacuuming recurs and stays in the figure). Wait for it.
+    wait_for(
+        "autovacuum after the ingest to finish",
+        Duration::from_secs(300),
+        || async {
+            let busy = scalar(
+                &mesh.env,
+                "inventory",
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE backend_type = 'autovacuum worker' AND datname = current_database()",
+            )
+            .await?;
+            Ok((busy == 0).then_some(()))
+        },
+    )
+    .await?;
     if o.runs(Phase::Steady) {
         steady_phase(mesh, &fleet, o, pid, base.floor, &mut rows).await?;
     }
@@ -1173,6 +1206,11 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
     }
     stop.stop();
     beat.await??;
+    // Last: it stops and restarts the controller, whose first declarations
+    // after a start also declare their nodes' queues.
+    if let Some(rate) = ingested {
+        ideal_phase(mesh, &fleet, o, rate, &mut rows).await?;
+    }
     for conn in &fleet.connections {
         let _ = conn.close(200, "bench done".into()).await;
     }
@@ -1227,13 +1265,14 @@ async fn baselines(mesh: &Mesh, o: &Options, rows: &mut Rows<'_>) -> anyhow::Res
     })
 }
 
+/// The heartbeat ingest; returns its rate.
 async fn ingest_phase(
     mesh: &mut Mesh,
     fleet: &Fleet,
     o: &Options,
     c: Option<f64>,
     rows: &mut Rows<'_>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<f64> {
     eprintln!("heartbeat ingest…");
     let applied = declared_generations(mesh).await?;
     let pid = controller_pid(mesh)?;
@@ -1270,12 +1309,33 @@ async fn ingest_phase(
             "% of a core",
         ));
     }
+    Ok(rate)
+}
 
-    // (c′): the same fleet publishing the same way into the same queue, taken by
-    // the ideal consumer of (c) instead of the controller. Against (c), whose
-    // single publisher confirms in large batches, the ratio above also carries
-    // what many publishers cost the broker; against (c′) it is the controller's.
+/// (c′): the same fleet publishing the same way into the same queue, taken by
+/// the ideal consumer of (c) instead of the controller. Against (c), whose
+/// single publisher confirms in large batches, the ingest's ratio also carries
+/// what many publishers cost the broker; against (c′) it is the controller's.
+async fn ideal_phase(
+    mesh: &mut Mesh,
+    fleet: &Fleet,
+    o: &Options,
+    rate: f64,
+    rows: &mut Rows<'_>,
+) -> anyhow::Result<()> {
     eprintln!("(c′) the ideal pipeline fed by the fleet…");
+    // The controller takes what is still queued first: the ideal consumer
+    // counts only the heartbeats published for it.
+    wait_for(
+        "the heartbeat queue to be empty",
+        Duration::from_secs(120),
+        || async {
+            let d = mesh_e2e::sim::queue_depth(&mesh.env, "reports.heartbeat").await?;
+            Ok((d == 0).then_some(()))
+        },
+    )
+    .await?;
+    let applied = declared_generations(mesh).await?;
     mesh.kill_controller();
     let conn = Connection::connect(&mesh.env.admin_amqp_url(), Default::default()).await?;
     let ch = conn.create_channel().await?;
@@ -1304,7 +1364,6 @@ async fn ingest_phase(
     .await?;
     consume.await??.close().await;
     let _ = conn.close(200, "done".into()).await;
-    restart_controller(mesh).await?;
     rows.push(row(
         "(c′) ideal pipeline fed by the fleet (its publishers, exchange, queue)",
         ideal,
