@@ -357,48 +357,11 @@ async fn baseline_queue(
 }
 
 /// (a) persistent publish with pipelined confirms → consume with manual acks,
-/// one classic durable queue, heartbeat-sized messages. Messages/s.
+/// one classic durable queue, heartbeat-sized messages: the first row of
+/// `broker-paths`. Messages/s.
 async fn baseline_broker(mesh: &Mesh, n: usize) -> anyhow::Result<f64> {
-    let url = mesh.env.admin_amqp_url();
-    let q = "bench.baseline";
-    let (pc, pch, cc, mut consumer) = baseline_queue(&url, q).await?;
-    let payload = sample_payload();
-    let start = Instant::now();
-    let consume = tokio::spawn(async move {
-        let mut got = 0;
-        while got < n {
-            let d = consumer
-                .next()
-                .await
-                .ok_or_else(|| anyhow!("consumer ended"))??;
-            got += 1;
-            d.acker.ack(BasicAckOptions::default()).await?;
-        }
-        anyhow::Ok(())
-    });
-    let mut confirms = Vec::new();
-    for _ in 0..n {
-        confirms.push(
-            pch.basic_publish(
-                "".into(),
-                q.into(),
-                BasicPublishOptions::default(),
-                &payload,
-                BasicProperties::default().with_delivery_mode(2),
-            )
-            .await?,
-        );
-        if confirms.len() >= 1000 {
-            settle(&mut confirms).await?;
-        }
-    }
-    settle(&mut confirms).await?;
-    consume.await??;
-    let rate = n as f64 / start.elapsed().as_secs_f64();
-    let _ = pch.queue_delete(q.into(), Default::default()).await;
-    let _ = pc.close(200, "done".into()).await;
-    let _ = cc.close(200, "done".into()).await;
-    Ok(rate)
+    let m = crate::paths::measure(mesh, "bench.baseline", crate::paths::Path::default(), n).await?;
+    Ok(m.rate)
 }
 
 async fn bench_table(mesh: &Mesh, rows: usize) -> anyhow::Result<sqlx::PgPool> {

@@ -21,15 +21,15 @@ use crate::fleet::{cpu_secs, pids, sample_payload, settle};
 
 /// One variant of the path: what is added to plain (a).
 #[derive(Clone, Copy, Default)]
-struct Path {
+pub(crate) struct Path {
     topic: bool,
     bounded: bool,
     properties: bool,
     batched_acks: bool,
 }
 
-struct Measured {
-    rate: f64,
+pub(crate) struct Measured {
+    pub(crate) rate: f64,
     broker_us: f64,
 }
 
@@ -37,13 +37,16 @@ fn broker_cpu() -> f64 {
     pids("beam.smp").into_iter().map(cpu_secs).sum()
 }
 
-async fn measure(
+/// Publish `n` heartbeat-sized persistent messages (confirms pipelined, window
+/// 1,000) along `path` into a fresh durable queue `q` while another connection
+/// consumes them (prefetch 1,000).
+pub(crate) async fn measure(
     mesh: &Mesh,
-    user: &str,
     q: &str,
     path: Path,
     n: usize,
 ) -> anyhow::Result<Measured> {
+    let user = mesh.env.admin_credentials().rabbitmq_user.as_str();
     let url = mesh.env.admin_amqp_url();
     let pc = Connection::connect(&url, Default::default()).await?;
     let pch = pc.create_channel().await?;
@@ -163,7 +166,6 @@ async fn measure(
 
 pub async fn run(n: usize) -> anyhow::Result<()> {
     let mesh = Mesh::start().await?;
-    let user = mesh.env.admin_credentials().rabbitmq_user.clone();
     let all = Path {
         topic: true,
         bounded: true,
@@ -199,7 +201,7 @@ pub async fn run(n: usize) -> anyhow::Result<()> {
     let mut out = Vec::new();
     for (i, (name, path)) in variants.iter().enumerate() {
         eprintln!("{name}…");
-        let m = measure(&mesh, &user, &format!("bench.path{i}"), *path, n).await;
+        let m = measure(&mesh, &format!("bench.path{i}"), *path, n).await;
         match m {
             Ok(m) => out.push((*name, m)),
             Err(e) => {
