@@ -626,6 +626,15 @@ async fn join(mesh: &Mesh, fleet: &Fleet) -> anyhow::Result<Duration> {
     Ok(start.elapsed())
 }
 
+fn heartbeat_queue() -> String {
+    mesh_protocol::topology::report_queue(mesh_protocol::ReportKind::Heartbeat)
+}
+
+/// Heartbeats ready in the controller's heartbeat queue.
+async fn heartbeat_depth(mesh: &Mesh) -> anyhow::Result<u32> {
+    mesh_e2e::sim::queue_depth(&mesh.env, &heartbeat_queue()).await
+}
+
 /// Outbox rows not yet confirmed by the broker, in config's and inventory's.
 async fn unsent(mesh: &Mesh) -> anyhow::Result<i64> {
     let mut n = 0;
@@ -1293,7 +1302,7 @@ async fn ideal_phase(
         "the heartbeat queue to be empty",
         Duration::from_secs(120),
         || async {
-            let d = mesh_e2e::sim::queue_depth(&mesh.env, "reports.heartbeat").await?;
+            let d = heartbeat_depth(mesh).await?;
             Ok((d == 0).then_some(()))
         },
     )
@@ -1305,9 +1314,7 @@ async fn ideal_phase(
     ch.basic_qos(1000, BasicQosOptions::default()).await?;
     let consumer = ch
         .basic_consume(
-            mesh_protocol::topology::report_queue(mesh_protocol::ReportKind::Heartbeat)
-                .as_str()
-                .into(),
+            heartbeat_queue().as_str().into(),
             "bench.ideal".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
@@ -1519,14 +1526,14 @@ async fn catchup_phase(
     eprintln!("catch-up: controller stopped for {} s…", o.catchup_secs);
     mesh.kill_controller();
     tokio::time::sleep(Duration::from_secs(o.catchup_secs)).await;
-    let backlog = mesh_e2e::sim::queue_depth(&mesh.env, "reports.heartbeat").await?;
+    let backlog = heartbeat_depth(mesh).await?;
     let restart = Instant::now();
     mesh.start_controller(&[("RUST_LOG", "info")]).await?;
     let drained = wait_for(
         "the backlog to drain",
         Duration::from_secs(1800),
         || async {
-            let d = mesh_e2e::sim::queue_depth(&mesh.env, "reports.heartbeat").await?;
+            let d = heartbeat_depth(mesh).await?;
             Ok((d < 200).then_some(restart.elapsed()))
         },
     )
