@@ -130,6 +130,27 @@ impl Drop for AgentHandle {
     }
 }
 
+/// When a test panics, the tail of the controller's log goes to the test's
+/// output (shown with the failure), since the log's directory goes with it.
+struct LogOnPanic(PathBuf);
+
+impl Drop for LogOnPanic {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let log = std::fs::read_to_string(&self.0).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(80)..];
+        eprintln!(
+            "--- the controller's log, last {} of {} lines ---\n{}\n--- end of the controller's log ---",
+            tail.len(),
+            lines.len(),
+            tail.join("\n")
+        );
+    }
+}
+
 /// One agent of the mesh: its credentials, state dir and file root.
 pub struct AgentHandle {
     pub creds: NodeCredentials,
@@ -162,6 +183,9 @@ pub const GRACE: Duration = Duration::from_secs(3);
 
 pub struct Mesh {
     pub env: TestEnv,
+    /// Declared before `dir`: it reads the controller's log before the
+    /// directory is removed.
+    _log_on_panic: LogOnPanic,
     pub dir: tempfile::TempDir,
     pub api: String,
     api_port: u16,
@@ -186,6 +210,7 @@ impl Mesh {
         )?;
         let mut mesh = Mesh {
             env,
+            _log_on_panic: LogOnPanic(dir.path().join("controller.log")),
             dir,
             api: format!("http://127.0.0.1:{api_port}"),
             api_port,

@@ -471,8 +471,12 @@ async fn a_revoked_node_is_cut_off_and_can_rejoin_under_a_new_key() -> anyhow::R
         )
         .await?;
     assert_eq!(status, 403);
-    // 503 means the broker's management API failed this time and nothing was
-    // changed ("try again"): an operator would retry, and so does the test.
+    // 503 means the broker's management API failed this time and the
+    // revocation was not recorded ("try again"): an operator would retry, and
+    // so does the test. The broker may hold part of the failed attempt (the
+    // user deleted, its connections not yet closed), so after a 503 the
+    // answer that completes it may say the user was already gone.
+    let answered_503 = std::sync::atomic::AtomicBool::new(false);
     let (status, v) = wait_for("the revocation to be accepted", WITHIN, || async {
         let (status, v) = mesh
             .request_as(
@@ -482,11 +486,17 @@ async fn a_revoked_node_is_cut_off_and_can_rejoin_under_a_new_key() -> anyhow::R
                 None,
             )
             .await?;
+        if status == 503 {
+            eprintln!("revocation answered 503: {v}");
+            answered_503.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         Ok((status != 503).then_some((status, v)))
     })
     .await?;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(v["broker_user_deleted"], true);
+    if !answered_503.load(std::sync::atomic::Ordering::Relaxed) {
+        assert_eq!(v["broker_user_deleted"], true, "{v}");
+    }
 
     // Its connection is closed, its user gone, its publishes fail.
     wait_for("the node's connections to close", WITHIN, || async {

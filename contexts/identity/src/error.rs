@@ -75,7 +75,7 @@ impl From<Error> for Problem {
                 tracing::error!(error = %b, "broker account operation failed");
                 Problem::new(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "the broker could not be reached to manage the node's account; nothing was changed, try again",
+                    "the broker's management API failed while managing the node's account; the change was not recorded (the broker may hold part of it) and is safe to repeat: try again",
                 )
             }
             other => Problem::internal(other),

@@ -58,7 +58,9 @@ pub struct NodeIdentity {
 pub struct Revoked {
     pub node: String,
     pub revoked_at: DateTime<Utc>,
-    /// Whether the node had a broker user (deleted now).
+    /// Whether this call deleted the node's broker user: false when it had
+    /// none, or when an earlier, interrupted revocation (answered 503) already
+    /// deleted it. Either way the user is gone once this is returned.
     pub broker_user_deleted: bool,
     pub connections_closed: usize,
 }
