@@ -1098,6 +1098,19 @@ impl Rows<'_> {
 
 async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let mut rows = Rows(rows);
+    // Without autovacuum the heartbeat tables bloat for the whole run and the
+    // figures measure that (database CPU doubled in the steady fleet, measured).
+    let autovacuum = scalar(
+        &mesh.env,
+        "inventory",
+        "SELECT (current_setting('autovacuum') = 'on')::int::bigint",
+    )
+    .await?;
+    ensure!(
+        autovacuum == 1,
+        "PostgreSQL's autovacuum is off: the figures would measure table bloat; \
+         `bash bundle/up` turns it on (ALTER SYSTEM SET autovacuum = on; SELECT pg_reload_conf())"
+    );
     restart_controller(mesh).await?;
     let base = if o.runs(Phase::Baselines) {
         baselines(mesh, o, &mut rows).await?

@@ -116,6 +116,9 @@ struct NamedItem {
     name: String,
 }
 
+/// How many times `close_connections_of` tries while connections remain.
+const CLOSE_ATTEMPTS: u32 = 3;
+
 /// One path segment, percent-encoded (vhost and user names may hold `/`).
 pub fn seg(s: &str) -> String {
     urlencoding::encode(s).into_owned()
@@ -379,14 +382,29 @@ impl Management {
             .filter(|c| c.vhost == vhost)
             .count();
         let what = format!("DELETE /api/connections/username/{}", seg(user));
-        let req = self
-            .http
-            .delete(self.url(&format!("connections/username/{}", seg(user))))
-            .header("X-Reason", reason);
-        let resp = self.send(&what, req).await?;
-        if !resp.status().is_success() && resp.status() != reqwest::StatusCode::NOT_FOUND {
-            return Err(Self::fail(&what, resp).await);
+        let mut attempt = 1;
+        loop {
+            let req = self
+                .http
+                .delete(self.url(&format!("connections/username/{}", seg(user))))
+                .header("X-Reason", reason);
+            let resp = self.send(&what, req).await?;
+            if resp.status().is_success() || resp.status() == reqwest::StatusCode::NOT_FOUND {
+                return Ok(open);
+            }
+            let failed = Self::fail(&what, resp).await;
+            // Deleting a user makes the broker close the user's connections
+            // itself; closing them here at the same moment can fail on one that
+            // is already going (HTTP 500). It failed only if one is still open.
+            let remaining = self.connections_of(user).await?;
+            if remaining.is_empty() {
+                return Ok(open);
+            }
+            if attempt == CLOSE_ATTEMPTS {
+                return Err(failed);
+            }
+            attempt += 1;
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        Ok(open)
     }
 }
