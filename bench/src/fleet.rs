@@ -825,6 +825,7 @@ mod tokio_util_token {
 async fn probe_latencies(
     mesh: &Mesh,
     fleet: &Fleet,
+    applied: &BTreeMap<NodeId, AppliedGenerations>,
     probes: usize,
     every: Duration,
 ) -> anyhow::Result<Vec<f64>> {
@@ -838,8 +839,10 @@ async fn probe_latencies(
         let env = Envelope::new(
             node.clone(),
             seq,
+            // What the node applied, as its steady heartbeats say: a probe
+            // reporting nothing would look behind and be re-sent its sections.
             Report::Heartbeat(Heartbeat {
-                applied: Default::default(),
+                applied: applied.get(node).cloned().unwrap_or_default(),
             }),
         );
         let sent = Instant::now();
@@ -1005,31 +1008,7 @@ async fn idle_cost(
     // settled when every node is alive (placement pauses otherwise), the
     // outboxes are empty and the declared generations did not change over three
     // sweeps.
-    let last = std::cell::RefCell::new(declared_generations(mesh).await?);
-    let applied = wait_for(
-        "declarations to settle",
-        Duration::from_secs(900),
-        || async {
-            tokio::time::sleep(Duration::from_secs(6)).await;
-            let unsent = unsent(mesh).await?;
-            let not_alive = scalar(
-                &mesh.env,
-                "inventory",
-                "SELECT count(*) FROM inventory.nodes WHERE state <> 'alive'",
-            )
-            .await?;
-            let now = declared_generations(mesh).await?;
-            let settled = unsent == 0 && not_alive == 0 && now == *last.borrow();
-            Ok(if settled {
-                Some(now)
-            } else {
-                last.replace(now);
-                None
-            })
-        },
-    )
-    .await;
-    let applied = Arc::new(applied?);
+    let applied = Arc::new(settled_generations(mesh, Duration::from_secs(6), true).await?);
     let stop = tokio_util_token::Token::default();
     let next = steady(
         fleet.clone(),
@@ -1050,6 +1029,45 @@ async fn idle_cost(
     let heartbeats = (h1 - h0) as f64 / fleet.nodes.len() as f64 / mins;
     let declarations = (d1 - d0) as f64 / group.len() as f64 / mins;
     Ok((heartbeats + declarations, (stop, next)))
+}
+
+/// What every node has been declared, once that stops changing: the outboxes
+/// are empty and the declared generations are the same `every` apart (and, with
+/// `all_alive`, every node is alive: placement pauses otherwise). What agents
+/// that applied everything report.
+async fn settled_generations(
+    mesh: &Mesh,
+    every: Duration,
+    all_alive: bool,
+) -> anyhow::Result<BTreeMap<NodeId, AppliedGenerations>> {
+    let last = std::cell::RefCell::new(declared_generations(mesh).await?);
+    wait_for(
+        "declarations to settle",
+        Duration::from_secs(900),
+        || async {
+            tokio::time::sleep(every).await;
+            let unsent = unsent(mesh).await?;
+            let not_alive = if all_alive {
+                scalar(
+                    &mesh.env,
+                    "inventory",
+                    "SELECT count(*) FROM inventory.nodes WHERE state <> 'alive'",
+                )
+                .await?
+            } else {
+                0
+            };
+            let now = declared_generations(mesh).await?;
+            let settled = unsent == 0 && not_alive == 0 && now == *last.borrow();
+            Ok(if settled {
+                Some(now)
+            } else {
+                last.replace(now);
+                None
+            })
+        },
+    )
+    .await
 }
 
 async fn sent_declarations(mesh: &Mesh, after_id: i64) -> anyhow::Result<(i64, i64)> {
@@ -1148,7 +1166,9 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
 
     // Steady heartbeats from every node from here on: measured in the steady
     // phase, and the background of fan-out, idle cost and catch-up.
-    let applied = Arc::new(declared_generations(mesh).await?);
+    // (Without the ingest before it, the join's last record events may still
+    // be changing sections: wait until they are settled.)
+    let applied = Arc::new(settled_generations(mesh, Duration::from_secs(3), false).await?);
     let stop = tokio_util_token::Token::default();
     let beat = steady(
         fleet.clone(),
@@ -1159,9 +1179,12 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
     tokio::time::sleep(Duration::from_secs(5)).await; // warm up
     // The ingest leaves hundreds of thousands of dead row versions behind, which
     // autovacuum then cleans: its work is the ingest's aftermath, not the steady
-    // fleet's (whose own vacuuming recurs and stays in the figure). Wait for it.
+    // fleet's (whose own vacuuming recurs and stays in the figure). Without the
+    // ingest, the fleet was silent longer than the grace since the join and
+    // every node comes back alive now: 10,000 liveness events on the record,
+    // the join's aftermath too. Wait for both to pass.
     wait_for(
-        "autovacuum after the ingest to finish",
+        "the ingest's autovacuum and the fleet's revival to pass",
         Duration::from_secs(300),
         || async {
             let busy = scalar(
@@ -1171,12 +1194,24 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
                  WHERE backend_type = 'autovacuum worker' AND datname = current_database()",
             )
             .await?;
-            Ok((busy == 0).then_some(()))
+            let not_alive = scalar(
+                &mesh.env,
+                "inventory",
+                "SELECT count(*) FROM inventory.nodes WHERE state <> 'alive'",
+            )
+            .await?;
+            let mut events = 0;
+            for context in ["config", "inventory", "identity"] {
+                let queue = mesh_protocol::topology::record_queue(context);
+                events += mesh_e2e::sim::queue_depth(&mesh.env, &queue).await?;
+            }
+            let quiet = busy == 0 && not_alive == 0 && events == 0 && unsent(mesh).await? == 0;
+            Ok(quiet.then_some(()))
         },
     )
     .await?;
     if o.runs(Phase::Steady) {
-        steady_phase(mesh, &fleet, o, pid, base.floor, &mut rows).await?;
+        steady_phase(mesh, &fleet, &applied, o, pid, base.floor, &mut rows).await?;
     }
     if o.runs(Phase::Fanout) {
         fanout_phase(mesh, o, &mut rows).await?;
@@ -1359,6 +1394,7 @@ async fn ideal_phase(
 async fn steady_phase(
     mesh: &Mesh,
     fleet: &Fleet,
+    applied: &BTreeMap<NodeId, AppliedGenerations>,
     o: &Options,
     pid: u32,
     floor: Option<f64>,
@@ -1372,6 +1408,7 @@ async fn steady_phase(
     let mut lat = probe_latencies(
         mesh,
         fleet,
+        applied,
         probes,
         Duration::from_secs_f64(o.steady_secs as f64 / probes as f64 * 0.9),
     )
