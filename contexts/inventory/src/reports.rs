@@ -1,6 +1,7 @@
 //! Report handlers. A batch may mix kinds and nodes: hellos are handled one by
 //! one (they are rare and may emit events), heartbeats and applied reports with
-//! one statement per batch each.
+//! one statement per batch each (a heartbeat batch's: liveness, applied
+//! generations and inventory sections to re-send, in one round trip).
 
 use std::collections::BTreeMap;
 
@@ -8,7 +9,8 @@ use chrono::{DateTime, Utc};
 use mesh_plumbing::applied;
 use mesh_plumbing::outbox;
 use mesh_protocol::{
-    Applied, Envelope, Hello, Labels, NodeId, NodeLabelsChanged, RecordEvent, Report,
+    Applied, DeclarationItems, Envelope, Hello, Labels, NodeId, NodeLabelsChanged, RecordEvent,
+    Report, Section,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -38,8 +40,7 @@ pub(crate) async fn handle(
             Report::Units(u) => units.push((env, u)),
         }
     }
-    heartbeat_batch(tx, &heartbeats, heard_at).await?;
-    crate::sections::on_heartbeats(tx, &heartbeats, settings.resend_after).await?;
+    heartbeat_batch(tx, &heartbeats, heard_at, settings.resend_after).await?;
     applied_batch(tx, &applied).await?;
     crate::units::record(tx, &units, heard_at).await?;
     Ok(())
@@ -210,26 +211,32 @@ async fn hello(
     upsert_generations(tx, generations).await
 }
 
-/// One statement for the whole batch: last_seen of every node in it, then one
-/// upsert of the applied generations. Heartbeats skip the inbox, so both are
-/// idempotent (greatest). Nodes not known yet (no hello) are ignored.
+/// One statement for the whole batch (one round trip): last_seen of every
+/// node in it; its applied generations raised (rows already current are left
+/// alone); and the nodes behind on their inventory section, last sent longer
+/// than `resend_after` ago, marked sent now and returned to be declared again.
+/// Heartbeats skip the inbox, so all of it is idempotent (greatest). Nodes not
+/// known yet (no hello) are ignored.
 async fn heartbeat_batch(
     tx: &mut PgConnection,
     heartbeats: &[&Envelope<Report>],
     heard_at: DateTime<Utc>,
+    resend_after: std::time::Duration,
 ) -> Result<(), Error> {
     if heartbeats.is_empty() {
         return Ok(());
     }
-    let mut seen: BTreeMap<&str, (DateTime<Utc>, i64)> = BTreeMap::new();
+    let mut seen: BTreeMap<&str, (DateTime<Utc>, i64, i64)> = BTreeMap::new();
     let mut generations: BTreeMap<(&str, &str), i64> = BTreeMap::new();
     for env in heartbeats {
         let entry = seen
             .entry(env.node.as_str())
-            .or_insert((DateTime::<Utc>::MIN_UTC, 0));
+            .or_insert((DateTime::<Utc>::MIN_UTC, 0, 0));
         entry.0 = entry.0.max(clamp(env.sent_at));
         entry.1 = entry.1.max(to_i64(env.seq));
         if let Report::Heartbeat(hb) = &env.body {
+            let inventory = hb.applied.get(&Section::Inventory).copied().unwrap_or(0);
+            entry.2 = entry.2.max(to_i64(inventory));
             for (section, generation) in &hb.applied {
                 let g = generations
                     .entry((env.node.as_str(), section.as_str()))
@@ -241,34 +248,87 @@ async fn heartbeat_batch(
     let mut ids = Vec::with_capacity(seen.len());
     let mut times = Vec::with_capacity(seen.len());
     let mut seqs = Vec::with_capacity(seen.len());
-    for (id, (at, seq)) in seen {
+    let mut inventory = Vec::with_capacity(seen.len());
+    for (id, (at, seq, applied)) in seen {
         ids.push(id);
         times.push(at);
         seqs.push(seq);
+        inventory.push(applied);
     }
-    // The previous state comes from the statement's snapshot (the CTE), locked
-    // first, so a node judged unreachable and heard again is seen once.
-    let revivals: Vec<(String, String, DateTime<Utc>)> = sqlx::query_as(
-        "WITH u AS (SELECT * FROM UNNEST($1::text[], $2::timestamptz[], $3::bigint[]) AS u(id, sent_at, seq)), \
+    let (mut g_nodes, mut g_sections, mut g_generations) = (
+        Vec::with_capacity(generations.len()),
+        Vec::with_capacity(generations.len()),
+        Vec::with_capacity(generations.len()),
+    );
+    for ((node, section), generation) in generations {
+        g_nodes.push(node);
+        g_sections.push(section);
+        g_generations.push(generation);
+    }
+    // The previous state comes from the statement's snapshot (`prev`), locked
+    // first in key order, so a node judged unreachable and heard again is seen
+    // once and concurrent batches cannot deadlock. An applied row already at or
+    // above its generation is filtered out before the insert: an `ON CONFLICT
+    // DO UPDATE … WHERE` that updates nothing still locks the row.
+    type Row = (
+        String,
+        String,
+        Option<DateTime<Utc>>,
+        Option<i64>,
+        Option<Json<DeclarationItems>>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "WITH u AS (SELECT * FROM UNNEST($1::text[], $2::timestamptz[], $3::bigint[], $4::bigint[]) \
+                    AS u(id, sent_at, seq, inventory)), \
          prev AS (SELECT n.id, n.state, n.heard_at FROM inventory.nodes n JOIN u ON u.id = n.id \
-                  ORDER BY n.id FOR UPDATE OF n) \
-         UPDATE inventory.nodes AS n SET last_seen = greatest(n.last_seen, u.sent_at), \
-         last_seq = greatest(n.last_seq, u.seq), state = 'alive', unreachable_since = NULL, \
-         heard_at = greatest(n.heard_at, $4) \
-         FROM u, prev WHERE n.id = u.id AND prev.id = n.id RETURNING n.id, prev.state, prev.heard_at",
+                  ORDER BY n.id FOR UPDATE OF n), \
+         seen AS (UPDATE inventory.nodes AS n SET last_seen = greatest(n.last_seen, u.sent_at), \
+                  last_seq = greatest(n.last_seq, u.seq), state = 'alive', unreachable_since = NULL, \
+                  heard_at = greatest(n.heard_at, $5) \
+                  FROM u, prev WHERE n.id = u.id AND prev.id = n.id \
+                  RETURNING n.id, prev.state, prev.heard_at), \
+         applied AS (INSERT INTO inventory.applied AS a (node, section, generation) \
+                  SELECT g.node, g.section, g.generation \
+                  FROM UNNEST($6::text[], $7::text[], $8::bigint[]) AS g(node, section, generation) \
+                  WHERE EXISTS (SELECT 1 FROM prev WHERE prev.id = g.node) \
+                    AND NOT EXISTS (SELECT 1 FROM inventory.applied o WHERE o.node = g.node \
+                                    AND o.section = g.section AND o.generation >= g.generation) \
+                  ON CONFLICT (node, section) DO UPDATE SET generation = excluded.generation, \
+                  updated_at = now() WHERE a.generation < excluded.generation), \
+         resend AS (UPDATE inventory.sections AS s SET last_sent_at = now() FROM u \
+                  WHERE s.node = u.id AND u.inventory < s.generation \
+                    AND s.last_sent_at < now() - make_interval(secs => $9) \
+                  RETURNING s.node, s.generation, s.items) \
+         SELECT 'revived', id, heard_at, NULL::bigint, NULL::jsonb FROM seen WHERE state = 'unreachable' \
+         UNION ALL SELECT 'resend', node, NULL, generation, items FROM resend",
     )
     .bind(&ids)
     .bind(&times)
     .bind(&seqs)
+    .bind(&inventory)
     .bind(heard_at)
+    .bind(&g_nodes)
+    .bind(&g_sections)
+    .bind(&g_generations)
+    .bind(resend_after.as_secs_f64())
     .fetch_all(&mut *tx)
     .await?;
-    for (id, state, last_heard) in revivals {
-        if state == "unreachable" {
-            revived(tx, &id, heard_at, last_heard).await?;
+    let mut resend = Vec::new();
+    for (what, node, last_heard, generation, items) in rows {
+        match (what.as_str(), last_heard, generation, items) {
+            ("revived", Some(last_heard), _, _) => revived(tx, &node, heard_at, last_heard).await?,
+            ("resend", _, Some(generation), Some(items)) => {
+                resend.push((node, generation, items.0));
+            }
+            _ => {
+                return Err(Error::Corrupt {
+                    node,
+                    reason: format!("heartbeat statement returned an incomplete `{what}` row"),
+                });
+            }
         }
     }
-    upsert_generations(tx, generations).await
+    crate::sections::resend(tx, resend).await
 }
 
 /// Raise applied generations (never lower them), one statement, keys unique.

@@ -2,11 +2,8 @@
 //! does for its section: at once on hello, at most once per `resend_after` on
 //! heartbeats. A lost or dropped declaration is repaired by that timer.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
-
 use mesh_plumbing::outbox;
-use mesh_protocol::{Declaration, DeclarationItems, Envelope, Hello, NodeId, Report, Section};
+use mesh_protocol::{Declaration, DeclarationItems, Hello, NodeId, Section};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
@@ -60,43 +57,17 @@ pub(crate) async fn on_hello(
     Ok(())
 }
 
-/// Heartbeats: one statement finds the nodes behind whose section was last sent
-/// longer than `resend_after` ago (and marks it sent now); one bulk insert
-/// re-declares them.
-pub(crate) async fn on_heartbeats(
+/// Declare the inventory section again to nodes a heartbeat batch found behind
+/// (node, generation, items), in one bulk insert.
+pub(crate) async fn resend(
     tx: &mut PgConnection,
-    heartbeats: &[&Envelope<Report>],
-    resend_after: Duration,
+    behind: Vec<(String, i64, DeclarationItems)>,
 ) -> Result<(), Error> {
-    let mut applied: BTreeMap<&str, i64> = BTreeMap::new();
-    for env in heartbeats {
-        if let Report::Heartbeat(hb) = &env.body {
-            let g = to_i64(hb.applied.get(&Section::Inventory).copied().unwrap_or(0));
-            let entry = applied.entry(env.node.as_str()).or_insert(0);
-            *entry = (*entry).max(g);
-        }
-    }
-    if applied.is_empty() {
+    if behind.is_empty() {
         return Ok(());
     }
-    let (nodes, generations): (Vec<&str>, Vec<i64>) = applied.into_iter().unzip();
-    let resend: Vec<(String, i64, Json<DeclarationItems>)> = sqlx::query_as(
-        "UPDATE inventory.sections AS s SET last_sent_at = now() \
-         FROM UNNEST($1::text[], $2::bigint[]) AS r(node, applied) \
-         WHERE s.node = r.node AND r.applied < s.generation \
-           AND s.last_sent_at < now() - make_interval(secs => $3) \
-         RETURNING s.node, s.generation, s.items",
-    )
-    .bind(&nodes)
-    .bind(&generations)
-    .bind(resend_after.as_secs_f64())
-    .fetch_all(&mut *tx)
-    .await?;
-    if resend.is_empty() {
-        return Ok(());
-    }
-    let mut declarations = Vec::with_capacity(resend.len());
-    for (node, generation, items) in resend {
+    let mut declarations = Vec::with_capacity(behind.len());
+    for (node, generation, items) in behind {
         let node = NodeId::parse(&node).map_err(|e| Error::Corrupt {
             node: node.clone(),
             reason: e.to_string(),
@@ -106,7 +77,7 @@ pub(crate) async fn on_heartbeats(
             Declaration {
                 section: Section::Inventory,
                 generation: to_u64(generation),
-                items: items.0,
+                items,
             },
         ));
     }

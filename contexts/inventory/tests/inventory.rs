@@ -227,6 +227,81 @@ async fn hello_then_heartbeat_batch() {
     f.env.teardown().await.unwrap();
 }
 
+/// Declarations of the inventory section in the outbox, oldest first: (node, generation).
+async fn inventory_declarations(f: &Fixture) -> Vec<(String, u64)> {
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(
+        "SELECT node, payload FROM inventory.outbox WHERE exchange = 'declarations' ORDER BY id",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .map(|(node, payload)| {
+            let v: serde_json::Value = serde_json::from_slice(&payload).unwrap();
+            assert_eq!(v["body"]["section"], "inventory", "{v}");
+            (node, v["body"]["generation"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn heartbeats_resend_a_section_a_node_is_behind_on_at_most_once_per_resend_after() {
+    let f = setup().await;
+    let (a, b, c) = (node(&f, "a"), node(&f, "b"), node(&f, "c"));
+    let hellos: Vec<_> = [&a, &b, &c]
+        .iter()
+        .map(|n| hello(n, 1, labels(&[]), &[(Section::Inventory, 3)]))
+        .collect();
+    handle(&f, &hellos).await;
+    // a and b were declared generation 3 long ago; c has no inventory section.
+    for n in [&a, &b] {
+        sqlx::query(
+            "INSERT INTO inventory.sections (node, generation, digest, items, last_sent_at) \
+             VALUES ($1, 3, 'd', '{\"files\": []}', now() - interval '1 hour')",
+        )
+        .bind(n.as_str())
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    }
+    let before = inventory_declarations(&f).await.len();
+
+    // a is behind (applied 2), b is current (3), c reports nothing: only a is
+    // sent its section again, under the same generation.
+    let now = Utc::now();
+    handle(
+        &f,
+        &[
+            heartbeat(&a, 2, now, &[(Section::Inventory, 2)]),
+            heartbeat(&b, 2, now, &[(Section::Inventory, 3)]),
+            heartbeat(&c, 2, now, &[]),
+        ],
+    )
+    .await;
+    let sent = inventory_declarations(&f).await;
+    assert_eq!(sent[before..], [(a.to_string(), 3)], "{sent:?}");
+
+    // Still behind a moment later: not again within resend_after.
+    handle(&f, &[heartbeat(&a, 3, now, &[(Section::Inventory, 2)])]).await;
+    assert_eq!(inventory_declarations(&f).await.len(), before + 1);
+
+    // Once resend_after has passed, again.
+    sqlx::query("UPDATE inventory.sections SET last_sent_at = now() - interval '1 hour'")
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    handle(&f, &[heartbeat(&a, 4, now, &[(Section::Inventory, 2)])]).await;
+    assert_eq!(inventory_declarations(&f).await.len(), before + 2);
+    // The heartbeats' other effects in the same statement.
+    let va = f.inventory.node(&a).await.unwrap().unwrap();
+    assert_eq!(va.last_seq, 4);
+    assert_eq!(
+        va.applied["inventory"].generation, 3,
+        "from the hello, never lowered"
+    );
+    f.env.teardown().await.unwrap();
+}
+
 #[tokio::test]
 async fn joined_once_and_updated_on_label_change() {
     let f = setup().await;
