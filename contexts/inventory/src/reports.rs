@@ -332,9 +332,10 @@ async fn heartbeat_batch(
 }
 
 /// Raise applied generations (never lower them), one statement, keys unique.
-/// Rows already at or above their generation (every heartbeat of a node that
-/// is up to date) are filtered out before the insert: an `ON CONFLICT DO
-/// UPDATE … WHERE` that updates nothing still locks the row it conflicts with.
+/// Used by hello (heartbeats do the same inside their one statement). Rows
+/// already at or above their generation (a node that is up to date) are
+/// filtered out before the insert: an `ON CONFLICT DO UPDATE … WHERE` that
+/// updates nothing still locks the row it conflicts with.
 async fn upsert_generations(
     tx: &mut PgConnection,
     rows: BTreeMap<(&str, &str), i64>,
