@@ -562,7 +562,7 @@ impl Mesh {
 
     /// The controller's log so far, for assertions and failure messages.
     pub fn controller_log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("controller.log")).unwrap_or_default()
+        std::fs::read_to_string(&self._log_on_panic.0).unwrap_or_default()
     }
 
     /// Stop every process and remove the environment.

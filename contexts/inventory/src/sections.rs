@@ -1,6 +1,8 @@
 //! Re-sending the inventory section to nodes that are behind on it, as config
 //! does for its section: at once on hello, at most once per `resend_after` on
-//! heartbeats. A lost or dropped declaration is repaired by that timer.
+//! heartbeats. A lost or dropped declaration is repaired by that timer. Which
+//! nodes are behind on heartbeats is found by the heartbeat batch's one
+//! statement (`reports::heartbeat_batch`); `resend` declares them.
 
 use mesh_plumbing::outbox;
 use mesh_protocol::{Declaration, DeclarationItems, Hello, NodeId, Section};
