@@ -47,8 +47,20 @@ fn durable() -> QueueDeclareOptions {
     }
 }
 
-/// Declare the queue of one kind of report with its bound.
-fn report_queue_args(kind: ReportKind) -> FieldTable {
+/// The arguments of the queue of one kind of report: its bound, and a single
+/// active consumer, the fence's second line (docs/decisions/0017): should two
+/// controllers ever consume, the broker delivers to one of them only.
+pub(crate) fn report_queue_args(kind: ReportKind) -> FieldTable {
+    let mut args = report_queue_bound(kind);
+    args.insert(SINGLE_ACTIVE_CONSUMER.into(), AMQPValue::Boolean(true));
+    args
+}
+
+/// The queue argument that makes a queue deliver to one consumer at a time.
+pub(crate) const SINGLE_ACTIVE_CONSUMER: &str = "x-single-active-consumer";
+
+/// The bound of the queue of one kind of report.
+pub(crate) fn report_queue_bound(kind: ReportKind) -> FieldTable {
     match kind {
         // The newest heartbeat of a node supersedes the older ones: drop the oldest.
         ReportKind::Heartbeat => bounded(HEARTBEAT_QUEUE_MAX_LEN, "drop-head"),
@@ -61,10 +73,13 @@ fn report_queue_args(kind: ReportKind) -> FieldTable {
 }
 
 /// Declare every exchange and queue the controller uses; `record_subscriptions`
-/// lists, per context, the record routing-key patterns it consumes.
+/// lists, per context, the record routing-key patterns it consumes. The report
+/// queues of `upgrading` kinds are left as they are (an older controller's,
+/// being drained: see `crate::upgrade`).
 pub async fn declare_topology(
     ch: &Channel,
     record_subscriptions: &[(&str, &[&str])],
+    upgrading: &[ReportKind],
 ) -> AmqpResult<()> {
     let durable_ex = ExchangeDeclareOptions {
         durable: true,
@@ -94,6 +109,9 @@ pub async fn declare_topology(
     )
     .await?;
     for kind in ReportKind::ALL {
+        if upgrading.contains(&kind) {
+            continue;
+        }
         let queue = topology::report_queue(kind);
         ch.queue_declare(queue.as_str().into(), durable(), report_queue_args(kind))
             .await?;

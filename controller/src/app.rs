@@ -1,6 +1,8 @@
-//! Startup and the life of the controller: migrate, connect the contexts, serve
+//! Startup and the life of the controller: take the fence (a second controller
+//! stops there, having touched nothing), migrate, connect the contexts, serve
 //! the API, and keep a broker session (consumers + relay) alive across broker
-//! restarts. One shutdown token fans out to every task; each is joined.
+//! restarts. One shutdown token fans out to every task; each is joined; the
+//! fence is released last.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,10 +19,12 @@ use tokio_util::sync::CancellationToken;
 use crate::amqp::{self, DeclarationQueues};
 use crate::api::{self, ApiState};
 use crate::config::{ConfigError, Credentials, Settings};
+use crate::fence::{Fence, FenceError};
 use crate::metrics::Metrics;
 use crate::pipeline::{FAILPOINT_ENV, Pipeline, PipelineError, Source};
 use crate::relay::Relay;
 use crate::router::{Contexts, ContextsError};
+use crate::upgrade;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -28,6 +32,10 @@ pub enum AppError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Contexts(#[from] ContextsError),
+    #[error(transparent)]
+    Fence(#[from] FenceError),
+    #[error("{0}")]
+    FenceLost(String),
     #[error("binding the API on {addr}: {source}")]
     Bind {
         addr: std::net::SocketAddr,
@@ -37,15 +45,42 @@ pub enum AppError {
     Serve(std::io::Error),
 }
 
-/// Apply every context's migrations and return what was applied.
+/// Apply every context's migrations and return what was applied. Holds the
+/// fence meanwhile: refused while a controller runs, so that migrations never
+/// run beside one.
 pub async fn migrate(settings: &Settings) -> Result<Vec<(&'static str, Vec<String>)>, AppError> {
     let creds = Credentials::load(&settings.credentials)?;
-    Ok(Contexts::migrate(&creds).await?)
+    let fence = Fence::take(creds.fence_database()?.expose()).await?;
+    let applied = Contexts::migrate(&creds).await;
+    fence.release().await;
+    Ok(applied?)
 }
 
-/// Run the controller until `shutdown` is cancelled.
+/// Run the controller until `shutdown` is cancelled. The fence comes first:
+/// if another controller holds it, this returns [`FenceError::Held`] before any
+/// migration, API socket or broker connection; if it is lost while running and
+/// another controller took it, every task stops and this returns
+/// [`AppError::FenceLost`]. The fence is released after every task stopped.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), AppError> {
     let creds = Credentials::load(&settings.credentials)?;
+    let fence = Arc::new(Fence::take(creds.fence_database()?.expose()).await?);
+    let outcome = run_fenced(settings, creds, fence.clone(), shutdown).await;
+    fence.release().await;
+    outcome
+}
+
+async fn run_fenced(
+    settings: Settings,
+    creds: Credentials,
+    fence: Arc<Fence>,
+    shutdown: CancellationToken,
+) -> Result<(), AppError> {
+    let mut tasks = JoinSet::new();
+    let fence_shutdown = shutdown.clone();
+    tasks.spawn(async move {
+        let held = fence.hold(fence_shutdown).await;
+        ("fence", held.map_err(|e| e.to_string()))
+    });
     for (context, applied) in Contexts::migrate(&creds).await? {
         if !applied.is_empty() {
             tracing::info!(context, ?applied, "migrations applied");
@@ -80,7 +115,6 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
         signal: signal.clone(),
     });
 
-    let mut tasks = JoinSet::new();
     let api_shutdown = shutdown.clone();
     tasks.spawn(async move {
         let served = axum::serve(listener, app)
@@ -121,7 +155,11 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
     if let Some(Ok((name, result))) = tasks.join_next().await {
         log_exit(name, &result);
         if let Err(e) = result {
-            outcome = Err(AppError::Serve(std::io::Error::other(e)));
+            outcome = Err(if name == "fence" {
+                AppError::FenceLost(e)
+            } else {
+                AppError::Serve(std::io::Error::other(e))
+            });
         }
     }
     shutdown.cancel();
@@ -249,8 +287,11 @@ impl Session {
     ) -> Result<(), PipelineError> {
         let conn = Arc::new(amqp::connect(&self.broker_url).await?);
         self.metrics.broker_connects.inc();
+        // Report queues an older controller declared get today's arguments
+        // (single-active-consumer) here, or are drained first (crate::upgrade).
+        let upgrading = upgrade::prepare(&conn).await?;
         let ch = conn.create_channel().await?;
-        amqp::declare_topology(&ch, &self.contexts.record_subscriptions()).await?;
+        amqp::declare_topology(&ch, &self.contexts.record_subscriptions(), &upgrading).await?;
         declaration_queues.clear();
         tracing::info!(broker = %redact_url(&self.broker_url), "broker session started");
         self.broker_up.store(true, Ordering::Relaxed);
@@ -293,6 +334,13 @@ impl Session {
         let relay_end = session_end.clone();
         let relay_conn = conn.clone();
         tasks.spawn(async move { Ok(relay.run(relay_conn, relay_end).await?) });
+        if !upgrading.is_empty() {
+            let upgrade_conn = conn.clone();
+            let upgrade_end = session_end.clone();
+            tasks.spawn(async move {
+                Ok(upgrade::wait_drained(&upgrade_conn, &upgrading, upgrade_end).await?)
+            });
+        }
         // Reports flow from now on: liveness may be judged after one full grace.
         self.contexts.inventory.observe_from(chrono::Utc::now());
 

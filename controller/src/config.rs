@@ -253,6 +253,15 @@ impl Credentials {
         Ok(c)
     }
 
+    /// The database URL the controller fence (docs/decisions/0017) is taken on:
+    /// the inventory role's, on the mesh database. Advisory locks belong to a
+    /// database, not to a role, and every context's schema is in that one
+    /// database; the fence writes nothing, so the role needs no rights beyond
+    /// connecting (and seeing its own sessions, to name the holder).
+    pub fn fence_database(&self) -> Result<&Secret<String>, ConfigError> {
+        self.database("inventory")
+    }
+
     /// The database URL of `context`, connecting as that context's own role.
     pub fn database(&self, context: &str) -> Result<&Secret<String>, ConfigError> {
         self.databases

@@ -1,4 +1,5 @@
-//! The controller: one process, on one assigned node (never elected). It consumes
+//! The controller: one process, on one assigned node (never elected, and fenced:
+//! a second instance refuses to run, see [`fence`]). It consumes
 //! the report queues, routes each message to the bounded context that owns it,
 //! relays the contexts' outboxes to the broker, and serves the HTTP API.
 //!
@@ -12,7 +13,9 @@ pub mod api;
 pub mod app;
 pub mod auth;
 pub mod config;
+pub mod fence;
 pub mod metrics;
 pub mod pipeline;
 pub mod relay;
 pub mod router;
+pub mod upgrade;

@@ -197,6 +197,14 @@ pub struct Mesh {
 impl Mesh {
     /// A fresh isolated environment with a running controller.
     pub async fn start() -> anyhow::Result<Mesh> {
+        let mut mesh = Mesh::prepare().await?;
+        mesh.start_controller(&[]).await?;
+        Ok(mesh)
+    }
+
+    /// A fresh isolated environment and the controller's files, no controller
+    /// running yet (start it with [`Mesh::start_controller`]).
+    pub async fn prepare() -> anyhow::Result<Mesh> {
         let env = TestEnv::new().await?;
         let dir = tempfile::tempdir()?;
         env.write_controller_credentials(&dir.path().join("credentials.toml"))?;
@@ -208,7 +216,7 @@ impl Mesh {
                 dir.path().join("credentials.toml")
             ),
         )?;
-        let mut mesh = Mesh {
+        Ok(Mesh {
             env,
             _log_on_panic: LogOnPanic(dir.path().join("controller.log")),
             dir,
@@ -219,9 +227,7 @@ impl Mesh {
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(10))
                 .build()?,
-        };
-        mesh.start_controller(&[]).await?;
-        Ok(mesh)
+        })
     }
 
     pub fn api_port(&self) -> u16 {
