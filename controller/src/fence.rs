@@ -60,6 +60,10 @@ const PING_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a holder that lost its session tries to take the lock again.
 const RETAKE_EVERY: Duration = Duration::from_millis(500);
 
+/// How long a starting controller waits for the session of a holder that no
+/// longer runs on this host to end (a restart right after a crash).
+const STALE_WAIT: Duration = Duration::from_secs(30);
+
 /// PostgreSQL keeps at most 63 bytes of `application_name`, printable ASCII.
 const APPLICATION_NAME_MAX: usize = 63;
 
@@ -99,6 +103,23 @@ pub struct Holder {
     pub backend_pid: Option<i32>,
     /// False when the lock was free again by the time it was looked up.
     pub found: bool,
+}
+
+impl Holder {
+    /// True when the holder named this host and its process is not running
+    /// here any more (no `mesh-controller` process with its pid).
+    fn is_dead_on(&self, host: &str) -> bool {
+        let Some(pid) = self.pid else {
+            return false;
+        };
+        if application_name(pid, host) != self.application_name || pid == std::process::id() {
+            return false;
+        }
+        match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
+            Ok(comm) => !comm.trim().starts_with(APPLICATION_NAME_PREFIX),
+            Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+        }
+    }
 }
 
 impl fmt::Display for Holder {
@@ -220,19 +241,31 @@ impl Fence {
     pub async fn take(url: &str) -> Result<Fence, FenceError> {
         let me = application_name(std::process::id(), &hostname());
         let options: PgConnectOptions = url.parse().map_err(FenceError::Url)?;
-        let options = options
-            .application_name(&me)
-            .options(KEEPALIVE_OPTIONS);
-        match try_take(&options).await? {
-            Ok(conn) => {
-                tracing::info!(application_name = %me, "controller fence taken");
-                Ok(Fence {
-                    options,
-                    me,
-                    conn: Mutex::new(Some(conn)),
-                })
+        let options = options.application_name(&me).options(KEEPALIVE_OPTIONS);
+        let host = hostname();
+        let started = std::time::Instant::now();
+        loop {
+            let holder = match try_take(&options).await? {
+                Ok(conn) => {
+                    tracing::info!(application_name = %me, "controller fence taken");
+                    return Ok(Fence {
+                        options,
+                        me,
+                        conn: Mutex::new(Some(conn)),
+                    });
+                }
+                Err(holder) => holder,
+            };
+            // A holder that has gone (released between our try and the look-up,
+            // or a controller of this host that no longer runs, whose session
+            // PostgreSQL has not ended yet: a restart right after a crash) is
+            // waited for, briefly; a live one is refused at once.
+            let gone = !holder.found || holder.is_dead_on(&host);
+            if !gone || started.elapsed() >= STALE_WAIT {
+                return Err(FenceError::Held(holder));
             }
-            Err(holder) => Err(FenceError::Held(holder)),
+            tracing::info!(%holder, "the fence's holder no longer runs; waiting for PostgreSQL to end its session");
+            tokio::time::sleep(RETAKE_EVERY).await;
         }
     }
 
@@ -345,8 +378,27 @@ mod tests {
         let long = application_name(4_194_304, &"h".repeat(100));
         assert_eq!(long.len(), APPLICATION_NAME_MAX);
         assert_eq!(parse_application_name(&long).0, Some(4_194_304));
-        assert_eq!(application_name(1, "hôte"), "mesh-controller pid=1 host=h?te");
+        assert_eq!(
+            application_name(1, "hôte"),
+            "mesh-controller pid=1 host=h?te"
+        );
         assert_eq!(parse_application_name("psql"), (None, None));
+    }
+
+    #[test]
+    fn a_holder_of_this_host_is_dead_only_when_its_process_is_gone() {
+        let of = |pid: u32, host: &str| Holder {
+            application_name: application_name(pid, host),
+            pid: Some(pid),
+            host: Some(host.to_owned()),
+            found: true,
+            ..Holder::default()
+        };
+        // No process has pid 2^22 + 1 (above Linux's pid_max limit).
+        assert!(of(4_194_305, "here").is_dead_on("here"));
+        assert!(!of(4_194_305, "there").is_dead_on("here"));
+        // This very process never is.
+        assert!(!of(std::process::id(), "here").is_dead_on("here"));
     }
 
     #[test]
