@@ -191,18 +191,18 @@ async fn impersonator(mesh: &Mesh) -> anyhow::Result<String> {
     let api = &admin.rabbitmq_api;
     let vhost = urlencoding::encode(env.vhost()).into_owned();
     http.put(format!("{api}/api/users/{user}"))
-        .basic_auth(&admin.rabbitmq_user, Some(&admin.rabbitmq_password))
+        .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
         .json(&json!({"password": password, "tags": "impersonator"}))
         .send()
         .await?
         .error_for_status()?;
     http.put(format!("{api}/api/permissions/{vhost}/{user}"))
-        .basic_auth(&admin.rabbitmq_user, Some(&admin.rabbitmq_password))
+        .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
         .json(&json!({"configure": "^$", "write": "^reports$", "read": "^$"}))
         .send()
         .await?
         .error_for_status()?;
-    let amqp = url::Url::parse(&admin.amqp_url)?;
+    let amqp = url::Url::parse(admin.amqp_url.expose())?;
     Ok(format!(
         "amqp://{user}:{password}@{}:{}/{vhost}",
         amqp.host_str().unwrap_or("127.0.0.1"),

@@ -1,15 +1,15 @@
 //! The bundle: raises the foundation of a mesh on its first host, before any
 //! controller exists. It checks that the broker enforces the security boundary the
 //! design relies on ([`probe`]), provisions the database, roles, schemas, vhost and
-//! broker users ([`provision`]), and writes the credential files ([`credentials`]).
+//! broker users ([`provision`]), and writes the credential files (each defined once
+//! in `mesh-credentials`, which their readers use too).
 //!
-//! [`testkit`] provisions the same shape under unique names for each test, so tests
-//! of every crate run against real PostgreSQL and RabbitMQ in parallel.
+//! The test kit (`mesh-testkit`, a dev-dependency) composes these same production
+//! functions under unique names for each test, so tests of every crate run against
+//! real PostgreSQL and RabbitMQ in parallel.
 
-pub mod credentials;
 pub mod probe;
 pub mod provision;
-pub mod testkit;
 
 /// Every bounded context of the mesh. Each owns the PostgreSQL schema of the same
 /// name and connects as its own role `<prefix>_<context>`.

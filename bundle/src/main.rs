@@ -9,13 +9,14 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use mesh_bundle::credentials::{
-    ADMIN_FILE, ADMIN_TOKEN_FILE, AdminCredentials, CONTROLLER_FILE, ControllerCredentials,
-    SIGNING_KEY_FILE, etc_dir, read_toml, to_toml, write_secret_file,
-};
 use mesh_bundle::probe::ProbeError;
 use mesh_bundle::provision::{self, Names, Secrets};
-use mesh_protocol::DeclarationSigner;
+use mesh_credentials::key::{
+    ADMIN_TOKEN_FILE, SIGNING_KEY_FILE, read_signing_key, read_signing_key_if_exists, read_token,
+    write_signing_key, write_token,
+};
+use mesh_credentials::{AdminCredentials, AgentCredentials, ControllerCredentials, etc_dir};
+use mesh_protocol::{DeclarationSigner, PublicKey, Secret};
 
 #[derive(Parser)]
 #[command(
@@ -52,10 +53,10 @@ enum Command {
         #[arg(long, env = "MESH_PROBE_ADMIN_PASSWORD", hide_env_values = true)]
         admin_password: String,
     },
-    /// Write the admin credentials; provision db `mesh`, roles, schemas, vhost
-    /// `mesh`, user `mesh_controller`; write the controller credentials.
     /// Create a node's broker user and its agent's credentials file.
     NodeAdd(NodeAdd),
+    /// Write the admin credentials; provision db `mesh`, roles, schemas, vhost
+    /// `mesh`, user `mesh_controller`; write the controller credentials.
     Up {
         #[command(flatten)]
         endpoints: Endpoints,
@@ -89,55 +90,42 @@ struct NodeAdd {
 }
 
 async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
-    use mesh_bundle::provision::{Rabbit, Secret, Steps};
     let node = mesh_protocol::NodeId::parse(&args.name)?;
     let etc = args.etc.unwrap_or_else(etc_dir);
-    let admin: AdminCredentials = read_toml(&etc.join(ADMIN_FILE))?.with_context(|| {
-        format!(
-            "{} is missing: run bundle/up first",
-            etc.join(ADMIN_FILE).display()
-        )
-    })?;
-    #[derive(serde::Deserialize)]
-    struct Existing {
-        node: String,
-        broker_url: String,
-    }
-    let signer = read_signer(&etc.join(SIGNING_KEY_FILE))?;
-    let path = args.state_dir.join("credentials.toml");
-    let existing: Option<Existing> = read_toml(&path)?;
-    let secret = match existing.as_ref().filter(|e| e.node == node.as_str()) {
-        Some(e) => Secret::known(
-            provision::password_in_url(&e.broker_url)
-                .context("password in the existing broker_url")?,
+    let admin_path = etc.join(AdminCredentials::FILE);
+    let admin = AdminCredentials::load_if_exists(&admin_path)?
+        .with_context(|| format!("{} is missing: run bundle/up first", admin_path.display()))?;
+    let key_path = etc.join(SIGNING_KEY_FILE);
+    let signer = read_signing_key_if_exists(&key_path)?
+        .with_context(|| format!("{} is missing: run bundle/up first", key_path.display()))?;
+    let controller_key = PublicKey::from_hex(&signer.public_key_hex())?;
+    // An existing file of this node keeps its password (running agents keep working).
+    let existing = AgentCredentials::load_if_exists(&args.state_dir)?;
+    let secret = match existing.as_ref().filter(|e| e.node == node) {
+        Some(e) => provision::Secret::known(
+            e.password()
+                .with_context(|| {
+                    format!(
+                        "{}: field `broker_url` holds no password",
+                        AgentCredentials::path_in(&args.state_dir).display()
+                    )
+                })?
+                .expose()
+                .clone(),
         ),
-        None => Secret::generate(),
+        None => provision::Secret::generate(),
     };
     let vhost = Names::production().vhost;
-    let mut steps = Steps::default();
-    provision::ensure_node_user(&Rabbit::new(&admin), &vhost, &node, &secret, &mut steps).await?;
-    let broker_url = provision::amqp_url(&admin, node.as_str(), &secret.value, &vhost)?;
-    std::fs::create_dir_all(&args.state_dir)?;
-    mesh_bundle::testkit::NodeCredentials {
-        node: node.clone(),
-        broker_url,
-        password: secret.value,
-        controller_key: signer.public_key_hex(),
-    }
-    .write_to(&args.state_dir)?;
+    let mut steps = provision::Steps::default();
+    let creds =
+        provision::add_node(&admin, &vhost, &node, &secret, &controller_key, &mut steps).await?;
+    let written = creds.write(&args.state_dir)?;
     println!(
         "node {node}: {} change(s); credentials in {}",
-        steps.changed(),
-        path.display()
+        steps.changed() + usize::from(written),
+        AgentCredentials::path_in(&args.state_dir).display()
     );
     Ok(())
-}
-
-/// The controller's signing key from its file (hex seed).
-fn read_signer(path: &std::path::Path) -> anyhow::Result<DeclarationSigner> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("{} is missing: run bundle/up first", path.display()))?;
-    DeclarationSigner::from_hex(&text).with_context(|| format!("{}", path.display()))
 }
 
 fn admin_for(
@@ -149,16 +137,16 @@ fn admin_for(
 ) -> AdminCredentials {
     let enc = |s: &str| urlencoding::encode(s).into_owned();
     AdminCredentials {
-        postgres_url: format!(
+        postgres_url: Secret::new(format!(
             "postgres://{}:{}@{}/postgres",
             enc(pg_user),
             enc(pg_pw),
             e.postgres
-        ),
+        )),
         rabbitmq_api: e.rabbitmq_api.trim_end_matches('/').to_string(),
         rabbitmq_user: mq_user.to_string(),
-        rabbitmq_password: mq_pw.to_string(),
-        amqp_url: format!("amqp://{}:{}@{}", enc(mq_user), enc(mq_pw), e.amqp),
+        rabbitmq_password: Secret::new(mq_pw.to_string()),
+        amqp_url: Secret::new(format!("amqp://{}:{}@{}", enc(mq_user), enc(mq_pw), e.amqp)),
     }
 }
 
@@ -227,12 +215,11 @@ async fn up(
 ) -> anyhow::Result<()> {
     let etc = etc.unwrap_or_else(etc_dir);
     let admin = admin_for(endpoints, "mesh_admin", pg_pw, "mesh-admin", mq_pw);
-    let admin_path = etc.join(ADMIN_FILE);
-    let controller_path = etc.join(CONTROLLER_FILE);
+    let admin_path = etc.join(AdminCredentials::FILE);
+    let controller_path = etc.join(ControllerCredentials::FILE);
     let mut changes = 0usize;
 
-    let admin_text = to_toml(&admin)?;
-    if write_secret_file(&admin_path, &admin_text)? {
+    if admin.write(&admin_path)? {
         println!("  changed  {} written", admin_path.display());
         changes += 1;
     } else {
@@ -244,7 +231,7 @@ async fn up(
         .await
         .context("rabbitmq management api as mesh-admin")?;
 
-    let existing: Option<ControllerCredentials> = read_toml(&controller_path)?;
+    let existing = ControllerCredentials::load_if_exists(&controller_path)?;
     let secrets = Secrets::from_existing(existing.as_ref());
     let names = Names::production();
     let steps = provision::provision(&admin, &names, &secrets).await?;
@@ -261,32 +248,32 @@ async fn up(
     // key would need every agent to learn it; see docs/security.md on rotation).
     let key_path = etc.join(SIGNING_KEY_FILE);
     if key_path.exists() {
-        read_signer(&key_path)?;
+        read_signing_key(&key_path)?;
         println!("  ok       {} exists", key_path.display());
     } else {
         let signer = DeclarationSigner::from_seed(rand::random());
-        write_secret_file(&key_path, &format!("{}\n", signer.to_hex()))?;
+        write_signing_key(&key_path, &signer)?;
         println!("  changed  {} created", key_path.display());
         changes += 1;
     }
     // The first admin API token: created once, printed once; the controller
     // only ever sees its hash.
     let token_path = etc.join(ADMIN_TOKEN_FILE);
-    let token = match std::fs::read_to_string(&token_path) {
-        Ok(t) if !t.trim().is_empty() => {
+    let token = match read_token(&token_path)? {
+        Some(t) => {
             println!("  ok       {} exists", token_path.display());
-            t.trim().to_owned()
+            t
         }
-        _ => {
-            let t = mesh_protocol::new_token("mesh_at_", rand::random());
-            write_secret_file(&token_path, &format!("{t}\n"))?;
+        None => {
+            let t = Secret::new(mesh_protocol::new_token("mesh_at_", rand::random()));
+            write_token(&token_path, &t)?;
             println!("  changed  {} created", token_path.display());
             println!();
             println!(
                 "  first admin API token (shown once; also in {}):",
                 token_path.display()
             );
-            println!("    {t}");
+            println!("    {}", t.expose());
             println!();
             changes += 1;
             t
@@ -294,9 +281,9 @@ async fn up(
     };
 
     let mut creds = provision::controller_credentials(&admin, &names, &secrets)?;
-    creds.signing_key_file = Some(key_path.to_string_lossy().into_owned());
-    creds.bootstrap_admin_token_sha256 = Some(mesh_protocol::token_sha256_hex(&token));
-    if write_secret_file(&controller_path, &to_toml(&creds)?)? {
+    creds.signing_key_file = Some(key_path);
+    creds.bootstrap_admin_token_sha256 = Some(mesh_protocol::token_sha256_hex(token.expose()));
+    if creds.write(&controller_path)? {
         println!("  changed  {} written", controller_path.display());
         changes += 1;
     } else {

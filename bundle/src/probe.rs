@@ -19,8 +19,8 @@ use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
-use crate::credentials::AdminCredentials;
 use crate::provision::{self, ProvisionError, Rabbit, Secret, Steps};
+use mesh_credentials::AdminCredentials;
 
 const ALLOWED_EXCHANGE: &str = "probe-allowed";
 const FORBIDDEN_EXCHANGE: &str = "probe-forbidden";

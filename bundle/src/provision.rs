@@ -12,8 +12,12 @@ use std::time::Duration;
 use mesh_broker_admin::Management;
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
+use mesh_credentials::{
+    AdminCredentials, AgentCredentials, BrokerManagement, ControllerCredentials, password_of,
+};
+use mesh_protocol::{NodeId, PublicKey};
+
 use crate::CONTEXTS;
-use crate::credentials::{AdminCredentials, BrokerManagement, ControllerCredentials};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProvisionError {
@@ -135,18 +139,14 @@ impl Secrets {
     pub fn from_existing(existing: Option<&ControllerCredentials>) -> Secrets {
         let mut s = Secrets::generate();
         if let Some(c) = existing {
-            if let Some(p) = crate::credentials::password_of(&c.broker_url) {
+            if let Some(p) = password_of(c.broker_url.expose()) {
                 s.controller = Secret::known(p);
             }
             if let Some(m) = &c.broker_management {
-                s.identity = Secret::known(m.password.clone());
+                s.identity = Secret::known(m.password.expose().clone());
             }
             for ctx in CONTEXTS {
-                if let Some(p) = c
-                    .databases
-                    .get(ctx)
-                    .and_then(|u| crate::credentials::password_of(u))
-                {
+                if let Some(p) = c.databases.get(ctx).and_then(|u| password_of(u.expose())) {
                     s.roles.insert(ctx.to_string(), Secret::known(p));
                 }
             }
@@ -207,7 +207,7 @@ pub fn redact(s: &str) -> String {
 
 /// `admin.postgres_url` with the database replaced by `database`.
 pub fn admin_url_on(admin: &AdminCredentials, database: &str) -> Result<String> {
-    let mut u = parse_url(&admin.postgres_url)?;
+    let mut u = parse_url(admin.postgres_url.expose())?;
     u.set_path(&format!("/{}", urlencoding::encode(database)));
     Ok(u.to_string())
 }
@@ -219,7 +219,7 @@ pub fn postgres_url(
     password: &str,
     database: &str,
 ) -> Result<String> {
-    let u = parse_url(&admin.postgres_url)?;
+    let u = parse_url(admin.postgres_url.expose())?;
     let host = u.host_str().unwrap_or("127.0.0.1");
     let port = u.port().unwrap_or(5432);
     Ok(format!(
@@ -237,7 +237,7 @@ pub fn amqp_url(
     password: &str,
     vhost: &str,
 ) -> Result<String> {
-    let u = parse_url(&admin.amqp_url)?;
+    let u = parse_url(admin.amqp_url.expose())?;
     let host = u.host_str().unwrap_or("127.0.0.1");
     let port = u.port().unwrap_or(5672);
     Ok(format!(
@@ -262,24 +262,21 @@ pub fn controller_credentials(
             &secrets.role(ctx)?.value,
             &names.database,
         )?;
-        databases.insert(ctx.to_string(), url);
+        databases.insert(ctx.to_string(), mesh_protocol::Secret::new(url));
     }
-    Ok(ControllerCredentials {
-        broker_url: amqp_url(
-            admin,
-            &names.controller_user,
-            &secrets.controller.value,
-            &names.vhost,
-        )?,
-        signing_key_file: None,
-        bootstrap_admin_token_sha256: None,
-        broker_management: Some(BrokerManagement {
-            url: admin.rabbitmq_api.trim_end_matches('/').to_owned(),
-            user: names.identity_user.clone(),
-            password: secrets.identity.value.clone(),
-        }),
-        databases,
-    })
+    let broker_url = amqp_url(
+        admin,
+        &names.controller_user,
+        &secrets.controller.value,
+        &names.vhost,
+    )?;
+    let mut creds = ControllerCredentials::new(mesh_protocol::Secret::new(broker_url), databases);
+    creds.broker_management = Some(BrokerManagement {
+        url: admin.rabbitmq_api.trim_end_matches('/').to_owned(),
+        user: names.identity_user.clone(),
+        password: mesh_protocol::Secret::new(secrets.identity.value.clone()),
+    });
+    Ok(creds)
 }
 
 // ---------------------------------------------------------------- PostgreSQL
@@ -554,7 +551,7 @@ impl Rabbit {
             api: Management::new(
                 &admin.rabbitmq_api,
                 &admin.rabbitmq_user,
-                &admin.rabbitmq_password,
+                admin.rabbitmq_password.expose(),
             ),
         }
     }
@@ -760,21 +757,13 @@ pub async fn provision(
     Ok(steps)
 }
 
-/// The password in `scheme://user:password@host/...`, percent-decoded.
-pub fn password_in_url(url: &str) -> Option<String> {
-    let rest = url.split_once("://")?.1;
-    let userinfo = rest.rsplit_once('@')?.0;
-    let pw = userinfo.split_once(':')?.1;
-    urlencoding::decode(pw).ok().map(|p| p.into_owned())
-}
-
 /// Node `node`'s broker permissions on `vhost`, exactly
 /// [`mesh_protocol::topology::node_permissions`]: publish to `reports` with
 /// routing keys `<node>.*` only, consume `decl.<node>` only, declare nothing.
 pub async fn ensure_node_user(
     rabbit: &Rabbit,
     vhost: &str,
-    node: &mesh_protocol::NodeId,
+    node: &NodeId,
     secret: &Secret,
     steps: &mut Steps,
 ) -> Result<()> {
@@ -795,4 +784,30 @@ pub async fn ensure_node_user(
         )
         .await?;
     Ok(())
+}
+
+/// A node without the controller: its broker user on `vhost` with a node's
+/// rights ([`ensure_node_user`]; `secret` is set on an existing user when it is
+/// fresh), and the credentials file its agent runs with (`controller_key` is the
+/// controller's public signing key). `mesh-bundle node-add` writes the result
+/// into the agent's state directory; the test kit hands it to tests.
+pub async fn add_node(
+    admin: &AdminCredentials,
+    vhost: &str,
+    node: &NodeId,
+    secret: &Secret,
+    controller_key: &PublicKey,
+    steps: &mut Steps,
+) -> Result<AgentCredentials> {
+    ensure_node_user(&Rabbit::new(admin), vhost, node, secret, steps).await?;
+    Ok(AgentCredentials {
+        node: node.clone(),
+        broker_url: mesh_protocol::Secret::new(amqp_url(
+            admin,
+            node.as_str(),
+            &secret.value,
+            vhost,
+        )?),
+        controller_key: controller_key.clone(),
+    })
 }

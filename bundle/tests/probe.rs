@@ -1,11 +1,10 @@
 //! The conformance probe passes against this machine's broker and leaves nothing.
 
-use mesh_bundle::credentials::AdminCredentials;
 use mesh_bundle::provision::Rabbit;
 
 #[tokio::test]
 async fn probe_passes_and_cleans_up() {
-    let admin = AdminCredentials::load_or_local_defaults().unwrap();
+    let admin = mesh_testkit::admin_credentials().unwrap();
     let report = mesh_bundle::probe::run(&admin).await.unwrap();
     let checks: Vec<_> = report.passed.iter().map(|p| p.check).collect();
     assert_eq!(

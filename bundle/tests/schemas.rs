@@ -2,7 +2,7 @@
 //! schema (read, write, create), on a real PostgreSQL.
 
 use mesh_bundle::CONTEXTS;
-use mesh_bundle::testkit::TestEnv;
+use mesh_testkit::TestEnv;
 use sqlx::{AssertSqlSafe, Connection as _, PgConnection};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,12 +2,11 @@
 //! documented here), then `MESH_CONTROLLER_*` environment variables, then flags.
 //! Credentials live in a separate file written by the bundle (mode 0600).
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use mesh_protocol::Secret;
+use mesh_credentials::{BrokerManagement, ControllerCredentials, CredentialsError, Secret};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -20,6 +19,8 @@ pub enum ConfigError {
     },
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
+    #[error(transparent)]
+    Credentials(#[from] CredentialsError),
     #[error(
         "{path}: credentials for context `{context}` are missing (expected databases.{context})"
     )]
@@ -181,76 +182,50 @@ impl Settings {
     }
 }
 
-/// The credentials file: the broker URL, one database URL per context, the
-/// signing key's file, the first admin token's hash, and the management API
-/// account identity manages node users with.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Credentials {
-    pub broker_url: Secret<String>,
-    /// The controller's Ed25519 declaration-signing key (hex seed, mode 0600).
-    /// Required to run: agents apply no unsigned declaration.
-    pub signing_key_file: Option<PathBuf>,
-    /// SHA-256 (hex) of the first admin API token (`bundle/up` wrote the token).
-    pub bootstrap_admin_token_sha256: Option<String>,
-    /// The RabbitMQ management API account node users are created with.
-    pub broker_management: Option<BrokerManagement>,
-    pub databases: BTreeMap<String, Secret<String>>,
-    #[serde(skip)]
-    path: PathBuf,
-}
+/// The controller's credentials file, `controller-credentials.toml`, as the
+/// controller uses it. The file itself — fields, format, checks, errors naming
+/// the file and the field, secrets that never print — is defined once in
+/// [`ControllerCredentials`], which `mesh-bundle up` and the test kit write it
+/// with; its fields are read through `Deref`. This adds what the controller
+/// requires of it to run: a database URL per context it runs, a signing key and
+/// a management account.
+#[derive(Debug, Clone)]
+pub struct Credentials(ControllerCredentials);
 
-/// A RabbitMQ management API account (administrator tag, no vhost rights).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BrokerManagement {
-    /// Base URL, e.g. `http://127.0.0.1:15672`.
-    pub url: String,
-    pub user: String,
-    pub password: Secret<String>,
+impl std::ops::Deref for Credentials {
+    type Target = ControllerCredentials;
+
+    fn deref(&self) -> &ControllerCredentials {
+        &self.0
+    }
 }
 
 impl Credentials {
-    /// The declaration-signing key, read from [`Credentials::signing_key_file`].
+    pub fn load(path: &Path) -> Result<Credentials, ConfigError> {
+        Ok(Credentials(ControllerCredentials::load(path)?))
+    }
+
+    /// The declaration-signing key, read from the file named in `signing_key_file`.
     pub fn signer(&self) -> Result<mesh_protocol::DeclarationSigner, ConfigError> {
         let path = self
             .signing_key_file
             .as_ref()
             .ok_or_else(|| ConfigError::Parse {
-                path: self.path.clone(),
+                path: self.path().to_owned(),
                 message: "signing_key_file is missing (run bundle/up again)".into(),
             })?;
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.clone(),
-            source,
-        })?;
-        mesh_protocol::DeclarationSigner::from_hex(&text).map_err(|e| ConfigError::Parse {
-            path: path.clone(),
-            message: e.to_string(),
-        })
+        Ok(mesh_credentials::key::read_signing_key(path)?)
     }
 
     /// The management API account, required to enrol and revoke nodes.
     pub fn broker_management(&self) -> Result<&BrokerManagement, ConfigError> {
-        self.broker_management
+        self.0
+            .broker_management
             .as_ref()
             .ok_or_else(|| ConfigError::Parse {
-                path: self.path.clone(),
+                path: self.path().to_owned(),
                 message: "broker_management is missing (run bundle/up again)".into(),
             })
-    }
-
-    pub fn load(path: &Path) -> Result<Credentials, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.into(),
-            source,
-        })?;
-        let mut c: Credentials = toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: path.into(),
-            message: e.to_string(),
-        })?;
-        c.path = path.into();
-        Ok(c)
     }
 
     /// The database URL the controller fence (docs/decisions/0017) is taken on:
@@ -267,7 +242,7 @@ impl Credentials {
         self.databases
             .get(context)
             .ok_or_else(|| ConfigError::MissingContext {
-                path: self.path.clone(),
+                path: self.path().to_owned(),
                 context: context.to_owned(),
             })
     }
@@ -284,12 +259,30 @@ mod tests {
     }
 
     #[test]
-    fn credentials_never_print() {
-        let c: Credentials = toml::from_str(
+    fn credentials_never_print_and_name_what_is_missing() {
+        let dir = std::env::temp_dir().join(format!("mesh-config-test-{}", std::process::id()));
+        let path = dir.join("controller-credentials.toml");
+        mesh_credentials::write_secret_file(
+            &path,
             "broker_url = \"amqp://c:hunter2@h/mesh\"\n[databases]\ninventory = \"postgres://i:hunter2@h/m\"\n",
         )
         .unwrap();
+        let c = Credentials::load(&path);
+        let _ = std::fs::remove_dir_all(&dir);
+        let c = c.unwrap();
         assert!(!format!("{c:?}").contains("hunter2"));
-        assert!(c.database("config").is_err());
+        assert_eq!(
+            c.database("inventory").unwrap().expose(),
+            "postgres://i:hunter2@h/m"
+        );
+        let err = c.database("config").unwrap_err().to_string();
+        assert!(
+            err.contains("databases.config") && err.contains("controller-credentials.toml"),
+            "{err}"
+        );
+        let err = c.signer().unwrap_err().to_string();
+        assert!(err.contains("signing_key_file"), "{err}");
+        let err = c.broker_management().unwrap_err().to_string();
+        assert!(err.contains("broker_management"), "{err}");
     }
 }

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, anyhow, bail};
-use mesh_bundle::testkit::{NodeCredentials, TestEnv};
+use mesh_testkit::{NodeCredentials, TestEnv};
 use serde_json::Value;
 
 pub mod sim;
@@ -486,21 +486,14 @@ impl Mesh {
         state_dir: PathBuf,
         labels: &[(&str, &str)],
     ) -> anyhow::Result<()> {
-        let text = std::fs::read_to_string(state_dir.join("credentials.toml"))?;
-        let file: toml::Value = toml::from_str(&text)?;
-        let field = |k: &str| {
-            file.get(k)
-                .and_then(|v| v.as_str())
-                .map(str::to_owned)
-                .ok_or_else(|| anyhow!("credentials.toml lacks {k}"))
-        };
-        let broker_url = field("broker_url")?;
-        let creds = NodeCredentials {
-            node: mesh_protocol::NodeId::parse(node)?,
-            password: mesh_bundle::credentials::password_of(&broker_url).unwrap_or_default(),
-            broker_url,
-            controller_key: field("controller_key")?,
-        };
+        let file = mesh_credentials::AgentCredentials::load(&state_dir)?;
+        anyhow::ensure!(
+            file.node.as_str() == node,
+            "{} is node {}, not {node}",
+            mesh_credentials::AgentCredentials::path_in(&state_dir).display(),
+            file.node
+        );
+        let creds = NodeCredentials::from_agent(&file);
         let root = state_dir
             .parent()
             .ok_or_else(|| anyhow!("state dir has no parent"))?

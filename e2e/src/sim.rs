@@ -17,10 +17,10 @@ use anyhow::{Context as _, anyhow, bail, ensure};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, PublisherConfirm};
-use mesh_bundle::testkit::{NodeCredentials, TestEnv};
 use mesh_protocol::{
     Applied, AppliedGenerations, Envelope, Heartbeat, NodeId, Outcome, Report, Section,
 };
+use mesh_testkit::{NodeCredentials, TestEnv};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
@@ -193,7 +193,7 @@ pub async fn add_nodes(
     let mut permissions = Vec::with_capacity(n);
     let mut topic_permissions = Vec::with_capacity(n);
     let mut creds = Vec::with_capacity(n);
-    let amqp = url::Url::parse(&admin.amqp_url)?;
+    let amqp = url::Url::parse(admin.amqp_url.expose())?;
     let host = amqp.host_str().unwrap_or("127.0.0.1").to_owned();
     let port = amqp.port().unwrap_or(5672);
     for i in 0..n {
@@ -234,7 +234,7 @@ pub async fn add_nodes(
     });
     let r = admin_http()?
         .post(format!("{}/api/definitions", admin.rabbitmq_api))
-        .basic_auth(&admin.rabbitmq_user, Some(&admin.rabbitmq_password))
+        .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
         .json(&body)
         .send()
         .await?;
@@ -485,7 +485,7 @@ pub async fn broker_connections(env: &TestEnv) -> anyhow::Result<Vec<(String, u6
     );
     let list: Vec<serde_json::Value> = admin_http()?
         .get(url)
-        .basic_auth(&admin.rabbitmq_user, Some(&admin.rabbitmq_password))
+        .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
         .send()
         .await?
         .error_for_status()?
@@ -514,7 +514,7 @@ pub async fn broker_sockets_limit(env: &TestEnv) -> anyhow::Result<u64> {
             "{}/api/nodes?columns=sockets_total",
             admin.rabbitmq_api
         ))
-        .basic_auth(&admin.rabbitmq_user, Some(&admin.rabbitmq_password))
+        .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
         .send()
         .await?
         .error_for_status()?

@@ -140,3 +140,54 @@ fn no_context_depends_on_another_context() {
         }
     }
 }
+
+/// Production crates: everything in the workspace but the test crates.
+fn production_crates(g: &Graph) -> Vec<String> {
+    const TEST_CRATES: &[&str] = &["mesh-testkit", "mesh-e2e", "mesh-bench"];
+    g.names
+        .values()
+        .filter(|n| n.starts_with("mesh-") && !TEST_CRATES.contains(&n.as_str()))
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn no_production_crate_depends_on_the_test_kit() {
+    let g = graph();
+    let production = production_crates(&g);
+    assert!(
+        production.iter().any(|c| c == "mesh-bundle"),
+        "workspace crates found: {production:?}"
+    );
+    for krate in &production {
+        assert!(
+            !g.closure(krate).contains("mesh-testkit"),
+            "{krate} depends on mesh-testkit (tests only: make it a dev-dependency)"
+        );
+    }
+}
+
+#[test]
+fn credential_files_have_one_definition_shared_by_writers_and_readers() {
+    let g = graph();
+    // The writers (bundle, mesh-agent join) and the readers (controller, agent)
+    // share mesh-credentials...
+    for krate in ["mesh-bundle", "mesh-controller", "mesh-host-agent"] {
+        assert!(
+            g.closure(krate).contains("mesh-credentials"),
+            "{krate} does not use mesh-credentials"
+        );
+    }
+    // ...which the host agent can depend on: no database driver, no broker client.
+    let closure = g.closure("mesh-credentials");
+    assert!(closure.contains("mesh-protocol"), "closure computed");
+    for banned in DATABASE_CRATES
+        .iter()
+        .chain(&["lapin", "mesh-bundle", "tokio"])
+    {
+        assert!(
+            !closure.contains(*banned),
+            "mesh-credentials depends on {banned}"
+        );
+    }
+}

@@ -163,7 +163,7 @@ async fn enrolment_refuses_bad_tokens_and_leaks_no_secret() -> anyhow::Result<()
 
     // No secret in any log: join tokens, the admin token, the broker password,
     // the node's private key, the controller's signing key.
-    let password = mesh_bundle::credentials::password_of(&field(&state, "broker_url")).unwrap();
+    let password = mesh_credentials::password_of(&field(&state, "broker_url")).unwrap();
     let node_key = std::fs::read_to_string(state.join("node.key"))?
         .trim()
         .to_owned();

@@ -11,14 +11,10 @@
 
 use std::path::{Path, PathBuf};
 
+use mesh_credentials::AgentCredentials;
+pub use mesh_credentials::key::NODE_KEY_FILE;
 use mesh_protocol::{DeclarationSigner, NodeId, PublicKey, Secret};
 use serde::Deserialize;
-
-use crate::credentials::{CREDENTIALS_FILE, Credentials};
-use crate::store::write_atomic;
-
-/// The node's private key file inside the state directory (hex seed, 0600).
-pub const NODE_KEY_FILE: &str = "node.key";
 
 #[derive(Debug, thiserror::Error)]
 pub enum JoinError {
@@ -27,6 +23,8 @@ pub enum JoinError {
         path: PathBuf,
         error: std::io::Error,
     },
+    #[error(transparent)]
+    Credentials(#[from] mesh_credentials::CredentialsError),
     #[error("cannot reach the API at {api}: {message}")]
     Http { api: String, message: String },
     /// The API refused the join (problem+json detail; never the token).
@@ -73,9 +71,7 @@ pub async fn join(
         .map_err(io(state_dir))?;
     // A fresh key pair for every join: re-enrolment is under a new key.
     let key = DeclarationSigner::from_seed(rand::random());
-    let key_path = state_dir.join(NODE_KEY_FILE);
-    write_atomic(&key_path, format!("{}\n", key.to_hex()).as_bytes(), 0o600)
-        .map_err(io(&key_path))?;
+    mesh_credentials::key::write_signing_key(&state_dir.join(NODE_KEY_FILE), &key)?;
     let public_key = key.public_key_hex();
 
     let url = format!("{}/v1/join", api.trim_end_matches('/'));
@@ -122,27 +118,24 @@ pub async fn join(
             answer.node
         )));
     }
-    PublicKey::from_hex(&answer.controller_key)
+    let controller_key = PublicKey::from_hex(&answer.controller_key)
         .map_err(|e| JoinError::BadAnswer(format!("controller_key: {e}")))?;
-    #[derive(serde::Serialize)]
-    struct File<'a> {
-        node: &'a str,
-        broker_url: &'a str,
-        controller_key: &'a str,
-    }
-    let text = toml::to_string(&File {
-        node: node.as_str(),
-        broker_url: answer.broker_url.expose(),
-        controller_key: &answer.controller_key,
-    })
-    .map_err(|e| JoinError::BadAnswer(e.to_string()))?;
-    let path = state_dir.join(CREDENTIALS_FILE);
-    // Check it reads back before it replaces anything.
-    Credentials::parse(&text, &path).map_err(|e| JoinError::BadAnswer(e.to_string()))?;
-    write_atomic(&path, text.as_bytes(), 0o600).map_err(io(&path))?;
+    let creds = AgentCredentials {
+        node: node.clone(),
+        broker_url: answer.broker_url,
+        controller_key,
+    };
+    // The writer checks it reads back before it replaces anything; what the
+    // agent could not read (a broker user that is not the node) is the answer's fault.
+    creds.write(state_dir).map_err(|e| match e {
+        mesh_credentials::CredentialsError::Invalid { field, reason, .. } => {
+            JoinError::BadAnswer(format!("{field}: {reason}"))
+        }
+        other => JoinError::Credentials(other),
+    })?;
     Ok(Joined {
         node: node.clone(),
-        credentials: path,
+        credentials: AgentCredentials::path_in(state_dir),
         public_key,
     })
 }

@@ -17,7 +17,6 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
-use mesh_bundle::testkit::TestEnv;
 use mesh_host_agent::{Config, Store};
 use mesh_protocol::topology::{
     DECLARATION_QUEUE_MAX_LEN, DECLARATIONS_EXCHANGE, REPORTS_EXCHANGE, declaration_queue,
@@ -26,6 +25,7 @@ use mesh_protocol::{
     Declaration, DeclarationItems, DeclarationSigner, Envelope, FileItem, FileMode,
     MAX_REPORT_BYTES, NodeId, Outcome, Report, Section,
 };
+use mesh_testkit::TestEnv;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{Instant, timeout};
 

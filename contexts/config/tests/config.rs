@@ -5,13 +5,13 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use mesh_bundle::testkit::TestEnv;
 use mesh_config::{Config, ConfigSettings};
 use mesh_plumbing::{Context, OutboxSignal};
 use mesh_protocol::{
     Applied, Declaration, Envelope, Heartbeat, Hello, Labels, MAX_DECLARATION_BYTES, NodeId,
     NodeLabelsChanged, Outcome, RecordEvent, Report, Section,
 };
+use mesh_testkit::TestEnv;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tower::ServiceExt;

@@ -1,7 +1,7 @@
 //! The identity schema against a real PostgreSQL: the audit log is append-only
 //! for identity's own role (no privilege, and a trigger behind it).
 
-use mesh_bundle::testkit::TestEnv;
+use mesh_testkit::TestEnv;
 use sqlx::{Connection as _, PgConnection};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

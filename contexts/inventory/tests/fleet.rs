@@ -8,13 +8,13 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chrono::Utc;
-use mesh_bundle::testkit::TestEnv;
 use mesh_inventory::{Inventory, InventorySettings};
 use mesh_plumbing::{Context, OutboxSignal};
 use mesh_protocol::{
     Declaration, Envelope, Heartbeat, Hello, Labels, NodeId, Report, Section, UnitState,
     UnitStatus, Units,
 };
+use mesh_testkit::TestEnv;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;

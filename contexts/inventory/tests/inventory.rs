@@ -5,13 +5,13 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chrono::{DateTime, Duration, Utc};
-use mesh_bundle::testkit::TestEnv;
 use mesh_inventory::{Inventory, InventorySettings};
 use mesh_plumbing::{Context, OutboxSignal};
 use mesh_protocol::{
     Applied, Envelope, Heartbeat, Hello, Labels, NodeId, NodeLabelsChanged, Outcome, RecordEvent,
     RecordKind, Report, Section,
 };
+use mesh_testkit::TestEnv;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tower::ServiceExt;

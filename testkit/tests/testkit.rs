@@ -8,10 +8,10 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareO
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
 use mesh_bundle::CONTEXTS;
-use mesh_bundle::credentials::AdminCredentials;
 use mesh_bundle::provision::{self, Names, Rabbit};
-use mesh_bundle::testkit::TestEnv;
+use mesh_credentials::{AdminCredentials, AgentCredentials, ControllerCredentials};
 use mesh_protocol::topology::{DECLARATIONS_EXCHANGE, REPORTS_EXCHANGE};
+use mesh_testkit::TestEnv;
 use sqlx::{Connection as _, PgConnection};
 
 const T: Duration = Duration::from_secs(20);
@@ -168,10 +168,14 @@ async fn roundtrip_confines_roles_and_nodes_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("controller-credentials.toml");
     env.write_controller_credentials(&path).unwrap();
-    let back: mesh_bundle::credentials::ControllerCredentials =
-        toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let back = ControllerCredentials::load(&path).unwrap();
     assert_eq!(back, creds);
-    assert!(creds.broker_url.ends_with(&format!("/{}", env.vhost())));
+    assert!(
+        creds
+            .broker_url
+            .expose()
+            .ends_with(&format!("/{}", env.vhost()))
+    );
 
     // The controller declares the topology (agents declare nothing).
     let controller = connect(&env.controller_amqp_url()).await;
@@ -202,8 +206,10 @@ async fn roundtrip_confines_roles_and_nodes_and_leaves_nothing() {
     assert_eq!(a.node.as_str(), format!("{id}-a"));
     let node_dir = tempfile::tempdir().unwrap();
     a.write_to(node_dir.path()).unwrap();
-    let text = std::fs::read_to_string(node_dir.path().join("credentials.toml")).unwrap();
-    assert!(text.contains(&format!("node = \"{}\"", a.node)), "{text}");
+    let file = AgentCredentials::load(node_dir.path()).unwrap();
+    assert_eq!(file.node, a.node);
+    assert_eq!(file.broker_url.expose(), &a.broker_url);
+    assert_eq!(file.controller_key.to_hex(), env.controller_public_key());
 
     let conn_a = connect(&a.broker_url).await;
     let own_key = format!("{}.hello", a.node);

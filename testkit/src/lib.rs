@@ -1,5 +1,5 @@
-//! Test kit: one isolated mesh environment per test, against the real PostgreSQL
-//! and RabbitMQ of this machine.
+//! The test kit: one isolated mesh environment per test, against the real
+//! PostgreSQL and RabbitMQ of this machine.
 //!
 //! [`TestEnv::new`] provisions, under a unique id `t` + 8 hex digits, a database
 //! `mesh_<id>` with the seven context schemas each owned by its role
@@ -9,18 +9,53 @@
 //! dropping a `TestEnv` without teardown does the same, best effort, on a separate
 //! thread with its own runtime (so it works inside and outside async contexts).
 //!
+//! The kit only composes the bundle's production functions
+//! ([`mesh_bundle::provision`]) and the credential files' one definition
+//! ([`mesh_credentials`]) under test names; production code never calls it. It
+//! is a dev-dependency of every crate that uses it (the e2e harness, itself a
+//! test crate, aside): e2e/tests/architecture.rs checks that no production crate
+//! depends on it.
+//!
 //! Admin access comes from `$MESH_ADMIN_CREDENTIALS` or
 //! `/etc/mesh/admin-credentials.toml` (written by `bundle/up`), else from this
-//! machine's defaults (see [`AdminCredentials::local_defaults`]).
+//! machine's defaults (see [`local_admin_credentials`]).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use mesh_protocol::{DeclarationSigner, NodeId};
+use mesh_bundle::CONTEXTS;
+use mesh_bundle::provision::{self, Names, Rabbit, Secret, Secrets, Steps};
+use mesh_credentials::key::{SIGNING_KEY_FILE, write_signing_key};
+use mesh_credentials::{
+    AdminCredentials, AgentCredentials, BrokerManagement, ControllerCredentials,
+};
+use mesh_protocol::{DeclarationSigner, NodeId, PublicKey};
 
-use crate::CONTEXTS;
-use crate::credentials::{AdminCredentials, ControllerCredentials, to_toml, write_secret_file};
-use crate::provision::{self, Names, Rabbit, Secret, Secrets, Steps};
+/// This machine's defaults when no admin credentials file exists: the local
+/// `postgres` superuser over TCP and RabbitMQ's `guest` user (loopback only).
+/// For tests and development only: production code reads the file.
+pub fn local_admin_credentials() -> AdminCredentials {
+    AdminCredentials {
+        postgres_url: mesh_credentials::Secret::new(
+            "postgres://postgres@127.0.0.1:5432/postgres".into(),
+        ),
+        rabbitmq_api: "http://127.0.0.1:15672".into(),
+        rabbitmq_user: "guest".into(),
+        rabbitmq_password: mesh_credentials::Secret::new("guest".into()),
+        amqp_url: mesh_credentials::Secret::new("amqp://guest:guest@127.0.0.1:5672".into()),
+    }
+}
+
+/// The admin credentials tests run with: the file at
+/// [`AdminCredentials::default_path`] (`$MESH_ADMIN_CREDENTIALS`, else
+/// `$MESH_ETC/admin-credentials.toml`, else `/etc/mesh/admin-credentials.toml`),
+/// or [`local_admin_credentials`] when that file does not exist.
+pub fn admin_credentials() -> anyhow::Result<AdminCredentials> {
+    Ok(
+        AdminCredentials::load_if_exists(&AdminCredentials::default_path())?
+            .unwrap_or_else(local_admin_credentials),
+    )
+}
 
 /// One test's isolated environment.
 pub struct TestEnv {
@@ -37,7 +72,9 @@ pub struct TestEnv {
     torn_down: bool,
 }
 
-/// A node's broker credentials, as the agent stores them.
+/// A test's handle on a node user: its id, broker URL and password in clear (tests
+/// connect and publish as the node), and the controller's public key. Its
+/// agent's file is [`AgentCredentials`]: [`NodeCredentials::write_to`] writes it.
 #[derive(Clone, Debug)]
 pub struct NodeCredentials {
     pub node: NodeId,
@@ -50,21 +87,32 @@ pub struct NodeCredentials {
 }
 
 impl NodeCredentials {
-    /// Writes `<state_dir>/credentials.toml` (mode 0600) in the agent's format:
-    /// `node`, `broker_url` and `controller_key`.
-    pub fn write_to(&self, state_dir: &Path) -> anyhow::Result<()> {
-        #[derive(serde::Serialize)]
-        struct File<'a> {
-            node: &'a str,
-            broker_url: &'a str,
-            controller_key: &'a str,
+    /// The handle on the node whose agent's file is `creds`.
+    pub fn from_agent(creds: &AgentCredentials) -> NodeCredentials {
+        NodeCredentials {
+            node: creds.node.clone(),
+            broker_url: creds.broker_url.expose().clone(),
+            password: creds
+                .password()
+                .map(|p| p.expose().clone())
+                .unwrap_or_default(),
+            controller_key: creds.controller_key.to_hex(),
         }
-        let text = to_toml(&File {
-            node: self.node.as_str(),
-            broker_url: &self.broker_url,
-            controller_key: &self.controller_key,
-        })?;
-        write_secret_file(&state_dir.join("credentials.toml"), &text)?;
+    }
+
+    /// The node's agent's credentials file.
+    pub fn agent_credentials(&self) -> anyhow::Result<AgentCredentials> {
+        Ok(AgentCredentials {
+            node: self.node.clone(),
+            broker_url: mesh_credentials::Secret::new(self.broker_url.clone()),
+            controller_key: PublicKey::from_hex(&self.controller_key)
+                .context("the controller key of a test node")?,
+        })
+    }
+
+    /// Writes `<state_dir>/credentials.toml` (mode 0600), the agent's file.
+    pub fn write_to(&self, state_dir: &Path) -> anyhow::Result<()> {
+        self.agent_credentials()?.write(state_dir)?;
         Ok(())
     }
 }
@@ -73,7 +121,7 @@ impl TestEnv {
     /// A fresh database with the seven roles and schemas, a vhost and a controller
     /// user with full permissions on it.
     pub async fn new() -> anyhow::Result<TestEnv> {
-        let admin = AdminCredentials::load_or_local_defaults()?;
+        let admin = admin_credentials()?;
         let id = format!("t{}", hex::encode(rand::random::<[u8; 4]>()));
         let names = Names::for_test(&id);
         let key_dir = std::env::temp_dir().join(format!("mesh-{id}"));
@@ -88,7 +136,7 @@ impl TestEnv {
             admin_token: mesh_protocol::new_token("mesh_at_", rand::random()),
             torn_down: false,
         };
-        write_secret_file(&env.signing_key_path(), &env.signer.to_hex())
+        write_signing_key(&env.signing_key_path(), &env.signer)
             .context("writing the test signing key")?;
         // On failure `env` is dropped, which removes whatever was created.
         provision::provision(&env.admin, &env.names, &env.secrets)
@@ -132,14 +180,14 @@ impl TestEnv {
     pub fn controller_credentials(&self) -> ControllerCredentials {
         let mut c = provision::controller_credentials(&self.admin, &self.names, &self.secrets)
             .unwrap_or_else(|e| panic!("{e}"));
-        c.signing_key_file = Some(self.signing_key_path().to_string_lossy().into_owned());
+        c.signing_key_file = Some(self.signing_key_path());
         c.bootstrap_admin_token_sha256 = Some(mesh_protocol::token_sha256_hex(&self.admin_token));
         c
     }
 
     /// Where this environment's controller signing key is (mode 0600).
     pub fn signing_key_path(&self) -> PathBuf {
-        self.key_dir.join(crate::credentials::SIGNING_KEY_FILE)
+        self.key_dir.join(SIGNING_KEY_FILE)
     }
 
     /// This environment's controller signing key (tests sign or forge with it).
@@ -159,7 +207,7 @@ impl TestEnv {
     }
 
     /// The identity context's management API account of this environment.
-    pub fn identity_management(&self) -> crate::credentials::BrokerManagement {
+    pub fn identity_management(&self) -> BrokerManagement {
         self.controller_credentials()
             .broker_management
             .unwrap_or_else(|| panic!("provisioning always sets broker_management"))
@@ -167,14 +215,13 @@ impl TestEnv {
 
     /// Writes [`TestEnv::controller_credentials`] as TOML to `path` (mode 0600).
     pub fn write_controller_credentials(&self, path: &Path) -> anyhow::Result<()> {
-        let text = to_toml(&self.controller_credentials())?;
-        write_secret_file(path, &text)?;
+        self.controller_credentials().write(path)?;
         Ok(())
     }
 
     /// The controller user's AMQP URL on this environment's vhost.
     pub fn controller_amqp_url(&self) -> String {
-        self.controller_credentials().broker_url
+        self.controller_credentials().broker_url.expose().clone()
     }
 
     /// The admin user's AMQP URL on this environment's vhost (full permissions
@@ -183,7 +230,7 @@ impl TestEnv {
         provision::amqp_url(
             &self.admin,
             &self.admin.rabbitmq_user,
-            &self.admin.rabbitmq_password,
+            self.admin.rabbitmq_password.expose(),
             &self.names.vhost,
         )
         .unwrap_or_else(|e| panic!("{e}"))
@@ -209,24 +256,18 @@ impl TestEnv {
     pub async fn add_node(&self, suffix: &str) -> anyhow::Result<NodeCredentials> {
         let node = NodeId::parse(&format!("{}-{suffix}", self.id))
             .with_context(|| format!("node suffix `{suffix}`"))?;
-        let secret = Secret::generate();
-        let rabbit = Rabbit::new(&self.admin);
-        provision::ensure_node_user(
-            &rabbit,
+        let controller_key = PublicKey::from_hex(&self.controller_public_key())
+            .context("the environment's controller key")?;
+        let creds = provision::add_node(
+            &self.admin,
             &self.names.vhost,
             &node,
-            &secret,
+            &Secret::generate(),
+            &controller_key,
             &mut Steps::default(),
         )
         .await?;
-        let broker_url =
-            provision::amqp_url(&self.admin, node.as_str(), &secret.value, &self.names.vhost)?;
-        Ok(NodeCredentials {
-            node,
-            broker_url,
-            password: secret.value,
-            controller_key: self.controller_public_key(),
-        })
+        Ok(NodeCredentials::from_agent(&creds))
     }
 
     /// Drops the database (terminating its sessions), the roles, the vhost, the
