@@ -538,11 +538,9 @@ async fn agent_runs_units_from_its_store_while_the_broker_is_unreachable() {
     assert!(alive(pid));
 
     // drain-local (decommissioning) stops it.
-    let stopped = mesh_host_agent::units::drain_local(
-        &state.path().join("units"),
-        Duration::from_secs(2),
-    )
-    .await;
+    let stopped =
+        mesh_host_agent::units::drain_local(&state.path().join("units"), Duration::from_secs(2))
+            .await;
     assert_eq!(stopped, vec!["kept".to_owned()]);
     assert!(!alive(pid));
     assert!(!state.path().join("units/kept/pid").exists());
@@ -571,7 +569,10 @@ async fn wait_metric(port: u16, line: &str) {
         if out.lines().any(|l| l == line) {
             return;
         }
-        assert!(Instant::now() < until, "no `{line}` within {DEADLINE:?}: {out}");
+        assert!(
+            Instant::now() < until,
+            "no `{line}` within {DEADLINE:?}: {out}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -624,7 +625,10 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
     first.declare(&[a.clone(), b.clone(), c.clone(), d.clone()]);
     let mut pids = BTreeMap::new();
     for n in ["a", "b", "c", "d"] {
-        pids.insert(n, wait_unit(&first, n, "running", running).await.pid.unwrap());
+        pids.insert(
+            n,
+            wait_unit(&first, n, "running", running).await.pid.unwrap(),
+        );
     }
     // One restart of `a` before: its count must survive the supervisor.
     kill9(pids["a"]);
@@ -650,7 +654,10 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
     let mut next = Supervisor::start(fast(), &root, &state, Metrics::new()).await;
     let d2 = UnitItem {
         env: [
-            ("MARK".to_owned(), marks.join("d").to_string_lossy().into_owned()),
+            (
+                "MARK".to_owned(),
+                marks.join("d").to_string_lossy().into_owned(),
+            ),
             ("VERSION".to_owned(), "2".to_owned()),
         ]
         .into(),
@@ -813,8 +820,7 @@ async fn a_crashed_agents_units_are_adopted_by_the_next_agent() {
     let _ = stop.send(());
     timeout(DEADLINE, agent).await.unwrap().unwrap().unwrap();
     assert!(alive(orphan));
-    mesh_host_agent::units::drain_local(&state.path().join("units"), Duration::from_secs(2))
-        .await;
+    mesh_host_agent::units::drain_local(&state.path().join("units"), Duration::from_secs(2)).await;
     assert!(!alive(orphan));
     assert_eq!(
         std::fs::read_to_string(marks.path().join("survivor")).unwrap(),

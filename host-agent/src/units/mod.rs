@@ -75,8 +75,8 @@ pub const REPORT_MIN_INTERVAL: Duration = Duration::from_millis(500);
 #[serde(deny_unknown_fields, default)]
 pub struct UnitsConfig {
     /// How long a unit's processes get between SIGTERM and SIGKILL when it is
-    /// stopped (declared stopped, removed, spec changed, agent shutdown).
-    /// Default 10 s.
+    /// stopped (declared stopped, removed, spec changed, `mesh-agent
+    /// drain-local`). Default 10 s.
     #[serde(deserialize_with = "crate::config::de_duration")]
     pub stop_timeout: Duration,
     /// Wait before the first restart of a unit that exited. Default 1 s.

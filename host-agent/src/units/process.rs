@@ -239,7 +239,9 @@ pub fn remove_record(dir: &Path, name: &str) {
     match std::fs::remove_file(dir.join(name)) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => warn!(dir = %dir.display(), file = name, error = %e, "cannot remove a unit record"),
+        Err(e) => {
+            warn!(dir = %dir.display(), file = name, error = %e, "cannot remove a unit record")
+        }
     }
 }
 
@@ -372,7 +374,10 @@ mod tests {
     #[test]
     fn a_record_of_an_agent_before_0016_has_no_shim() {
         let r: PidRecord = serde_json::from_str(r#"{"pid":42,"start_time":7}"#).unwrap();
-        assert_eq!((r.pid, r.start_time, r.shim, r.restarts), (42, Some(7), None, 0));
+        assert_eq!(
+            (r.pid, r.start_time, r.shim, r.restarts),
+            (42, Some(7), None, 0)
+        );
         assert!(!r.shim_running());
     }
 }

@@ -398,19 +398,26 @@ impl Runner {
             .spawn()?;
         let shim = ProcRef::of(child.id().unwrap_or(0));
         let answer = async {
-            let mut stdin = child.stdin.take().ok_or_else(|| std::io::Error::other("no stdin"))?;
+            let mut stdin = child
+                .stdin
+                .take()
+                .ok_or_else(|| std::io::Error::other("no stdin"))?;
             stdin.write_all(&launch).await?;
             drop(stdin);
-            let stdout = child.stdout.take().ok_or_else(|| std::io::Error::other("no stdout"))?;
+            let stdout = child
+                .stdout
+                .take()
+                .ok_or_else(|| std::io::Error::other("no stdout"))?;
             let mut line = String::new();
             BufReader::new(stdout).read_line(&mut line).await?;
-            serde_json::from_str::<Reply>(&line).map_err(|e| {
-                std::io::Error::other(format!("the unit's shim gave no answer ({e})"))
-            })
+            serde_json::from_str::<Reply>(&line)
+                .map_err(|e| std::io::Error::other(format!("the unit's shim gave no answer ({e})")))
         };
         let reply = match tokio::time::timeout(SHIM_ANSWER, answer).await {
             Ok(r) => r,
-            Err(_) => Err(std::io::Error::other("the unit's shim did not answer in time")),
+            Err(_) => Err(std::io::Error::other(
+                "the unit's shim did not answer in time",
+            )),
         };
         let (pid, start_time, started_at) = match reply {
             Ok(Reply::Started {
@@ -490,7 +497,10 @@ pub(super) async fn stop_process(
     {
         warn!(unit = %name, pid = r.leader.pid, error = %e, "cannot signal the unit");
     }
-    if tokio::time::timeout(timeout, r.watch.exited()).await.is_err() {
+    if tokio::time::timeout(timeout, r.watch.exited())
+        .await
+        .is_err()
+    {
         warn!(unit = %name, pid = r.leader.pid, ?timeout, "unit ignored SIGTERM; killing it");
         let _ = signal_group(r.leader.pid, Signal::KILL);
         let grace = shim::DRAIN + Duration::from_secs(3);

@@ -153,11 +153,17 @@ pub fn main() -> ExitCode {
     let mut pumps = 0;
     let streams: [(Option<Box<dyn Read + Send>>, &str); 2] = [
         (
-            child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
             "stdout.log",
         ),
         (
-            child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
             "stderr.log",
         ),
     ];
@@ -195,7 +201,10 @@ pub fn main() -> ExitCode {
             s.success(),
         ),
         Err(e) => {
-            eprintln!("mesh-agent unit-shim: unit {}: cannot wait: {e}", launch.unit);
+            eprintln!(
+                "mesh-agent unit-shim: unit {}: cannot wait: {e}",
+                launch.unit
+            );
             (None, false)
         }
     };
