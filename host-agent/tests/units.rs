@@ -368,10 +368,11 @@ async fn output_is_captured_and_rotation_caps_its_size() {
         std::fs::read_to_string(dir.join("stdout.log")).is_ok_and(|t| t.contains("done"))
     })
     .await;
-    assert_eq!(
-        std::fs::read_to_string(dir.join("stderr.log")).unwrap(),
-        "oops\n"
-    );
+    // The two streams are copied independently: no order between them.
+    wait_for("stderr", || {
+        std::fs::read_to_string(dir.join("stderr.log")).is_ok_and(|t| t == "oops\n")
+    })
+    .await;
     // 20 kB written, 1 KiB per file, 2 rotated files kept: the start is gone.
     let mut total = 0;
     for name in ["stdout.log", "stdout.log.1", "stdout.log.2"] {
@@ -622,7 +623,16 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
         trapping("c", &marks),
         trapping("d", &marks),
     );
-    first.declare(&[a.clone(), b.clone(), c.clone(), d.clone()]);
+    // `e` ran once and failed; `never` restart it.
+    let e = UnitItem {
+        restart: RestartPolicy::Never,
+        ..sh(
+            "e",
+            &format!("echo run >> {}; exit 3", marks.join("e.runs").display()),
+        )
+    };
+    first.declare(&[a.clone(), b.clone(), c.clone(), d.clone(), e.clone()]);
+    wait_unit(&first, "e", "e failed", |u| u.state == UnitState::Failed).await;
     let mut pids = BTreeMap::new();
     for n in ["a", "b", "c", "d"] {
         pids.insert(
@@ -663,7 +673,7 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
         .into(),
         ..d.clone()
     };
-    next.declare(&[a.clone(), b.clone(), d2]);
+    next.declare(&[a.clone(), b.clone(), d2, e.clone()]);
     let ua = wait_unit(&next, "a", "a adopted", running).await;
     assert_eq!((ua.pid, ua.restarts), (Some(pids["a"]), 1), "{ua:?}");
     assert_eq!(ua.started_at, a_started);
@@ -685,6 +695,13 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
     assert_eq!(std::fs::read_to_string(marks.join("d")).unwrap(), "TERM\n");
     assert!(!marks.join("a").exists(), "the adopted unit was signalled");
     assert!(!marks.join("b").exists());
+    // `e`'s exit is remembered, not forgotten into a fresh start.
+    let ue = wait_unit(&next, "e", "e failed", |u| u.state == UnitState::Failed).await;
+    assert_eq!((ue.exit_code, ue.restarts, ue.pid), (Some(3), 0, None));
+    assert_eq!(
+        std::fs::read_to_string(marks.join("e.runs")).unwrap(),
+        "run\n"
+    );
 
     // The adopted process is not this supervisor's child; its exit is seen all
     // the same, and handled by the restart policy.

@@ -271,6 +271,8 @@ pub fn scan(units_dir: &Path) -> (BTreeMap<String, Found>, Vec<(String, u32)>) {
         let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
             continue;
         };
+        // An exit record stays until the unit's next process starts: it is the
+        // last word on the unit unless a pid file names a newer process.
         let exit: Option<ExitRecord> = read_record(&dir, EXIT_FILE);
         let Some(record) = read_record::<PidRecord>(&dir, PID_FILE) else {
             if let Some(exit) = exit {
@@ -289,7 +291,12 @@ pub fn scan(units_dir: &Path) -> (BTreeMap<String, Found>, Vec<(String, u32)>) {
         remove_record(&dir, PID_FILE);
         match exit {
             Some(exit) if exit.pid == record.pid => found.insert(name, Found::Exited(exit)),
-            _ => found.insert(name, Found::Lost(record)),
+            stale => {
+                if stale.is_some() {
+                    remove_record(&dir, EXIT_FILE);
+                }
+                found.insert(name, Found::Lost(record))
+            }
         };
     }
     (found, orphans)

@@ -195,8 +195,8 @@ impl Runner {
                 (Some(r), None)
             }
             Some(Found::Exited(exit)) => {
-                remove_record(&self.dir, EXIT_FILE);
                 if exit.spec != spec || !want {
+                    remove_record(&self.dir, EXIT_FILE);
                     return (None, fresh);
                 }
                 info!(unit = %name, pid = exit.pid, exit_code = ?exit.code, "the unit exited while the agent was away");
@@ -274,6 +274,7 @@ impl Runner {
                         if let Some(r) = running.take() {
                             self.stop(r).await;
                         }
+                        remove_record(&self.dir, EXIT_FILE);
                         self.shared.forget(self.id, &self.item.name);
                         return;
                     }
@@ -515,12 +516,14 @@ pub(super) async fn stop_process(
     code
 }
 
-/// After the shim ended: how the unit ended, from its exit record (consumed).
+/// After the shim ended: how the unit ended, from its exit record. The record
+/// stays until the unit's next process replaces it (or the unit goes): an agent
+/// that stops before the restart leaves the next one the exit to act on (its
+/// restart policy, its restart count).
 /// A shim that ended without one (killed) leaves a unit whose output has
 /// nowhere to go: what is left of it is killed, and it counts as failed.
 fn collect_exit(name: &str, dir: &Path, r: &Running) -> (bool, Option<i32>) {
     let exit: Option<ExitRecord> = read_record(dir, EXIT_FILE);
-    remove_record(dir, EXIT_FILE);
     remove_record(dir, PID_FILE);
     match exit {
         Some(e) if e.pid == r.leader.pid => (e.success, e.code),
