@@ -854,7 +854,7 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
     // `quiet` says nothing.
     let talker = unit(
         "talker",
-        "i=0; while true; do i=$((i+1)); echo \"line $i\"; sleep 0.02; done",
+        "i=0; while true; do i=$((i+1)); echo \"line $i ------------------------------\"; sleep 0.02; done",
     );
     let quiet = unit("quiet", "while true; do sleep 0.1; done");
     let mut store = Store::open(state.path())?;
@@ -884,7 +884,7 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
             .map(|n| std::fs::read_to_string(log.join(n)).unwrap_or_default())
             .collect::<String>()
             .lines()
-            .filter_map(|l| l.strip_prefix("line ")?.parse().ok())
+            .filter_map(|l| l.strip_prefix("line ")?.split(' ').next()?.parse().ok())
             .collect()
     };
     let last = || lines().into_iter().max().unwrap_or(0);
@@ -981,23 +981,27 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
     assert!(!alive(tp) && !alive(qp1), "drain-local stops every unit");
     for name in ["talker", "quiet"] {
         assert_eq!(
-            std::fs::read_to_string(marks.path().join(name))?,
-            "TERM\n",
+            std::fs::read_to_string(marks.path().join(name))
+                .ok()
+                .as_deref(),
+            Some("TERM\n"),
             "{name} got its SIGTERM"
         );
     }
 
     // Every line the talker wrote, before, during and after each absence,
     // is in its logs (those not rotated away), in order, with no gap; the
-    // files stay within the cap (1 KiB, 2 rotated ones: about 100 lines).
+    // files stay within the cap (1 KiB, 2 rotated ones: about 70 lines).
     let kept = lines();
-    assert!(kept.len() > 50, "{kept:?}");
+    assert!(kept.len() > 40, "{kept:?}");
     for w in kept.windows(2) {
         assert_eq!(w[1], w[0] + 1, "a line lost: {w:?}");
     }
     assert!(kept[kept.len() - 1] > after + 10);
     for n in ["stdout.log", "stdout.log.1", "stdout.log.2"] {
-        let len = std::fs::metadata(log.join(n))?.len();
+        let len = std::fs::metadata(log.join(n))
+            .with_context(|| format!("{n}"))?
+            .len();
         assert!(len <= 1024, "{n} has {len} bytes");
     }
     assert!(!log.join("stdout.log.3").exists());
