@@ -79,8 +79,8 @@ impl Proc {
     }
 
     /// Ask the process to stop (SIGTERM), wait up to `within` for it, then
-    /// SIGKILL. An agent stopped this way stops its units first; a SIGKILLed one
-    /// leaves them running (orphans).
+    /// SIGKILL. An agent leaves its units running either way (the next agent
+    /// adopts them); [`drain_units`] stops them.
     pub fn terminate(&mut self, within: Duration) {
         if let Ok(None) = self.0.try_wait() {
             let _ = Command::new("kill")
@@ -120,13 +120,26 @@ impl Drop for Proc {
     }
 }
 
-/// An agent's units outlive a SIGKILLed agent; stop the agent gracefully so its
-/// units go with it, even when a test fails half-way.
+/// `mesh-agent drain-local`: stop every unit an agent left in `state_dir`.
+pub fn drain_units(state_dir: &Path) {
+    if let Ok(bin) = bin("mesh-agent") {
+        let _ = Command::new(bin)
+            .args(["drain-local", "--stop-timeout", "5s", "--state-dir"])
+            .arg(state_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// An agent's units outlive their agent (decision 0016); stop the agent, then
+/// its units, even when a test fails half-way.
 impl Drop for AgentHandle {
     fn drop(&mut self) {
         if let Some(mut p) = self.proc.take() {
             p.terminate(Duration::from_secs(5));
         }
+        drain_units(&self.state_dir);
     }
 }
 
@@ -568,9 +581,10 @@ impl Mesh {
     pub async fn teardown(mut self) -> anyhow::Result<()> {
         for a in self.agents.values_mut() {
             if let Some(mut p) = a.proc.take() {
-                // Gracefully: the agent stops its units before it exits.
                 p.terminate(Duration::from_secs(5));
             }
+            // The units outlive their agent: stop them too.
+            drain_units(&a.state_dir);
         }
         self.kill_controller();
         let Mesh { env, .. } = self;

@@ -128,9 +128,8 @@ impl Agent {
         }
     }
 
-    /// Run until `shutdown` resolves, then stop the units (SIGTERM, SIGKILL after
-    /// `units.stop_timeout`): their output pipes end with this process, so they
-    /// cannot outlive it usefully (the next agent would stop leftovers anyway).
+    /// Run until `shutdown` resolves, then leave the units running for the next
+    /// agent (their shims keep their output; decision 0016).
     pub(crate) async fn run(mut self, shutdown: Shutdown<'_>) {
         self.serve(shutdown).await;
         self.units.shutdown().await;

@@ -13,8 +13,10 @@
 //!   stale generations ignored, the result kept in a local store;
 //! - runs the units its inventory section declares as supervised child processes
 //!   ([`units`]): restarted per policy with capped backoff, output captured to
-//!   rotating files, state stated in `units` reports; on its own restart it
-//!   starts what its store says must run at once, without waiting for anyone;
+//!   rotating files by a shim per unit, state stated in `units` reports; its
+//!   own restart restarts no unit: it leaves them running when it stops, and
+//!   adopts them when it starts, starting at once (without waiting for anyone)
+//!   what its store says must run and does not;
 //! - keeps running when the broker or the controller is away, reconnecting with
 //!   capped, jittered backoff, and keeps every unit running as last declared.
 //!

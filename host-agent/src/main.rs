@@ -35,6 +35,44 @@ enum Command {
     /// Enrol this node with a join token (from `meshctl node add <id>`): make
     /// the node's key pair, get its broker credentials, write credentials.toml.
     Join(JoinArgs),
+    /// Stop every unit this node runs (SIGTERM to each unit's process group,
+    /// SIGKILL after the stop timeout) and exit: decommissioning. The agent
+    /// leaves its units running when it stops; stop the agent first, or it
+    /// restarts what its store declares.
+    DrainLocal(DrainArgs),
+    /// A unit's shim: started by the agent, one per running unit.
+    #[command(hide = true)]
+    UnitShim,
+}
+
+#[derive(clap::Args)]
+struct DrainArgs {
+    /// Config file (TOML): its state_dir and units.stop_timeout are used.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// State directory. Default /var/lib/mesh-agent.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// SIGKILL a unit this long after its SIGTERM. Default 10s.
+    #[arg(long, value_parser = parse_duration)]
+    stop_timeout: Option<std::time::Duration>,
+}
+
+async fn drain_local(args: DrainArgs) -> anyhow::Result<()> {
+    let mut config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    if let Some(v) = args.state_dir {
+        config.state_dir = v;
+    }
+    if let Some(v) = args.stop_timeout {
+        config.units.stop_timeout = v;
+    }
+    let units_dir = config.state_dir.join(mesh_host_agent::units::UNITS_DIR);
+    let stopped = mesh_host_agent::units::drain_local(&units_dir, config.units.stop_timeout).await;
+    println!("stopped {} unit(s): {}", stopped.len(), stopped.join(" "));
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -139,13 +177,33 @@ async fn shutdown_signal() {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::UnitShim) {
+        // A small synchronous process: no runtime, no logging set-up.
+        return mesh_host_agent::units::shim::main();
+    }
     init_logging(cli.log_format);
-    let args = match cli.command {
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+        .and_then(|rt| rt.block_on(agent_main(cli.command)));
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn agent_main(command: Command) -> anyhow::Result<()> {
+    let args = match command {
         Command::Run(args) => args,
         Command::Join(args) => return join(args).await,
+        Command::DrainLocal(args) => return drain_local(args).await,
+        Command::UnitShim => return Ok(()),
     };
 
     let mut config = match &args.config {

@@ -659,6 +659,7 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
         units: mesh_host_agent::units::UnitsConfig {
             restart_backoff_min: Duration::from_millis(50),
             stop_timeout: Duration::from_secs(2),
+            shim_program: Some(env!("CARGO_BIN_EXE_mesh-agent").into()),
             ..Default::default()
         },
         ..Config::default()
@@ -773,4 +774,249 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
     drop(reports);
     let _ = admin.close(200, "done".into()).await;
     env.teardown().await
+}
+
+/// Whether `pid` is a live (not zombie) process.
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rfind(')')
+            .and_then(|i| s[i + 1..].split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
+}
+
+/// The agent binary, as a service manager runs it.
+fn agent_binary(config: &Path, state: &Path, root: &Path) -> anyhow::Result<tokio::process::Child> {
+    Ok(
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_mesh-agent"))
+            .args(["run", "--config"])
+            .arg(config)
+            .arg("--state-dir")
+            .arg(state)
+            .arg("--root")
+            .arg(root)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()?,
+    )
+}
+
+/// Issue 9, item 3: an agent's restart restarts no unit. The real binary runs
+/// two units from its store; it is replaced (SIGTERM, then the same binary
+/// again; later SIGKILL and again): the units keep their pids, restart counts
+/// and output, and are never signalled (each writes a mark file on TERM, HUP or
+/// INT). One killed while the agent is away is restarted and counted in the
+/// next `units` report. `mesh-agent drain-local` stops them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
+    use mesh_protocol::{DesiredState, RestartPolicy, UnitItem, UnitState, UnitStatus};
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("keep").await?;
+    let node = creds.node.clone();
+    let (admin, ch, mut reports) = controller_side(&env).await?;
+    declaration_queue_for(&ch, &node).await?;
+
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    let marks = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let config = state.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        "heartbeat_interval = \"200ms\"\nreconnect_min = \"50ms\"\nreconnect_max = \"400ms\"\n\
+         [units]\nstop_timeout = \"2s\"\nrestart_backoff_min = \"50ms\"\n\
+         log_max_bytes = 1024\nlog_files = 2\n",
+    )?;
+    let unit = |name: &str, script: &str| UnitItem {
+        name: name.into(),
+        module: "keep".into(),
+        command: "/bin/sh".into(),
+        args: vec![
+            "-c".into(),
+            format!(
+                "trap 'echo TERM >> \"$MARK\"; exit 0' TERM\n\
+                 trap 'echo HUP >> \"$MARK\"' HUP\n\
+                 trap 'echo INT >> \"$MARK\"' INT\n\
+                 echo \"pid $$\" > \"$MARK.pid\"\n{script}"
+            ),
+        ],
+        env: [(
+            "MARK".to_owned(),
+            marks.path().join(name).to_string_lossy().into_owned(),
+        )]
+        .into(),
+        working_dir: None,
+        restart: RestartPolicy::Always,
+        desired: DesiredState::Running,
+    };
+    // `talker` says a numbered line every 20 ms (a gap would be a lost line);
+    // `quiet` says nothing.
+    let talker = unit(
+        "talker",
+        "i=0; while true; do i=$((i+1)); echo \"line $i ------------------------------\"; sleep 0.02; done",
+    );
+    let quiet = unit("quiet", "while true; do sleep 0.1; done");
+    let mut store = Store::open(state.path())?;
+    store.record(
+        Section::Inventory,
+        mesh_host_agent::store::SectionState {
+            generation: 1,
+            last_generation: 1,
+            units: vec![talker, quiet],
+            ..Default::default()
+        },
+        None,
+        10,
+    )?;
+    drop(store);
+
+    fn both_running(u: &[UnitStatus]) -> bool {
+        u.len() == 2
+            && u.iter()
+                .all(|s| s.state == UnitState::Running && s.pid.is_some())
+    }
+    let of = |u: &[UnitStatus], name: &str| u.iter().find(|s| s.name == name).cloned();
+    let log = state.path().join("units/talker");
+    let lines = || -> Vec<u64> {
+        ["stdout.log.2", "stdout.log.1", "stdout.log"]
+            .iter()
+            .map(|n| std::fs::read_to_string(log.join(n)).unwrap_or_default())
+            .collect::<String>()
+            .lines()
+            .filter_map(|l| l.strip_prefix("line ")?.split(' ').next()?.parse().ok())
+            .collect()
+    };
+    let last = || lines().into_iter().max().unwrap_or(0);
+
+    // 1. The first agent starts both from its store.
+    let mut agent = agent_binary(&config, state.path(), root.path())?;
+    let r = wait_report(&mut reports, "units report: both running", |r| {
+        units_of(r).is_some_and(both_running)
+    })
+    .await?;
+    let u = units_of(&r).unwrap();
+    let (talker0, quiet0) = (of(u, "talker").unwrap(), of(u, "quiet").unwrap());
+    assert_eq!((talker0.restarts, quiet0.restarts), (0, 0));
+    let (tp, qp) = (talker0.pid.unwrap(), quiet0.pid.unwrap());
+    wait_until("output before", || last() > 5).await?;
+
+    // 2. Replaced gracefully.
+    let pid = agent.id().context("agent pid")?;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).context("pid")?,
+        rustix::process::Signal::TERM,
+    )?;
+    let exit = timeout(Duration::from_secs(15), agent.wait()).await??;
+    assert!(exit.success(), "{exit}");
+    assert!(alive(tp) && alive(qp), "the units outlive a stopped agent");
+    let at_stop = last();
+    wait_until("output while the agent is away", || last() > at_stop + 10).await?;
+    // `quiet` dies while the agent is away; its shim records it.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(qp as i32).context("pid")?,
+        rustix::process::Signal::KILL,
+    )?;
+    let exit_record = state.path().join("units/quiet/exit");
+    wait_until("quiet's exit record", || exit_record.exists()).await?;
+
+    let mut agent = agent_binary(&config, state.path(), root.path())?;
+    let r = wait_report(&mut reports, "units report after the restart", |r| {
+        units_of(r)
+            .is_some_and(|u| both_running(u) && of(u, "quiet").is_some_and(|q| q.pid != Some(qp)))
+    })
+    .await?;
+    let u = units_of(&r).unwrap();
+    let (talker1, quiet1) = (of(u, "talker").unwrap(), of(u, "quiet").unwrap());
+    assert_eq!(talker1.pid, Some(tp), "adopted: the same process");
+    assert_eq!(talker1.restarts, 0, "adopted: not counted as a restart");
+    assert_eq!(talker1.started_at, talker0.started_at);
+    assert_eq!(quiet1.restarts, 1, "died while the agent was away: counted");
+    let qp1 = quiet1.pid.unwrap();
+    let during = last();
+    wait_until("output with the new agent", || last() > during + 10).await?;
+
+    // 3. Replaced after a crash (SIGKILL): the same.
+    agent.kill().await?;
+    assert!(alive(tp) && alive(qp1), "the units outlive a killed agent");
+    let mut agent = agent_binary(&config, state.path(), root.path())?;
+    let r = wait_report(&mut reports, "units report after the crash", |r| {
+        units_of(r).is_some_and(both_running)
+    })
+    .await?;
+    let u = units_of(&r).unwrap();
+    let (talker2, quiet2) = (of(u, "talker").unwrap(), of(u, "quiet").unwrap());
+    assert_eq!((talker2.pid, talker2.restarts), (Some(tp), 0));
+    assert_eq!((quiet2.pid, quiet2.restarts), (Some(qp1), 1));
+    let after = last();
+    wait_until("output after the crash", || last() > after + 10).await?;
+
+    // Never signalled (the marks are only written by the traps).
+    for name in ["talker", "quiet"] {
+        assert!(
+            !marks.path().join(name).exists(),
+            "{name} was signalled: {:?}",
+            std::fs::read_to_string(marks.path().join(name))
+        );
+    }
+
+    // 4. Decommissioning: stop the agent, drain the node.
+    let pid = agent.id().context("agent pid")?;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).context("pid")?,
+        rustix::process::Signal::TERM,
+    )?;
+    timeout(Duration::from_secs(15), agent.wait()).await??;
+    assert!(alive(tp) && alive(qp1));
+    let drained = tokio::process::Command::new(env!("CARGO_BIN_EXE_mesh-agent"))
+        .args(["drain-local", "--stop-timeout", "2s", "--state-dir"])
+        .arg(state.path())
+        .output()
+        .await?;
+    assert!(drained.status.success(), "{drained:?}");
+    assert!(
+        String::from_utf8_lossy(&drained.stdout).contains("stopped 2 unit(s): quiet talker"),
+        "{drained:?}"
+    );
+    assert!(!alive(tp) && !alive(qp1), "drain-local stops every unit");
+    for name in ["talker", "quiet"] {
+        assert_eq!(
+            std::fs::read_to_string(marks.path().join(name))
+                .ok()
+                .as_deref(),
+            Some("TERM\n"),
+            "{name} got its SIGTERM"
+        );
+    }
+
+    // Every line the talker wrote, before, during and after each absence,
+    // is in its logs (those not rotated away), in order, with no gap; the
+    // files stay within the cap (1 KiB, 2 rotated ones: about 70 lines).
+    let kept = lines();
+    assert!(kept.len() > 40, "{kept:?}");
+    for w in kept.windows(2) {
+        assert_eq!(w[1], w[0] + 1, "a line lost: {w:?}");
+    }
+    assert!(kept[kept.len() - 1] > after + 10);
+    for n in ["stdout.log", "stdout.log.1", "stdout.log.2"] {
+        let len = std::fs::metadata(log.join(n))
+            .with_context(|| format!("{n}"))?
+            .len();
+        assert!(len <= 1024, "{n} has {len} bytes");
+    }
+    assert!(!log.join("stdout.log.3").exists());
+
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}
+
+/// Wait for a plain condition (files, /proc), polling, within the deadline.
+async fn wait_until(what: &str, check: impl Fn() -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + DEADLINE;
+    while !check() {
+        anyhow::ensure!(Instant::now() < deadline, "no {what} within {DEADLINE:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
 }

@@ -1,10 +1,13 @@
-//! The unit supervisor with real processes: start, kill -9 and restart, stop,
-//! removal, spec change, restart policies, process groups, captured output and
-//! its rotation; and the agent running units from its store without a broker,
-//! across in-process restarts and across a crash of the real binary.
+//! The unit supervisor with real processes (and real shims: the `mesh-agent`
+//! binary): start, kill -9 and restart, stop, removal, spec change, restart
+//! policies, process groups, captured output and its rotation, units left
+//! running by a supervisor's shutdown and adopted by the next one; and the
+//! agent running units from its store without a broker, across in-process
+//! restarts and across a crash of the real binary.
 //!
 //! Every wait is on a condition with a deadline.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -26,6 +29,7 @@ fn fast() -> UnitsConfig {
         restart_reset_after: Duration::from_secs(60),
         log_max_bytes: 1024,
         log_files: 2,
+        shim_program: Some(env!("CARGO_BIN_EXE_mesh-agent").into()),
     }
 }
 
@@ -168,7 +172,7 @@ async fn starts_restarts_after_kill_and_stops() {
         .await
         .expect("removed unit leaves the list");
     wait_for("the removed unit's process to be gone", || !alive(pid3)).await;
-    fx.sup.shutdown().await;
+    fx.sup.stop_all().await;
 }
 
 #[tokio::test]
@@ -209,7 +213,7 @@ async fn spec_change_restarts_and_policy_change_does_not() {
         std::fs::read(&cmdline).is_ok_and(|c| String::from_utf8_lossy(&c).contains("999"))
     })
     .await;
-    fx.sup.shutdown().await;
+    fx.sup.stop_all().await;
 }
 
 #[tokio::test]
@@ -268,7 +272,7 @@ async fn restart_policies() {
         .find(|u| u.name == "never")
         .unwrap();
     assert_eq!((u.state, u.restarts), (UnitState::Failed, 0));
-    fx.sup.shutdown().await;
+    fx.sup.stop_all().await;
 }
 
 /// Backoff doubles per restart, but a process that ran `restart_reset_after`
@@ -298,7 +302,7 @@ async fn backoff_resets_after_a_stable_run() {
         fx.sup.statuses()
     );
     assert!(started.elapsed() >= Duration::from_millis(8 * 150));
-    fx.sup.shutdown().await;
+    fx.sup.stop_all().await;
 }
 
 #[tokio::test]
@@ -341,7 +345,7 @@ async fn stop_reaches_the_whole_process_group_and_ignored_sigterm_gets_sigkill()
     // The leader ignored SIGTERM: it took the stop timeout and a SIGKILL.
     assert!(started.elapsed() >= Duration::from_millis(300));
     wait_for("leader and child gone", || !alive(leader) && !alive(child)).await;
-    fx.sup.shutdown().await;
+    fx.sup.stop_all().await;
 }
 
 #[tokio::test]
@@ -364,10 +368,11 @@ async fn output_is_captured_and_rotation_caps_its_size() {
         std::fs::read_to_string(dir.join("stdout.log")).is_ok_and(|t| t.contains("done"))
     })
     .await;
-    assert_eq!(
-        std::fs::read_to_string(dir.join("stderr.log")).unwrap(),
-        "oops\n"
-    );
+    // The two streams are copied independently: no order between them.
+    wait_for("stderr", || {
+        std::fs::read_to_string(dir.join("stderr.log")).is_ok_and(|t| t == "oops\n")
+    })
+    .await;
     // 20 kB written, 1 KiB per file, 2 rotated files kept: the start is gone.
     let mut total = 0;
     for name in ["stdout.log", "stdout.log.1", "stdout.log.2"] {
@@ -408,11 +413,11 @@ async fn output_is_captured_and_rotation_caps_its_size() {
             .is_ok_and(|t| t == expected)
     })
     .await;
-    fx.sup.shutdown().await;
+    fx.sup.stop_all().await;
 }
 
 #[tokio::test]
-async fn shutdown_stops_every_unit() {
+async fn stop_all_stops_every_unit() {
     let mut fx = fixture(fast()).await;
     fx.sup
         .declare(&[sh("a", "exec sleep 1000"), sh("b", "exec sleep 1000")]);
@@ -424,9 +429,9 @@ async fn shutdown_stops_every_unit() {
         .await
         .pid
         .unwrap();
-    timeout(DEADLINE, fx.sup.shutdown())
+    timeout(DEADLINE, fx.sup.stop_all())
         .await
-        .expect("shutdown within the deadline");
+        .expect("stopped within the deadline");
     wait_for("both gone", || !alive(a) && !alive(b)).await;
     assert!(!fx.state.join("units/a/pid").exists());
 }
@@ -509,35 +514,303 @@ async fn agent_runs_units_from_its_store_while_the_broker_is_unreachable() {
         assert!(!agent.is_finished());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Graceful shutdown stops it.
+    // Graceful shutdown leaves it running.
     let _ = stop.send(());
     timeout(DEADLINE, agent).await.unwrap().unwrap().unwrap();
-    assert!(!alive(pid), "graceful shutdown stops units");
+    assert!(alive(pid), "graceful shutdown leaves units running");
 
-    // A second run with the same state dir starts it again, at once.
+    // A second run with the same state dir adopts it: still that process, and
+    // it says so (the gauge of running units).
+    let port = free_port();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let agent = tokio::spawn(mesh_host_agent::run(
-        offline_agent(state.path(), root.path()),
+        Config {
+            metrics_listen: Some(([127, 0, 0, 1], port).into()),
+            ..offline_agent(state.path(), root.path())
+        },
         async {
             let _ = stopped.await;
         },
     ));
-    let pid2 = unit_pid(state.path(), "kept", Some(pid)).await;
-    assert!(alive(pid2));
+    wait_metric(port, "mesh_agent_units_running 1").await;
+    assert_eq!(unit_pid(state.path(), "kept", None).await, pid);
     let _ = stop.send(());
     timeout(DEADLINE, agent).await.unwrap().unwrap().unwrap();
-    assert!(!alive(pid2));
+    assert!(alive(pid));
+
+    // drain-local (decommissioning) stops it.
+    let stopped =
+        mesh_host_agent::units::drain_local(&state.path().join("units"), Duration::from_secs(2))
+            .await;
+    assert_eq!(stopped, vec!["kept".to_owned()]);
+    assert!(!alive(pid));
+    assert!(!state.path().join("units/kept/pid").exists());
 }
 
-/// The real binary, killed with SIGKILL, leaves its unit running (it could not
-/// stop it); the next agent stops that leftover before starting the unit again,
-/// so the unit never runs twice.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Wait until the agent's metrics on `port` have a line `line`.
+async fn wait_metric(port: u16, line: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let until = Instant::now() + DEADLINE;
+    loop {
+        let mut out = String::new();
+        if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+            let _ = s
+                .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await;
+            let _ = s.read_to_string(&mut out).await;
+        }
+        if out.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "no `{line}` within {DEADLINE:?}: {out}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A unit that writes `<marks>/<name>` if it is ever signalled (TERM, HUP,
+/// INT), and otherwise runs until it is killed.
+fn trapping(name: &str, marks: &Path) -> UnitItem {
+    UnitItem {
+        env: [(
+            "MARK".to_owned(),
+            marks.join(name).to_string_lossy().into_owned(),
+        )]
+        .into(),
+        ..sh(
+            name,
+            "trap 'echo TERM >> \"$MARK\"; exit 0' TERM\n\
+             trap 'echo HUP >> \"$MARK\"' HUP\n\
+             trap 'echo INT >> \"$MARK\"' INT\n\
+             echo \"pid $$\"\n\
+             while true; do sleep 0.1; done",
+        )
+    }
+}
+
+fn status(sup: &Supervisor, name: &str) -> Option<UnitStatus> {
+    sup.statuses().into_iter().find(|u| u.name == name)
+}
+
+/// A supervisor's shutdown (the agent stopping for a restart) leaves every unit
+/// running; the next supervisor adopts those still declared as they are (same
+/// pid, same restart count, never signalled), watches them although they are
+/// not its children, restarts and counts one that died meanwhile, restarts one
+/// whose spec changed meanwhile, and stops one no longer declared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crashed_agents_leftover_units_are_stopped_before_the_restart() {
+async fn units_outlive_their_supervisor_and_are_adopted() {
+    let Fixture {
+        _dir: dir,
+        root,
+        state,
+        sup: mut first,
+    } = fixture(fast()).await;
+    let marks = dir.path().join("marks");
+    std::fs::create_dir_all(&marks).unwrap();
+    let (a, b, c, d) = (
+        trapping("a", &marks),
+        trapping("b", &marks),
+        trapping("c", &marks),
+        trapping("d", &marks),
+    );
+    // `e` ran once and failed; `never` restart it.
+    let e = UnitItem {
+        restart: RestartPolicy::Never,
+        ..sh(
+            "e",
+            &format!("echo run >> {}; exit 3", marks.join("e.runs").display()),
+        )
+    };
+    first.declare(&[a.clone(), b.clone(), c.clone(), d.clone(), e.clone()]);
+    wait_unit(&first, "e", "e failed", |u| u.state == UnitState::Failed).await;
+    let mut pids = BTreeMap::new();
+    for n in ["a", "b", "c", "d"] {
+        pids.insert(
+            n,
+            wait_unit(&first, n, "running", running).await.pid.unwrap(),
+        );
+    }
+    // One restart of `a` before: its count must survive the supervisor.
+    kill9(pids["a"]);
+    let u = wait_unit(&first, "a", "a restarted", |u| {
+        running(u) && u.pid != Some(pids["a"])
+    })
+    .await;
+    assert_eq!(u.restarts, 1);
+    pids.insert("a", u.pid.unwrap());
+    let a_started = u.started_at;
+
+    timeout(DEADLINE, first.shutdown())
+        .await
+        .expect("shutdown within the deadline");
+    for (n, pid) in &pids {
+        assert!(alive(*pid), "{n} must outlive the supervisor");
+    }
+    // `b` dies while nobody watches: its shim records how.
+    kill9(pids["b"]);
+    wait_for("b's exit record", || state.join("units/b/exit").exists()).await;
+
+    // The next supervisor: `c` is no longer declared, `d` has a new spec.
+    let mut next = Supervisor::start(fast(), &root, &state, Metrics::new()).await;
+    let d2 = UnitItem {
+        env: [
+            (
+                "MARK".to_owned(),
+                marks.join("d").to_string_lossy().into_owned(),
+            ),
+            ("VERSION".to_owned(), "2".to_owned()),
+        ]
+        .into(),
+        ..d.clone()
+    };
+    next.declare(&[a.clone(), b.clone(), d2, e.clone()]);
+    let ua = wait_unit(&next, "a", "a adopted", running).await;
+    assert_eq!((ua.pid, ua.restarts), (Some(pids["a"]), 1), "{ua:?}");
+    assert_eq!(ua.started_at, a_started);
+    let ub = wait_unit(&next, "b", "b restarted", |u| {
+        running(u) && u.pid != Some(pids["b"])
+    })
+    .await;
+    assert_eq!(ub.restarts, 1, "a unit that died while away is counted");
+    let ud = wait_unit(&next, "d", "d restarted with its new spec", |u| {
+        running(u) && u.pid != Some(pids["d"])
+    })
+    .await;
+    assert_eq!(ud.restarts, 0, "a new spec is a new unit");
+    wait_for("c stopped", || !alive(pids["c"])).await;
+    wait_for("d's old process stopped", || !alive(pids["d"])).await;
+    assert!(status(&next, "c").is_none());
+    // Stopped ones were told (TERM); the adopted one never was.
+    assert_eq!(std::fs::read_to_string(marks.join("c")).unwrap(), "TERM\n");
+    assert_eq!(std::fs::read_to_string(marks.join("d")).unwrap(), "TERM\n");
+    assert!(!marks.join("a").exists(), "the adopted unit was signalled");
+    assert!(!marks.join("b").exists());
+    // `e`'s exit is remembered, not forgotten into a fresh start.
+    let ue = wait_unit(&next, "e", "e failed", |u| u.state == UnitState::Failed).await;
+    assert_eq!((ue.exit_code, ue.restarts, ue.pid), (Some(3), 0, None));
+    assert_eq!(
+        std::fs::read_to_string(marks.join("e.runs")).unwrap(),
+        "run\n"
+    );
+
+    // The adopted process is not this supervisor's child; its exit is seen all
+    // the same, and handled by the restart policy.
+    kill9(pids["a"]);
+    let ua = wait_unit(&next, "a", "adopted a restarted", |u| {
+        running(u) && u.pid != Some(pids["a"])
+    })
+    .await;
+    assert_eq!(ua.restarts, 2);
+    let left: Vec<u32> = next.statuses().iter().filter_map(|u| u.pid).collect();
+    timeout(DEADLINE, next.stop_all()).await.expect("stopped");
+    for pid in left {
+        wait_for("every unit gone", || !alive(pid)).await;
+    }
+    drop(dir);
+}
+
+/// The output a unit writes while no agent runs is kept: its shim owns the
+/// pipes and rotates the files on its own. Numbered lines: a gap would be a
+/// lost line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_written_while_no_supervisor_runs_is_kept_and_rotated() {
+    // 2 KiB files, 5 rotated ones kept: about 300 of these 40-byte lines.
+    let config = UnitsConfig {
+        log_max_bytes: 2048,
+        log_files: 5,
+        ..fast()
+    };
+    let Fixture {
+        _dir: dir,
+        root,
+        state,
+        sup: mut first,
+    } = fixture(config.clone()).await;
+    let ticker = sh(
+        "ticker",
+        "i=0; while true; do i=$((i+1)); echo \"tick $i ------------------------\"; sleep 0.01; done",
+    );
+    first.declare(std::slice::from_ref(&ticker));
+    let pid = wait_unit(&first, "ticker", "running", running)
+        .await
+        .pid
+        .unwrap();
+    let logs = state.join("units/ticker");
+    let files: Vec<String> = (1..=5)
+        .rev()
+        .map(|i| format!("stdout.log.{i}"))
+        .chain(["stdout.log".to_owned()])
+        .collect();
+    let ticks = || -> Vec<u64> {
+        let text: String = files
+            .iter()
+            .map(|n| std::fs::read_to_string(logs.join(n)).unwrap_or_default())
+            .collect();
+        text.lines()
+            .filter_map(|l| l.strip_prefix("tick ")?.split(' ').next()?.parse().ok())
+            .collect()
+    };
+    let last = || ticks().into_iter().max().unwrap_or(0);
+    wait_for("output before", || last() > 5).await;
+    timeout(DEADLINE, first.shutdown()).await.expect("shutdown");
+    let at_shutdown = last();
+    // No supervisor: the output keeps landing, and is rotated (2 KiB is about
+    // 50 lines).
+    wait_for("output while no supervisor runs", || {
+        last() > at_shutdown + 60
+    })
+    .await;
+    let during = last();
+    let mut next = Supervisor::start(config, &root, &state, Metrics::new()).await;
+    next.declare(std::slice::from_ref(&ticker));
+    let u = wait_unit(&next, "ticker", "adopted", running).await;
+    assert_eq!(u.pid, Some(pid));
+    wait_for("output after", || last() > during + 20).await;
+    timeout(DEADLINE, next.stop_all()).await.expect("stopped");
+    wait_for("ticker gone", || !alive(pid)).await;
+
+    // Now that nothing writes: every line there, in order, no gap, from
+    // before the shutdown to after the adoption; each file within the cap.
+    for n in &files {
+        let len = std::fs::metadata(logs.join(n)).map_or(0, |m| m.len());
+        assert!(len <= 2048, "{n} has {len} bytes");
+    }
+    assert!(logs.join("stdout.log.1").exists(), "never rotated");
+    let ticks = ticks();
+    for w in ticks.windows(2) {
+        assert_eq!(w[1], w[0] + 1, "a gap in the output: {w:?}");
+    }
+    let (first_kept, last_kept) = (ticks[0], ticks[ticks.len() - 1]);
+    assert!(
+        first_kept <= at_shutdown && last_kept > during + 20,
+        "kept {first_kept}..={last_kept}; shut down at {at_shutdown}, adopted after {during}"
+    );
+    drop(dir);
+}
+
+/// The real binary, killed with SIGKILL, leaves its unit running (with its
+/// shim); the next agent adopts it: the same process, never signalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_agents_units_are_adopted_by_the_next_agent() {
     let state = tempfile::tempdir().unwrap();
     let root = tempfile::tempdir().unwrap();
-    let config = offline_agent(state.path(), root.path());
-    seed_store(state.path(), vec![sh("survivor", "exec sleep 1000")]);
+    let marks = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let config = Config {
+        metrics_listen: Some(([127, 0, 0, 1], port).into()),
+        ..offline_agent(state.path(), root.path())
+    };
+    seed_store(state.path(), vec![trapping("survivor", marks.path())]);
 
     let mut bin = std::process::Command::new(env!("CARGO_BIN_EXE_mesh-agent"))
         .args(["run", "--state-dir"])
@@ -551,17 +824,23 @@ async fn a_crashed_agents_leftover_units_are_stopped_before_the_restart() {
     let orphan = unit_pid(state.path(), "survivor", None).await;
     bin.kill().unwrap();
     bin.wait().unwrap();
-    // The unit outlived the agent (its own process group).
+    // The unit outlived the agent (its shim left the agent's session).
     assert!(alive(orphan));
 
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let agent = tokio::spawn(mesh_host_agent::run(config, async {
         let _ = stopped.await;
     }));
-    let fresh = unit_pid(state.path(), "survivor", Some(orphan)).await;
-    assert!(!alive(orphan), "the leftover was stopped first");
-    assert!(alive(fresh));
+    wait_metric(port, "mesh_agent_units_running 1").await;
+    assert_eq!(unit_pid(state.path(), "survivor", None).await, orphan);
+    assert!(!marks.path().join("survivor").exists(), "it was signalled");
     let _ = stop.send(());
     timeout(DEADLINE, agent).await.unwrap().unwrap().unwrap();
-    assert!(!alive(fresh));
+    assert!(alive(orphan));
+    mesh_host_agent::units::drain_local(&state.path().join("units"), Duration::from_secs(2)).await;
+    assert!(!alive(orphan));
+    assert_eq!(
+        std::fs::read_to_string(marks.path().join("survivor")).unwrap(),
+        "TERM\n"
+    );
 }

@@ -8,7 +8,9 @@
 //! restart count reset; a change of `desired` or `restart` alone is applied in
 //! place (a running process is not disturbed by a policy change).
 //!
-//! Each unit has a runner task that owns its process:
+//! Each unit has a runner task that owns its process, through the process's
+//! shim ([`shim`]: `mesh-agent unit-shim`, the unit's parent, which keeps its
+//! output and learns its exit status, and outlives the agent):
 //! - the process leads its own process group; stopping sends SIGTERM to the group,
 //!   then SIGKILL after `stop_timeout`, so a unit's whole tree goes;
 //! - when the process exits, what is left of its group is killed, and the restart
@@ -17,7 +19,7 @@
 //!   (`restart_backoff_min`, doubling up to `restart_backoff_max`), reset once the
 //!   process ran for `restart_reset_after`;
 //! - stdout and stderr go to rotating files under `<state_dir>/units/<name>/`
-//!   (see [`logs`]);
+//!   (see [`logs`]), written by the shim;
 //! - the environment is not the agent's: the process gets `PATH`, `HOME` and
 //!   `LANG` from the agent (a default `PATH` if it has none), `MESH_UNIT` and
 //!   `MESH_MODULE`, then the declared `env` on top;
@@ -27,12 +29,21 @@
 //!   missing one is a failed start (retried with backoff). `command` is not
 //!   rebased: an absolute path or a name looked up in `PATH`.
 //!
+//! The agent's own restart restarts no unit (decision 0016): on shutdown it
+//! leaves them running ([`Supervisor::shutdown`]); on start
+//! ([`Supervisor::start`]) it finds them through their pid files and adopts
+//! those still declared with the same spec, as they are (same pid, same restart
+//! count), stops the others, and restarts (and counts) those that exited while
+//! it was away, as their restart policy says. [`drain_local`]
+//! (`mesh-agent drain-local`) stops them all, for decommissioning.
+//!
 //! State changes land in a `watch` channel holding every unit's [`UnitStatus`];
 //! the agent turns it into `units` reports ([`Reporter`]).
 
 mod logs;
 mod process;
 mod runner;
+pub mod shim;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,9 +58,10 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 pub use logs::RotatingLog;
-pub use process::{PID_FILE, reap_stale};
+pub use process::{EXIT_FILE, PID_FILE, drain_local};
 
 use crate::metrics::Metrics;
+use process::{Found, ProcessSpec};
 
 /// The directory under the state dir that holds one directory per unit.
 pub const UNITS_DIR: &str = "units";
@@ -63,8 +75,8 @@ pub const REPORT_MIN_INTERVAL: Duration = Duration::from_millis(500);
 #[serde(deny_unknown_fields, default)]
 pub struct UnitsConfig {
     /// How long a unit's processes get between SIGTERM and SIGKILL when it is
-    /// stopped (declared stopped, removed, spec changed, agent shutdown).
-    /// Default 10 s.
+    /// stopped (declared stopped, removed, spec changed, `mesh-agent
+    /// drain-local`). Default 10 s.
     #[serde(deserialize_with = "crate::config::de_duration")]
     pub stop_timeout: Duration,
     /// Wait before the first restart of a unit that exited. Default 1 s.
@@ -81,8 +93,15 @@ pub struct UnitsConfig {
     /// Default 10 MiB.
     pub log_max_bytes: u64,
     /// Rotated files kept per stream (`stdout.log.1` … `.N`); 0 keeps only the
-    /// current file, truncating it when full. Default 5.
+    /// current file, truncating it when full. Default 5. Both log settings
+    /// reach a unit at its (re)start: an adopted process keeps those it was
+    /// started with.
     pub log_files: usize,
+    /// The program run as each unit's shim, with the argument `unit-shim`. Not
+    /// a config file setting: `None` (the agent's own executable) outside
+    /// tests, which run the agent inside a test binary and name `mesh-agent`.
+    #[serde(skip)]
+    pub shim_program: Option<PathBuf>,
 }
 
 impl Default for UnitsConfig {
@@ -94,6 +113,7 @@ impl Default for UnitsConfig {
             restart_reset_after: Duration::from_secs(60),
             log_max_bytes: 10 * 1024 * 1024,
             log_files: 5,
+            shim_program: None,
         }
     }
 }
@@ -179,13 +199,17 @@ pub struct Supervisor {
     units: BTreeMap<String, Handle>,
     /// Runners told to stop (removed or replaced) that may not have finished yet.
     stopping: BTreeMap<String, JoinHandle<()>>,
+    /// What a previous agent left, until the first [`Supervisor::declare`].
+    found: Option<BTreeMap<String, Found>>,
     next_runner: u64,
 }
 
 impl Supervisor {
     /// A supervisor for units under `root` (working dirs) and `state_dir` (logs,
-    /// pid files). First stops what a previous agent left running (see
-    /// [`process`]), which may take up to `config.stop_timeout`.
+    /// pid files). Finds what a previous agent left (see [`process`]); the
+    /// first [`Supervisor::declare`] adopts it or stops it. Unit processes left
+    /// without their shim (their output has nowhere to go) are stopped here,
+    /// which may take up to `config.stop_timeout`.
     pub async fn start(
         config: UnitsConfig,
         root: &Path,
@@ -193,7 +217,11 @@ impl Supervisor {
         metrics: Metrics,
     ) -> Supervisor {
         let units_dir = state_dir.join(UNITS_DIR);
-        reap_stale(&units_dir, config.stop_timeout).await;
+        let (found, orphans) = process::scan(&units_dir);
+        if !orphans.is_empty() {
+            let groups: Vec<u32> = orphans.iter().map(|(_, pid)| *pid).collect();
+            process::stop_groups(&groups, config.stop_timeout).await;
+        }
         let (status, _) = watch::channel(Snapshot::new());
         metrics.set_units_running(0);
         Supervisor {
@@ -206,16 +234,32 @@ impl Supervisor {
             }),
             units: BTreeMap::new(),
             stopping: BTreeMap::new(),
+            found: Some(found),
             next_runner: 1,
         }
     }
 
     /// Make the supervised units be `wanted` (the whole list). Never blocks:
-    /// starting and stopping happen in the runners.
+    /// starting and stopping happen in the runners. The first call also
+    /// decides about what a previous agent left: adopted if still wanted,
+    /// stopped if not.
     pub fn declare(&mut self, wanted: &[UnitItem]) {
         self.stopping.retain(|_, t| !t.is_finished());
         let wanted: BTreeMap<&str, &UnitItem> =
             wanted.iter().map(|u| (u.name.as_str(), u)).collect();
+
+        let mut found = self.found.take().unwrap_or_default();
+        let leftovers: Vec<String> = found
+            .keys()
+            .filter(|n| !wanted.contains_key(n.as_str()))
+            .cloned()
+            .collect();
+        for name in leftovers {
+            if let Some(f) = found.remove(&name) {
+                let task = tokio::spawn(stop_leftover(self.shared.clone(), name.clone(), f));
+                self.stopping.insert(name, task);
+            }
+        }
 
         let gone: Vec<String> = self
             .units
@@ -250,7 +294,7 @@ impl Supervisor {
                 }
                 None => {
                     let predecessor = self.stopping.remove(name);
-                    let h = self.spawn(item.clone(), predecessor);
+                    let h = self.spawn_with(item.clone(), predecessor, found.remove(name));
                     self.units.insert(name.to_owned(), h);
                 }
             }
@@ -258,11 +302,20 @@ impl Supervisor {
     }
 
     fn spawn(&mut self, item: UnitItem, predecessor: Option<JoinHandle<()>>) -> Handle {
+        self.spawn_with(item, predecessor, None)
+    }
+
+    fn spawn_with(
+        &mut self,
+        item: UnitItem,
+        predecessor: Option<JoinHandle<()>>,
+        found: Option<Found>,
+    ) -> Handle {
         let id = self.next_runner;
         self.next_runner += 1;
         let (control, rx) = watch::channel(item.clone());
         let runner = runner::Runner::new(id, self.shared.clone(), rx);
-        let task = tokio::spawn(runner.run(predecessor));
+        let task = tokio::spawn(runner.run(predecessor, found));
         Handle {
             item,
             control,
@@ -297,9 +350,42 @@ impl Supervisor {
         }
     }
 
-    /// Stop every unit (SIGTERM, SIGKILL after `stop_timeout`) and wait for them,
-    /// at most `stop_timeout` plus a few seconds.
+    /// The agent stops (a restart, an upgrade): leave every unit running, with
+    /// its shim, for the next agent to adopt. Stops already under way (units
+    /// removed, or replaced for a new spec) are finished first, within
+    /// `stop_timeout` plus a few seconds; then the runners end where they are
+    /// (whatever state they leave, the next agent's start reads it from the
+    /// records).
     pub async fn shutdown(mut self) {
+        let stopping: Vec<(String, JoinHandle<()>)> =
+            std::mem::take(&mut self.stopping).into_iter().collect();
+        let runners = std::mem::take(&mut self.units);
+        let left = runners.len();
+        for (_, h) in &runners {
+            h.task.abort();
+        }
+        let deadline = Instant::now() + self.shared.config.stop_timeout + Duration::from_secs(5);
+        for (name, task) in stopping {
+            if tokio::time::timeout_at(deadline, task).await.is_err() {
+                warn!(unit = %name, "unit did not stop before the deadline");
+            }
+        }
+        for (_, h) in runners {
+            let _ = h.task.await;
+        }
+        if left > 0 {
+            info!(units = left, "leaving the units running for the next agent");
+        }
+    }
+
+    /// Stop every unit (SIGTERM, SIGKILL after `stop_timeout`) and wait for them,
+    /// at most `stop_timeout` plus a few seconds: decommissioning from within
+    /// the process (tests); `mesh-agent drain-local` does it from outside.
+    pub async fn stop_all(mut self) {
+        for (name, f) in self.found.take().unwrap_or_default() {
+            let task = tokio::spawn(stop_leftover(self.shared.clone(), name.clone(), f));
+            self.stopping.insert(name, task);
+        }
         let mut tasks: Vec<(String, JoinHandle<()>)> =
             std::mem::take(&mut self.stopping).into_iter().collect();
         for (name, h) in std::mem::take(&mut self.units) {
@@ -324,11 +410,24 @@ impl Supervisor {
 /// Whether two declarations of a unit run the same process (so a change between
 /// them needs no restart).
 fn same_process(a: &UnitItem, b: &UnitItem) -> bool {
-    a.module == b.module
-        && a.command == b.command
-        && a.args == b.args
-        && a.env == b.env
-        && a.working_dir == b.working_dir
+    ProcessSpec::of(a) == ProcessSpec::of(b)
+}
+
+/// What a previous agent left of a unit no longer declared: stopped if it
+/// runs, its records removed.
+async fn stop_leftover(shared: Arc<Shared>, name: String, found: Found) {
+    let dir = shared.units_dir.join(&name);
+    match found {
+        Found::Running(record) => {
+            if let Some(r) = runner::Running::adopt(&record) {
+                info!(unit = %name, pid = record.pid, "unit no longer declared; stopping what a previous agent left running");
+                runner::stop_process(&name, &dir, r, shared.config.stop_timeout).await;
+            }
+        }
+        Found::Exited(_) | Found::Lost(_) => {}
+    }
+    process::remove_record(&dir, EXIT_FILE);
+    process::remove_record(&dir, PID_FILE);
 }
 
 fn snapshot_list(s: &Snapshot) -> Vec<UnitStatus> {

@@ -1,33 +1,109 @@
-//! One unit's runner: owns its process, restarts it per policy, stops it when
-//! told, and keeps its status current. See the module docs of [`super`].
+//! One unit's runner: owns its process (through the process's shim), restarts
+//! it per policy, stops it when told, and keeps its status current. See the
+//! module docs of [`super`].
 
-use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
-use std::process::{ExitStatus, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use mesh_protocol::{DesiredState, RestartPolicy, UnitItem, UnitState, UnitStatus};
 use rustix::process::Signal;
-use tokio::process::{Child, Command};
-use tokio::sync::{Mutex, watch};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{info, warn};
 
 use super::Shared;
-use super::logs::{RotatingLog, pump};
-use super::process::{remove_pid_file, signal_group, write_pid_file};
+use super::process::{
+    EXIT_FILE, ExitRecord, Found, PID_FILE, PidRecord, ProcRef, ProcessSpec, read_record,
+    remove_record, signal_group,
+};
+use super::shim::{self, Launch, Reply};
 
 /// `PATH` for units when the agent has none.
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-/// A process of the unit that runs now.
-struct Running {
-    child: Child,
-    pid: u32,
+/// How often an adopted shim is looked for in `/proc`.
+const ADOPTED_POLL: Duration = Duration::from_millis(100);
+
+/// How long a new shim may take to start its unit and answer.
+const SHIM_ANSWER: Duration = Duration::from_secs(10);
+
+/// The program run as a unit's shim when the config names none: the agent's
+/// own executable, even if it was replaced on disk since it started (an
+/// upgrade in progress).
+const SELF_EXE: &str = "/proc/self/exe";
+
+/// How the agent learns that a unit's shim ended.
+enum ShimWatch {
+    /// A shim this agent started: its child.
+    Child(tokio::process::Child),
+    /// An adopted shim (not this agent's child, so no `wait` for it): `/proc`,
+    /// polled every [`ADOPTED_POLL`], with its start time (a recycled pid is
+    /// not taken for it).
+    Adopted(ProcRef),
+}
+
+impl ShimWatch {
+    /// Resolves once the shim has exited (at once, every time, after that).
+    async fn exited(&mut self) {
+        match self {
+            ShimWatch::Child(c) => {
+                let _ = c.wait().await;
+            }
+            ShimWatch::Adopted(p) => {
+                while p.alive() {
+                    tokio::time::sleep(ADOPTED_POLL).await;
+                }
+            }
+        }
+    }
+
+    fn kill(&mut self, shim: ProcRef) {
+        match self {
+            ShimWatch::Child(c) => {
+                let _ = c.start_kill();
+            }
+            ShimWatch::Adopted(p) => {
+                if p.alive()
+                    && let Some(pid) = i32::try_from(shim.pid)
+                        .ok()
+                        .and_then(rustix::process::Pid::from_raw)
+                {
+                    let _ = rustix::process::kill_process(pid, Signal::KILL);
+                }
+            }
+        }
+    }
+}
+
+/// A process of the unit that runs now, and its shim.
+pub(super) struct Running {
+    watch: ShimWatch,
+    shim: ProcRef,
+    leader: ProcRef,
     started: Instant,
+}
+
+impl Running {
+    /// A unit process a previous agent started, found through its pid file.
+    pub(super) fn adopt(record: &PidRecord) -> Option<Running> {
+        let shim = record.shim?;
+        let watch = ShimWatch::Adopted(shim);
+        let ran = record
+            .started_at
+            .and_then(|t| (Utc::now() - t).to_std().ok())
+            .unwrap_or(Duration::ZERO);
+        Some(Running {
+            watch,
+            shim,
+            leader: record.leader(),
+            started: Instant::now().checked_sub(ran).unwrap_or_else(Instant::now),
+        })
+    }
 }
 
 pub(super) struct Runner {
@@ -36,9 +112,8 @@ pub(super) struct Runner {
     control: watch::Receiver<UnitItem>,
     item: UnitItem,
     dir: PathBuf,
-    stdout: Arc<Mutex<RotatingLog>>,
-    stderr: Arc<Mutex<RotatingLog>>,
-    /// Restarts since the unit was declared (or declared running again).
+    /// Restarts since the unit was declared (or declared running again),
+    /// across agent restarts (kept in the unit's records).
     restarts: u32,
     /// Whether a process was started since then (the next start is a restart).
     started_once: bool,
@@ -54,14 +129,6 @@ impl Runner {
     pub(super) fn new(id: u64, shared: Arc<Shared>, control: watch::Receiver<UnitItem>) -> Self {
         let item = control.borrow().clone();
         let dir = shared.units_dir.join(&item.name);
-        let log = |name: &str| {
-            Arc::new(Mutex::new(RotatingLog::new(
-                dir.join(name),
-                shared.config.log_max_bytes,
-                shared.config.log_files,
-            )))
-        };
-        let (stdout, stderr) = (log("stdout.log"), log("stderr.log"));
         let backoff = shared.config.restart_backoff_min;
         Runner {
             id,
@@ -69,8 +136,6 @@ impl Runner {
             control,
             item,
             dir,
-            stdout,
-            stderr,
             restarts: 0,
             started_once: false,
             backoff,
@@ -96,9 +161,65 @@ impl Runner {
         );
     }
 
+    /// Take over what a previous agent left of this unit (see
+    /// [`super::process::scan`]): a running process of the same spec is
+    /// adopted as it is; one of another spec is stopped (a new spec is a new
+    /// unit); an exit while no agent watched is handled as if it had been
+    /// watched (restart policy, the restart counted). Returns the process that
+    /// runs now and the time of the next start.
+    async fn inherit(&mut self, found: Option<Found>) -> (Option<Running>, Option<Instant>) {
+        let want = self.item.desired == DesiredState::Running;
+        let fresh = want.then(Instant::now);
+        let spec = ProcessSpec::of(&self.item);
+        let name = self.item.name.clone();
+        match found {
+            None => (None, fresh),
+            Some(Found::Running(record)) => {
+                let Some(r) = Running::adopt(&record) else {
+                    return (None, fresh);
+                };
+                if record.spec.as_ref() != Some(&spec) {
+                    info!(unit = %name, pid = record.pid, "the unit's spec changed while the agent was away; restarting it");
+                    self.stop(r).await;
+                    self.state = UnitState::Starting;
+                    self.exit_code = None;
+                    return (None, fresh);
+                }
+                info!(unit = %name, pid = record.pid, restarts = record.restarts, "adopted the unit's running process");
+                self.restarts = record.restarts;
+                self.started_once = true;
+                self.state = UnitState::Running;
+                self.pid = Some(record.pid);
+                self.started_at = record.started_at;
+                self.publish();
+                (Some(r), None)
+            }
+            Some(Found::Exited(exit)) => {
+                if exit.spec != spec || !want {
+                    remove_record(&self.dir, EXIT_FILE);
+                    return (None, fresh);
+                }
+                info!(unit = %name, pid = exit.pid, exit_code = ?exit.code, "the unit exited while the agent was away");
+                self.restarts = exit.restarts;
+                self.started_once = true;
+                (None, self.exited(exit.success, exit.code, exit.ran()))
+            }
+            Some(Found::Lost(record)) => {
+                if record.spec.as_ref() != Some(&spec) || !want {
+                    return (None, fresh);
+                }
+                info!(unit = %name, pid = record.pid, "the unit's process ended unrecorded while the agent was away");
+                self.restarts = record.restarts;
+                self.started_once = true;
+                (None, self.exited(false, None, Duration::ZERO))
+            }
+        }
+    }
+
     /// Run until the unit is no longer declared (the control sender is dropped),
-    /// then stop its process and drop its status entry.
-    pub(super) async fn run(mut self, predecessor: Option<JoinHandle<()>>) {
+    /// then stop its process and drop its status entry. `found` is what a
+    /// previous agent left of the unit.
+    pub(super) async fn run(mut self, predecessor: Option<JoinHandle<()>>, found: Option<Found>) {
         let want = self.item.desired == DesiredState::Running;
         self.state = if want {
             UnitState::Starting
@@ -110,12 +231,11 @@ impl Runner {
         if let Some(p) = predecessor {
             let _ = p.await;
         }
-        self.publish();
         if let Err(e) = tokio::fs::create_dir_all(&self.dir).await {
             warn!(unit = %self.item.name, dir = %self.dir.display(), error = %e, "cannot create the unit's directory");
         }
-        let mut running: Option<Running> = None;
-        let mut next_start: Option<Instant> = want.then(Instant::now);
+        let (mut running, mut next_start) = self.inherit(found).await;
+        self.publish();
 
         loop {
             if self.item.desired == DesiredState::Stopped {
@@ -130,7 +250,7 @@ impl Runner {
                 }
             } else if running.is_none() && next_start.is_some_and(|t| t <= Instant::now()) {
                 next_start = None;
-                match self.spawn() {
+                match self.spawn().await {
                     Ok(r) => running = Some(r),
                     Err(e) => {
                         warn!(unit = %self.item.name, command = %self.item.command, error = %e, "cannot start the unit");
@@ -140,20 +260,11 @@ impl Runner {
             }
 
             tokio::select! {
-                status = wait(&mut running), if running.is_some() => {
+                () = shim_exited(&mut running), if running.is_some() => {
                     let Some(r) = running.take() else { continue };
-                    // What is left of the group goes with its leader.
-                    let _ = signal_group(r.pid, Signal::KILL);
-                    remove_pid_file(&self.dir);
+                    let (ok, code) = collect_exit(&self.item.name, &self.dir, &r);
                     let ran = r.started.elapsed();
-                    let (ok, code) = match status {
-                        Ok(s) => (s.success(), Some(exit_code(s))),
-                        Err(e) => {
-                            warn!(unit = %self.item.name, error = %e, "cannot wait for the unit's process");
-                            (false, None)
-                        }
-                    };
-                    info!(unit = %self.item.name, pid = r.pid, exit_code = ?code, ran_for = ?ran, "unit process exited");
+                    info!(unit = %self.item.name, pid = r.leader.pid, exit_code = ?code, ran_for = ?ran, "unit process exited");
                     next_start = self.exited(ok, code, ran);
                 }
                 () = sleep_until(next_start.unwrap_or_else(Instant::now)), if next_start.is_some() && running.is_none() => {}
@@ -163,6 +274,7 @@ impl Runner {
                         if let Some(r) = running.take() {
                             self.stop(r).await;
                         }
+                        remove_record(&self.dir, EXIT_FILE);
                         self.shared.forget(self.id, &self.item.name);
                         return;
                     }
@@ -230,54 +342,122 @@ impl Runner {
         next
     }
 
-    fn spawn(&mut self) -> std::io::Result<Running> {
+    /// What the shim is told to run.
+    fn launch(&self, restarts: u32) -> Launch {
         let item = &self.item;
-        let mut cmd = Command::new(&item.command);
-        cmd.args(&item.args).env_clear().env(
-            "PATH",
-            std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into()),
-        );
+        let mut env = std::collections::BTreeMap::new();
+        let path = std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_owned());
+        env.insert("PATH".to_owned(), path);
         for var in ["HOME", "LANG"] {
-            if let Some(v) = std::env::var_os(var) {
-                cmd.env(var, v);
+            if let Ok(v) = std::env::var(var) {
+                env.insert(var.to_owned(), v);
             }
         }
-        cmd.env("MESH_UNIT", &item.name)
-            .env("MESH_MODULE", &item.module)
-            .envs(&item.env)
-            .current_dir(self.working_dir())
-            .process_group(0)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(false);
-        let mut child = cmd.spawn()?;
-        let Some(pid) = child.id() else {
-            return Err(std::io::Error::other("the process exited at once"));
+        env.insert("MESH_UNIT".to_owned(), item.name.clone());
+        env.insert("MESH_MODULE".to_owned(), item.module.clone());
+        env.extend(item.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        Launch {
+            unit: item.name.clone(),
+            dir: self.dir.clone(),
+            command: item.command.clone(),
+            args: item.args.clone(),
+            env,
+            working_dir: self.working_dir(),
+            log_max_bytes: self.shared.config.log_max_bytes,
+            log_files: self.shared.config.log_files,
+            restarts,
+            spec: ProcessSpec::of(item),
+        }
+    }
+
+    /// Start the unit through a new shim and wait for its answer.
+    async fn spawn(&mut self) -> std::io::Result<Running> {
+        let restarts = if self.started_once {
+            self.restarts.saturating_add(1)
+        } else {
+            self.restarts
         };
-        if let Err(e) = write_pid_file(&self.dir, pid) {
-            warn!(unit = %item.name, error = %e, "cannot write the pid file");
-        }
-        if let Some(out) = child.stdout.take() {
-            tokio::spawn(pump(out, self.stdout.clone(), item.name.clone()));
-        }
-        if let Some(err) = child.stderr.take() {
-            tokio::spawn(pump(err, self.stderr.clone(), item.name.clone()));
-        }
+        let launch = serde_json::to_vec(&self.launch(restarts)).map_err(std::io::Error::other)?;
+        let shim_log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("shim.log"))?;
+        let program = self
+            .shared
+            .config
+            .shim_program
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(SELF_EXE));
+        let mut child = tokio::process::Command::new(program)
+            .arg(shim::SUBCOMMAND)
+            .env_clear()
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(shim_log)
+            .kill_on_drop(false)
+            .spawn()?;
+        let shim = ProcRef::of(child.id().unwrap_or(0));
+        let answer = async {
+            let mut stdin = child
+                .stdin
+                .take()
+                .ok_or_else(|| std::io::Error::other("no stdin"))?;
+            stdin.write_all(&launch).await?;
+            drop(stdin);
+            let stdout = child
+                .stdout
+                .take()
+                .ok_or_else(|| std::io::Error::other("no stdout"))?;
+            let mut line = String::new();
+            BufReader::new(stdout).read_line(&mut line).await?;
+            serde_json::from_str::<Reply>(&line)
+                .map_err(|e| std::io::Error::other(format!("the unit's shim gave no answer ({e})")))
+        };
+        let reply = match tokio::time::timeout(SHIM_ANSWER, answer).await {
+            Ok(r) => r,
+            Err(_) => Err(std::io::Error::other(
+                "the unit's shim did not answer in time",
+            )),
+        };
+        let (pid, start_time, started_at) = match reply {
+            Ok(Reply::Started {
+                pid,
+                start_time,
+                started_at,
+            }) => (pid, start_time, started_at),
+            Ok(Reply::Failed { error }) => {
+                let _ = child.wait().await;
+                return Err(std::io::Error::other(error));
+            }
+            Err(e) => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                // If it got as far as starting the unit, that goes too.
+                if let Some(rec) = read_record::<PidRecord>(&self.dir, PID_FILE)
+                    && rec.leader_running()
+                {
+                    let _ = signal_group(rec.pid, Signal::KILL);
+                }
+                remove_record(&self.dir, PID_FILE);
+                return Err(e);
+            }
+        };
         if self.started_once {
-            self.restarts = self.restarts.saturating_add(1);
             self.shared.metrics.unit_restarted();
         }
+        self.restarts = restarts;
         self.started_once = true;
-        info!(unit = %item.name, pid, restarts = self.restarts, "unit process started");
+        info!(unit = %self.item.name, pid, restarts = self.restarts, "unit process started");
         self.state = UnitState::Running;
         self.pid = Some(pid);
         self.exit_code = None;
-        self.started_at = Some(Utc::now());
+        self.started_at = Some(started_at);
         self.publish();
         Ok(Running {
-            child,
-            pid,
+            watch: ShimWatch::Child(child),
+            shim,
+            leader: ProcRef { pid, start_time },
             started: Instant::now(),
         })
     }
@@ -290,28 +470,70 @@ impl Runner {
         }
     }
 
-    /// SIGTERM to the group; SIGKILL after the stop timeout; wait for the leader.
-    async fn stop(&mut self, mut r: Running) {
-        let name = &self.item.name;
-        if let Err(e) = signal_group(r.pid, Signal::TERM) {
-            warn!(unit = %name, pid = r.pid, error = %e, "cannot signal the unit");
-        }
-        let timeout = self.shared.config.stop_timeout;
-        let status = match tokio::time::timeout(timeout, r.child.wait()).await {
-            Ok(s) => s,
-            Err(_) => {
-                warn!(unit = %name, pid = r.pid, ?timeout, "unit ignored SIGTERM; killing it");
-                let _ = signal_group(r.pid, Signal::KILL);
-                r.child.wait().await
-            }
-        };
-        let _ = signal_group(r.pid, Signal::KILL);
-        remove_pid_file(&self.dir);
-        self.exit_code = status.ok().map(exit_code);
+    /// Stop the process and record it stopped.
+    async fn stop(&mut self, r: Running) {
+        self.exit_code = stop_process(
+            &self.item.name,
+            &self.dir,
+            r,
+            self.shared.config.stop_timeout,
+        )
+        .await;
         self.pid = None;
         self.state = UnitState::Stopped;
-        info!(unit = %name, pid = r.pid, exit_code = ?self.exit_code, "unit stopped");
         self.publish();
+    }
+}
+
+/// SIGTERM to the unit's group; SIGKILL after `timeout`; wait for its shim to
+/// record the exit. Returns the exit code.
+pub(super) async fn stop_process(
+    name: &str,
+    dir: &Path,
+    mut r: Running,
+    timeout: Duration,
+) -> Option<i32> {
+    if r.leader.leads_its_group()
+        && let Err(e) = signal_group(r.leader.pid, Signal::TERM)
+    {
+        warn!(unit = %name, pid = r.leader.pid, error = %e, "cannot signal the unit");
+    }
+    if tokio::time::timeout(timeout, r.watch.exited())
+        .await
+        .is_err()
+    {
+        warn!(unit = %name, pid = r.leader.pid, ?timeout, "unit ignored SIGTERM; killing it");
+        let _ = signal_group(r.leader.pid, Signal::KILL);
+        let grace = shim::DRAIN + Duration::from_secs(3);
+        if tokio::time::timeout(grace, r.watch.exited()).await.is_err() {
+            warn!(unit = %name, shim = r.shim.pid, "the unit's shim does not end; killing it");
+            r.watch.kill(r.shim);
+            let _ = tokio::time::timeout(grace, r.watch.exited()).await;
+        }
+    }
+    let (_, code) = collect_exit(name, dir, &r);
+    info!(unit = %name, pid = r.leader.pid, exit_code = ?code, "unit stopped");
+    code
+}
+
+/// After the shim ended: how the unit ended, from its exit record. The record
+/// stays until the unit's next process replaces it (or the unit goes): an agent
+/// that stops before the restart leaves the next one the exit to act on (its
+/// restart policy, its restart count).
+/// A shim that ended without one (killed) leaves a unit whose output has
+/// nowhere to go: what is left of it is killed, and it counts as failed.
+fn collect_exit(name: &str, dir: &Path, r: &Running) -> (bool, Option<i32>) {
+    let exit: Option<ExitRecord> = read_record(dir, EXIT_FILE);
+    remove_record(dir, PID_FILE);
+    match exit {
+        Some(e) if e.pid == r.leader.pid => (e.success, e.code),
+        _ => {
+            warn!(unit = %name, pid = r.leader.pid, shim = r.shim.pid, "the unit's shim ended without recording the unit's exit");
+            if r.leader.leads_its_group() {
+                let _ = signal_group(r.leader.pid, Signal::KILL);
+            }
+            (false, None)
+        }
     }
 }
 
@@ -323,17 +545,9 @@ fn restarts_after(policy: RestartPolicy, ok: bool) -> bool {
     }
 }
 
-/// The exit code, or 128 + the signal for a process killed by one (as shells
-/// report it).
-fn exit_code(s: ExitStatus) -> i32 {
-    s.code()
-        .or_else(|| s.signal().map(|sig| 128 + sig))
-        .unwrap_or(-1)
-}
-
-async fn wait(running: &mut Option<Running>) -> std::io::Result<ExitStatus> {
+async fn shim_exited(running: &mut Option<Running>) {
     match running {
-        Some(r) => r.child.wait().await,
+        Some(r) => r.watch.exited().await,
         None => std::future::pending().await,
     }
 }

@@ -1,0 +1,229 @@
+//! A unit's shim: `mesh-agent unit-shim`, one small process per running unit
+//! (the role containerd-shim and conmon play for containers). It owns the
+//! unit's stdout/stderr pipes and writes them to the rotating logs, is the
+//! unit's parent (so it learns the exit status), and outlives the agent: the
+//! agent can stop, restart or be upgraded while units run and their output is
+//! kept. See docs/decisions/0016-units-outlive-their-agent.md.
+//!
+//! The exchange with the agent that starts it:
+//! 1. the agent writes one [`Launch`] (JSON) on the shim's stdin and closes it;
+//! 2. the shim leaves the agent's session (`setsid`: no signal meant for the
+//!    agent's terminal or group reaches it), starts the unit as the leader of
+//!    its own process group with the launch's environment and working dir,
+//!    writes the pid file ([`PidRecord`]), and answers one [`Reply`] line on
+//!    stdout, which it never writes again;
+//! 3. it copies the unit's output into `stdout.log` / `stderr.log` (rotated as
+//!    the launch says) until the unit's leader exits; then kills what is left
+//!    of the group, drains the pipes (at most [`DRAIN`]), writes the exit record
+//!    ([`ExitRecord`]), removes the pid file, and exits.
+//!
+//! The agent that started it waits for it as a child; a later agent adopts it
+//! through the pid file and watches it by pidfd. Its own diagnostics (rare:
+//! a log file that cannot be written) go to its stderr, `shim.log` in the
+//! unit's directory.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{ExitCode, Stdio};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use rustix::process::Signal;
+use serde::{Deserialize, Serialize};
+
+use super::logs::{RotatingLog, pump};
+use super::process::{
+    EXIT_FILE, ExitRecord, PID_FILE, PidRecord, ProcRef, ProcessSpec, boot_id, remove_record,
+    signal_group, write_record,
+};
+
+/// The subcommand the agent runs its shims with (hidden from `--help`).
+pub const SUBCOMMAND: &str = "unit-shim";
+
+/// How long the shim keeps reading the pipes after the unit's group is gone
+/// (a process that left the group may still hold them).
+pub const DRAIN: Duration = Duration::from_secs(2);
+
+/// What the agent tells a shim to run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Launch {
+    pub unit: String,
+    /// The unit's directory: logs and records.
+    pub dir: PathBuf,
+    pub command: String,
+    pub args: Vec<String>,
+    /// The unit's whole environment (nothing else is inherited).
+    pub env: BTreeMap<String, String>,
+    pub working_dir: PathBuf,
+    pub log_max_bytes: u64,
+    pub log_files: usize,
+    /// The unit's restart count with this start, kept in the records.
+    pub restarts: u32,
+    /// The declaration this process runs, kept in the records.
+    pub spec: ProcessSpec,
+}
+
+/// The shim's one answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reply {
+    Started {
+        pid: u32,
+        start_time: Option<u64>,
+        started_at: DateTime<Utc>,
+    },
+    Failed {
+        error: String,
+    },
+}
+
+fn answer(reply: &Reply) {
+    // The agent may be gone already: nothing to do about a failed write
+    // (SIGPIPE is ignored in Rust programs; the write just fails).
+    let mut out = std::io::stdout().lock();
+    if let Ok(mut line) = serde_json::to_vec(reply) {
+        line.push(b'\n');
+        let _ = out.write_all(&line);
+        let _ = out.flush();
+    }
+}
+
+fn fail(error: String) -> ExitCode {
+    eprintln!("mesh-agent unit-shim: {error}");
+    answer(&Reply::Failed { error });
+    ExitCode::from(2)
+}
+
+/// The shim's whole life. Synchronous: two threads copy the pipes while the
+/// main thread waits for the unit.
+pub fn main() -> ExitCode {
+    let mut input = Vec::new();
+    if let Err(e) = std::io::stdin().lock().read_to_end(&mut input) {
+        return fail(format!("cannot read the launch: {e}"));
+    }
+    let launch: Launch = match serde_json::from_slice(&input) {
+        Ok(l) => l,
+        Err(e) => return fail(format!("invalid launch: {e}")),
+    };
+    // Out of the agent's session and process group: signals for the agent (a
+    // terminal's ^C, a service manager signalling its group) are not for us.
+    let _ = rustix::process::setsid();
+
+    let mut child = match std::process::Command::new(&launch.command)
+        .args(&launch.args)
+        .env_clear()
+        .envs(&launch.env)
+        .current_dir(&launch.working_dir)
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => return fail(e.to_string()),
+    };
+    let pid = child.id();
+    let started_at = Utc::now();
+    let leader = ProcRef::of(pid);
+    let record = PidRecord {
+        pid,
+        start_time: leader.start_time,
+        boot_id: boot_id(),
+        shim: Some(ProcRef::of(std::process::id())),
+        started_at: Some(started_at),
+        restarts: launch.restarts,
+        spec: Some(launch.spec.clone()),
+    };
+    if let Err(e) = write_record(&launch.dir, PID_FILE, &record) {
+        // Without a pid file no later agent could find it: do not run it.
+        let _ = signal_group(pid, Signal::KILL);
+        let _ = child.wait();
+        return fail(format!("cannot write the pid file: {e}"));
+    }
+    answer(&Reply::Started {
+        pid,
+        start_time: leader.start_time,
+        started_at,
+    });
+
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let mut pumps = 0;
+    let streams: [(Option<Box<dyn Read + Send>>, &str); 2] = [
+        (
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+            "stdout.log",
+        ),
+        (
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+            "stderr.log",
+        ),
+    ];
+    for (src, file) in streams {
+        let Some(src) = src else { continue };
+        let log = RotatingLog::new(
+            launch.dir.join(file),
+            launch.log_max_bytes,
+            launch.log_files,
+        );
+        let unit = launch.unit.clone();
+        let done = done_tx.clone();
+        pumps += 1;
+        std::thread::spawn(move || {
+            pump(src, log, &unit);
+            let _ = done.send(());
+        });
+    }
+    drop(done_tx);
+
+    let status = child.wait();
+    let exited_at = Utc::now();
+    // What is left of the group goes with its leader.
+    let _ = signal_group(pid, Signal::KILL);
+    let deadline = std::time::Instant::now() + DRAIN;
+    for _ in 0..pumps {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if done_rx.recv_timeout(left).is_err() {
+            break;
+        }
+    }
+    let (code, success) = match &status {
+        Ok(s) => (
+            s.code().or_else(|| s.signal().map(|sig| 128 + sig)),
+            s.success(),
+        ),
+        Err(e) => {
+            eprintln!(
+                "mesh-agent unit-shim: unit {}: cannot wait: {e}",
+                launch.unit
+            );
+            (None, false)
+        }
+    };
+    let exit = ExitRecord {
+        pid,
+        start_time: leader.start_time,
+        code,
+        success,
+        started_at,
+        exited_at,
+        restarts: launch.restarts,
+        spec: launch.spec,
+    };
+    if let Err(e) = write_record(&launch.dir, EXIT_FILE, &exit) {
+        eprintln!(
+            "mesh-agent unit-shim: unit {}: cannot write the exit record: {e}",
+            launch.unit
+        );
+    }
+    remove_record(&launch.dir, PID_FILE);
+    ExitCode::SUCCESS
+}
