@@ -301,7 +301,13 @@ impl Fence {
             // server, it still holds the lock for us (see below).
             *guard = None;
             loop {
-                match try_take(&self.options).await {
+                let attempt = tokio::time::timeout(PING_TIMEOUT, try_take(&self.options)).await;
+                match attempt.unwrap_or_else(|_| {
+                    Err(sqlx::Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "no answer from the database within 5 s",
+                    )))
+                }) {
                     Ok(Ok(conn)) => {
                         tracing::info!(application_name = %self.me, "controller fence taken again");
                         *guard = Some(conn);
