@@ -191,14 +191,17 @@ pub fn hostname() -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
+/// application_name, backend_start, client_addr, backend pid.
+type HolderRow = (
+    Option<String>,
+    Option<chrono::DateTime<chrono::Utc>>,
+    Option<String>,
+    i32,
+);
+
 /// Who holds the fence now, as the database shows it.
 pub async fn holder(conn: &mut PgConnection) -> Result<Holder, sqlx::Error> {
-    let row: Option<(
-        Option<String>,
-        Option<chrono::DateTime<chrono::Utc>>,
-        Option<String>,
-        i32,
-    )> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+    let row: Option<HolderRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT a.application_name, a.backend_start, host(a.client_addr), l.pid \
          FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
          WHERE l.locktype = 'advisory' AND l.granted \
