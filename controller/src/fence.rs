@@ -191,14 +191,17 @@ pub fn hostname() -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
+/// application_name, backend_start, client_addr, backend pid.
+type HolderRow = (
+    Option<String>,
+    Option<chrono::DateTime<chrono::Utc>>,
+    Option<String>,
+    i32,
+);
+
 /// Who holds the fence now, as the database shows it.
 pub async fn holder(conn: &mut PgConnection) -> Result<Holder, sqlx::Error> {
-    let row: Option<(
-        Option<String>,
-        Option<chrono::DateTime<chrono::Utc>>,
-        Option<String>,
-        i32,
-    )> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+    let row: Option<HolderRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT a.application_name, a.backend_start, host(a.client_addr), l.pid \
          FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
          WHERE l.locktype = 'advisory' AND l.granted \
@@ -301,7 +304,13 @@ impl Fence {
             // server, it still holds the lock for us (see below).
             *guard = None;
             loop {
-                match try_take(&self.options).await {
+                let attempt = tokio::time::timeout(PING_TIMEOUT, try_take(&self.options)).await;
+                match attempt.unwrap_or_else(|_| {
+                    Err(sqlx::Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "no answer from the database within 5 s",
+                    )))
+                }) {
                     Ok(Ok(conn)) => {
                         tracing::info!(application_name = %self.me, "controller fence taken again");
                         *guard = Some(conn);

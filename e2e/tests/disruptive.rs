@@ -341,3 +341,59 @@ async fn a_thousand_nodes_reconnecting_at_once_are_absorbed() -> anyhow::Result<
     }
     mesh.teardown().await
 }
+
+/// PostgreSQL restarts under a running controller: the fence's session
+/// (docs/decisions/0017) goes with it. The controller takes the fence again
+/// without dropping its broker session, and is still the only one: a second
+/// controller started afterwards is refused, naming it.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "restarts PostgreSQL: run alone (bundle/test does)"]
+async fn a_database_restart_keeps_the_controller_fenced() -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let mut mesh = Mesh::start().await?;
+    let pid = mesh
+        .controller()
+        .map(|p| p.pid())
+        .context("no controller")?;
+    let took = restart_postgres(&mesh.env).await?;
+    eprintln!("PostgreSQL restarted in {took:?}");
+    wait_for(
+        "the controller to take its fence again",
+        Duration::from_secs(60),
+        || async {
+            Ok(mesh
+                .controller_log()
+                .contains("controller fence taken again")
+                .then_some(()))
+        },
+    )
+    .await?;
+    mesh.wait_healthy().await?;
+    let text = metrics(&mesh).await?;
+    assert_eq!(
+        metric_sum(&text, "mesh_broker_connects_total", ""),
+        1.0,
+        "the broker session was dropped for the fence"
+    );
+    let second = tokio::process::Command::new(mesh_e2e::bin("mesh-controller")?)
+        .arg("--config")
+        .arg(mesh.dir.path().join("controller.toml"))
+        .arg("run")
+        .arg("--api-listen")
+        .arg("127.0.0.1:0")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let out = tokio::time::timeout(Duration::from_secs(30), second.wait_with_output())
+        .await
+        .context("the second controller did not exit")??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the second controller ran: {stderr}");
+    assert!(
+        stderr.contains("another controller is running") && stderr.contains(&format!("pid={pid} ")),
+        "the refusal does not name the running controller: {stderr}"
+    );
+    mesh.teardown().await
+}
