@@ -188,9 +188,7 @@ async fn main() -> ExitCode {
                 }
                 Err(e @ ProbeError::Failed { .. }) => {
                     eprintln!("  FAIL {e}");
-                    eprintln!(
-                        "refusing: PostgreSQL or the broker is not what the mesh rests on"
-                    );
+                    eprintln!("refusing: PostgreSQL or the broker is not what the mesh rests on");
                     ExitCode::FAILURE
                 }
                 Err(e) => {

@@ -148,7 +148,9 @@ pub fn check_server_version(server_version_num: &str) -> Result<Passed, ProbeErr
     }
     Ok(Passed {
         check: CHECK,
-        detail: format!("server_version_num {n} (PostgreSQL {version}) >= {MIN_SERVER_VERSION_NUM}"),
+        detail: format!(
+            "server_version_num {n} (PostgreSQL {version}) >= {MIN_SERVER_VERSION_NUM}"
+        ),
     })
 }
 

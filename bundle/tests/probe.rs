@@ -22,7 +22,11 @@ async fn probe_passes_and_cleans_up() {
     let mut admin = AdminCredentials::load_or_local_defaults().unwrap();
     admin.postgres_url = cluster.url();
     let report = probe::run(&admin).await.unwrap();
-    assert_eq!(cluster.objects().await, before, "the probe created something");
+    assert_eq!(
+        cluster.objects().await,
+        before,
+        "the probe created something"
+    );
     let checks: Vec<_> = report.passed.iter().map(|p| p.check).collect();
     assert_eq!(
         checks,
@@ -79,7 +83,11 @@ fn failed_check(result: Result<probe::Passed, ProbeError>) -> (&'static str, Str
 /// them (9.6.24, 10.23, 13.11, 14.0, 15.4, 16.2, 17.2).
 #[test]
 fn postgresql_older_than_14_is_refused_by_its_server_version_num() {
-    for (num, version) in [("90624", "9.6.24"), ("100023", "10.23"), ("130011", "13.11")] {
+    for (num, version) in [
+        ("90624", "9.6.24"),
+        ("100023", "10.23"),
+        ("130011", "13.11"),
+    ] {
         let (check, detail) = failed_check(probe::check_server_version(num));
         assert_eq!(check, "postgresql-version");
         assert!(
@@ -262,7 +270,14 @@ impl Drop for Cluster {
         let _ = Command::new("runuser")
             .args(["-u", "postgres", "--"])
             .arg(self.bin.join("pg_ctl"))
-            .args(["-D", data.to_str().unwrap_or_default(), "-m", "immediate", "-w", "stop"])
+            .args([
+                "-D",
+                data.to_str().unwrap_or_default(),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            ])
             .current_dir("/tmp")
             .output();
         // The temporary directory goes with `dir`.
@@ -290,7 +305,11 @@ async fn postgresql_with_autovacuum_off_is_refused() {
             .starts_with("conformance check `autovacuum` failed"),
         "{err}"
     );
-    assert_eq!(cluster.objects().await, before, "the probe created something");
+    assert_eq!(
+        cluster.objects().await,
+        before,
+        "the probe created something"
+    );
     let dir = cluster.dir.path().to_path_buf();
     drop(cluster);
     assert!(!dir.exists(), "the throwaway cluster's directory is left");

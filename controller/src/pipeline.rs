@@ -452,11 +452,10 @@ impl Pipeline {
 /// routing key matched no queue of `reports` (a kind this controller does not
 /// know, or a key that is not `<node>.<kind>`).
 pub fn unroutable(d: &Delivery) -> Refusal {
-    let sender = d
-        .properties
-        .user_id()
-        .as_ref()
-        .map_or_else(|| "an unknown sender".to_owned(), |u| format!("`{}`", u.as_str()));
+    let sender = d.properties.user_id().as_ref().map_or_else(
+        || "an unknown sender".to_owned(),
+        |u| format!("`{}`", u.as_str()),
+    );
     Refusal::new(
         "unroutable",
         format!(

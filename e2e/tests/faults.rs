@@ -414,7 +414,10 @@ async fn ten_thousand_poison_messages_are_dead_lettered_and_valid_traffic_flows(
         *got.entry(known).or_default() += 1;
     }
     assert_eq!(got, expected, "dead letters by reason code");
-    assert_eq!(unroutable_seen, unroutable_ids, "unroutable reports dead-lettered");
+    assert_eq!(
+        unroutable_seen, unroutable_ids,
+        "unroutable reports dead-lettered"
+    );
 
     let text = metrics(&mesh).await?;
     assert_eq!(
