@@ -101,6 +101,17 @@ pub struct TopicPermission {
     pub read: String,
 }
 
+/// A policy as the API lists it: which objects (`apply_to`: `exchanges`,
+/// `queues` or `all`) whose names match `pattern` get `definition`.
+#[derive(Deserialize, Debug, Clone, PartialEq)]
+pub struct Policy {
+    pub pattern: String,
+    #[serde(rename = "apply-to")]
+    pub apply_to: String,
+    pub definition: serde_json::Map<String, serde_json::Value>,
+    pub priority: i64,
+}
+
 /// A connection as the API lists it.
 #[derive(Deserialize, Debug, Clone)]
 pub struct ConnectionInfo {
@@ -344,6 +355,32 @@ impl Management {
             json!({ "type": kind, "durable": true, "auto_delete": false, "internal": false, "arguments": {} }),
         )
         .await
+    }
+
+    /// The policy `name` on `vhost`, if there is one.
+    pub async fn policy(&self, vhost: &str, name: &str) -> Result<Option<Policy>> {
+        self.get(&format!("policies/{}/{}", seg(vhost), seg(name)))
+            .await
+    }
+
+    /// Create or replace the policy `name` on `vhost`.
+    pub async fn put_policy(&self, vhost: &str, name: &str, policy: &Policy) -> Result<()> {
+        self.put(
+            &format!("policies/{}/{}", seg(vhost), seg(name)),
+            json!({
+                "pattern": policy.pattern,
+                "apply-to": policy.apply_to,
+                "definition": policy.definition,
+                "priority": policy.priority,
+            }),
+        )
+        .await
+    }
+
+    /// Delete the policy `name` on `vhost`; false if there was none.
+    pub async fn delete_policy(&self, vhost: &str, name: &str) -> Result<bool> {
+        self.delete(&format!("policies/{}/{}", seg(vhost), seg(name)))
+            .await
     }
 
     /// Connections open on `vhost`, as the management plugin's statistics list

@@ -1,6 +1,7 @@
 //! `mesh-bundle`: the Rust half of `bundle/up`.
 //!
-//! - `mesh-bundle probe`: the broker conformance probe (exit 1 naming the check);
+//! - `mesh-bundle probe`: the conformance probe of PostgreSQL and the broker
+//!   (exit 1 naming the failed check);
 //! - `mesh-bundle up`: writes the admin credentials file, provisions the production
 //!   names with them and writes the controller credentials file. Idempotent.
 
@@ -43,10 +44,14 @@ struct Endpoints {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Prove the broker enforces user_id, write and topic permissions.
+    /// Prove PostgreSQL is 14 or newer with autovacuum on, and that the broker
+    /// enforces user_id, write and topic permissions.
     Probe {
         #[command(flatten)]
         endpoints: Endpoints,
+        /// A PostgreSQL URL of any login role (the probe only reads settings).
+        #[arg(long, env = "MESH_PROBE_POSTGRES_URL", hide_env_values = true)]
+        postgres_url: String,
         /// A RabbitMQ administrator to create the probe's temporary vhost and user.
         #[arg(long, env = "MESH_PROBE_ADMIN_USER")]
         admin_user: String,
@@ -156,10 +161,12 @@ async fn main() -> ExitCode {
     match cli.command {
         Command::Probe {
             endpoints,
+            postgres_url,
             admin_user,
             admin_password,
         } => {
-            let admin = admin_for(&endpoints, "", "", &admin_user, &admin_password);
+            let mut admin = admin_for(&endpoints, "", "", &admin_user, &admin_password);
+            admin.postgres_url = postgres_url;
             match mesh_bundle::probe::run(&admin).await {
                 Ok(report) => {
                     for p in report.passed {
@@ -169,7 +176,7 @@ async fn main() -> ExitCode {
                 }
                 Err(e @ ProbeError::Failed { .. }) => {
                     eprintln!("  FAIL {e}");
-                    eprintln!("refusing: the broker does not enforce the mesh's security boundary");
+                    eprintln!("refusing: PostgreSQL or the broker is not what the mesh rests on");
                     ExitCode::FAILURE
                 }
                 Err(e) => {

@@ -9,7 +9,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use mesh_broker_admin::Management;
+use mesh_broker_admin::{Management, Policy};
+use mesh_protocol::topology;
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
 use mesh_credentials::{
@@ -692,6 +693,23 @@ impl Rabbit {
         Ok(())
     }
 
+    /// The policy `name` on `vhost`, exactly as `want`.
+    pub async fn ensure_policy(
+        &self,
+        vhost: &str,
+        name: &str,
+        want: &Policy,
+        steps: &mut Steps,
+    ) -> Result<()> {
+        if self.api.policy(vhost, name).await?.as_ref() == Some(want) {
+            steps.push(format!("rabbitmq policy {name}@{vhost}: as wanted"), false);
+        } else {
+            self.api.put_policy(vhost, name, want).await?;
+            steps.push(format!("rabbitmq policy {name}@{vhost}: set"), true);
+        }
+        Ok(())
+    }
+
     /// A durable exchange of `kind` (topic, direct, fanout) on `vhost`.
     pub async fn ensure_exchange(&self, vhost: &str, name: &str, kind: &str) -> Result<()> {
         Ok(self.api.put_exchange(vhost, name, kind).await?)
@@ -733,6 +751,17 @@ pub async fn provision(
             &mut steps,
         )
         .await?;
+    // `reports` gets its alternate exchange from a policy, which applies to an
+    // exchange that exists already; an exchange argument would have to be there
+    // from the first declare (decision 0021).
+    rabbit
+        .ensure_policy(
+            &names.vhost,
+            topology::REPORTS_POLICY,
+            &reports_policy(),
+            &mut steps,
+        )
+        .await?;
     // The identity context's management account: the administrator tag is what
     // RabbitMQ requires to create users and close connections (docs/decisions/0006);
     // it gets no permission on any vhost, so it cannot publish or consume.
@@ -755,6 +784,25 @@ pub async fn provision(
         )
         .await?;
     Ok(steps)
+}
+
+/// The policy that makes [`topology::UNROUTABLE_EXCHANGE`] the alternate
+/// exchange of [`topology::REPORTS_EXCHANGE`]: a report no queue takes is kept
+/// (and dead-lettered by the controller) instead of dropped by the broker.
+/// Priority 10, above a policy of priority 0 an operator may add for every
+/// exchange (RabbitMQ applies only the highest-priority matching policy).
+pub fn reports_policy() -> Policy {
+    let mut definition = serde_json::Map::new();
+    definition.insert(
+        "alternate-exchange".into(),
+        serde_json::Value::String(topology::UNROUTABLE_EXCHANGE.into()),
+    );
+    Policy {
+        pattern: format!("^{}$", topology::REPORTS_EXCHANGE),
+        apply_to: "exchanges".into(),
+        definition,
+        priority: 10,
+    }
 }
 
 /// Node `node`'s broker permissions on `vhost`, exactly

@@ -147,6 +147,40 @@ pub async fn declare_topology(
             .await?;
         }
     }
+    declare_unroutable(ch).await
+}
+
+/// The alternate exchange of `reports` and its queue: a report published under
+/// a routing key no queue is bound for (`<node>.bogus`) lands here instead of
+/// being dropped, and the controller dead-letters it (reason `unroutable`).
+/// `reports` gets it as its alternate exchange from the vhost policy
+/// [`REPORTS_POLICY`] the bundle provisions (decision 0021), not from an
+/// exchange argument, which an existing `reports` would refuse.
+async fn declare_unroutable(ch: &Channel) -> AmqpResult<()> {
+    ch.exchange_declare(
+        UNROUTABLE_EXCHANGE.into(),
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_declare(
+        UNROUTABLE_QUEUE.into(),
+        durable(),
+        bounded(UNROUTABLE_QUEUE_MAX_LEN, "reject-publish"),
+    )
+    .await?;
+    ch.queue_bind(
+        UNROUTABLE_QUEUE.into(),
+        UNROUTABLE_EXCHANGE.into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
     Ok(())
 }
 

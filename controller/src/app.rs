@@ -313,6 +313,12 @@ impl Session {
                 session_end.clone(),
             ));
         }
+        // Reports no queue took (unknown kinds): dead-lettered, never lost.
+        tasks.spawn(pipeline.clone().consume(
+            conn.clone(),
+            Source::Unroutable,
+            session_end.clone(),
+        ));
         for (context, patterns) in self.contexts.record_subscriptions() {
             if !patterns.is_empty() {
                 tasks.spawn(pipeline.clone().consume(

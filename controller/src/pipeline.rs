@@ -56,6 +56,9 @@ impl Batch {
 pub enum Source {
     Reports(ReportKind),
     Record(&'static str),
+    /// The alternate exchange's queue of `reports`: every message in it is
+    /// dead-lettered with reason `unroutable`.
+    Unroutable,
 }
 
 impl Source {
@@ -63,6 +66,7 @@ impl Source {
         match self {
             Source::Reports(kind) => topology::report_queue(kind),
             Source::Record(context) => topology::record_queue(context),
+            Source::Unroutable => topology::UNROUTABLE_QUEUE.to_owned(),
         }
     }
 }
@@ -318,6 +322,12 @@ impl Pipeline {
                 self.dead_letter(dead_letters, queue, batch, refused)
                     .await?;
             }
+            Source::Unroutable => {
+                let refused = batch.iter().map(unroutable).enumerate().collect();
+                self.dead_letter(dead_letters, queue, batch, refused)
+                    .await?;
+                return Ok(true);
+            }
         }
         // Handlers may have written outboxes: wake the relay.
         self.signal.notify();
@@ -436,6 +446,23 @@ impl Pipeline {
         }
         Ok(())
     }
+}
+
+/// Why a message the broker routed to the unroutable queue is refused: its
+/// routing key matched no queue of `reports` (a kind this controller does not
+/// know, or a key that is not `<node>.<kind>`).
+pub fn unroutable(d: &Delivery) -> Refusal {
+    let sender = d.properties.user_id().as_ref().map_or_else(
+        || "an unknown sender".to_owned(),
+        |u| format!("`{}`", u.as_str()),
+    );
+    Refusal::new(
+        "unroutable",
+        format!(
+            "routing key `{}` from {sender} matches no queue: not `<node>.<kind>` with a report kind this controller knows",
+            d.routing_key.as_str()
+        ),
+    )
 }
 
 /// Establish who sent a report and read it. The sender is the broker-validated

@@ -205,6 +205,8 @@ async fn a_controller_killed_twenty_times_under_load_loses_and_doubles_nothing()
 const POISON: usize = 10_000;
 const POISON_NODES: usize = 20;
 const VALID_PER_NODE: usize = 100;
+/// Reports published under `<node>.bogus`, a kind no queue is bound for.
+const UNROUTABLE: usize = 500;
 
 /// One generated bad message: routing-key kind, payload, with user_id, expected code.
 fn poison(
@@ -288,7 +290,9 @@ fn poison(
 /// wrong-identity (impersonation, no user_id) and invalid messages mixed into
 /// valid traffic: each is dead-lettered once with its reason, every valid report
 /// is applied, and the consumer never restarts (one broker connection, the
-/// process up all along).
+/// process up all along). Reports under a routing key of an unknown kind
+/// (`<node>.bogus`), which no queue is bound for, are dead-lettered too, each
+/// exactly once, with reason `unroutable` (the alternate exchange of `reports`).
 #[tokio::test(flavor = "multi_thread")]
 async fn ten_thousand_poison_messages_are_dead_lettered_and_valid_traffic_flows()
 -> anyhow::Result<()> {
@@ -337,11 +341,29 @@ async fn ten_thousand_poison_messages_are_dead_lettered_and_valid_traffic_flows(
     assert_eq!(sent_poison, POISON);
     assert_eq!(valid_ids.len(), POISON_NODES * (VALID_PER_NODE + 1));
 
+    // Unroutable: a valid report under a routing key of a kind no queue takes.
+    let mut unroutable_ids = BTreeSet::new();
+    let mut confirms = Vec::new();
+    for i in 0..UNROUTABLE {
+        let n = &mut nodes[i % POISON_NODES];
+        let a = n.applied(Section::Config, 1);
+        let id = a.id.to_string();
+        let key = format!("{}.bogus", n.node());
+        confirms.push(n.raw(&key, &a.encode(), Some(&id), true).await?);
+        unroutable_ids.insert(id);
+    }
+    confirmed(confirms).await?;
+    *expected.entry("unroutable").or_default() += UNROUTABLE;
+    let dead_letters = POISON + UNROUTABLE;
+
     wait_for(
         "every poison message dead-lettered",
         Duration::from_secs(120),
         || async {
-            Ok((queue_depth(&mesh.env, "dead-letter").await? as usize >= POISON).then_some(()))
+            Ok(
+                (queue_depth(&mesh.env, "dead-letter").await? as usize >= dead_letters)
+                    .then_some(()),
+            )
         },
     )
     .await?;
@@ -356,9 +378,21 @@ async fn ten_thousand_poison_messages_are_dead_lettered_and_valid_traffic_flows(
     .await?;
 
     let dead = drain(&mesh.env, "dead-letter").await?;
-    assert_eq!(dead.len(), POISON, "dead letters");
+    assert_eq!(dead.len(), dead_letters, "dead letters");
     let mut got: BTreeMap<&str, usize> = BTreeMap::new();
-    for (_, headers) in &dead {
+    let mut unroutable_seen = BTreeSet::new();
+    for (id, headers) in &dead {
+        if let Some(id) = id.as_ref().filter(|id| unroutable_ids.contains(*id)) {
+            assert_eq!(
+                headers.get("x-mesh-reason-code").map(String::as_str),
+                Some("unroutable"),
+                "{headers:?}"
+            );
+            assert!(
+                unroutable_seen.insert(id.clone()),
+                "{id} dead-lettered twice"
+            );
+        }
         let code = headers
             .get("x-mesh-reason-code")
             .map(String::as_str)
@@ -380,11 +414,19 @@ async fn ten_thousand_poison_messages_are_dead_lettered_and_valid_traffic_flows(
         *got.entry(known).or_default() += 1;
     }
     assert_eq!(got, expected, "dead letters by reason code");
+    assert_eq!(
+        unroutable_seen, unroutable_ids,
+        "unroutable reports dead-lettered"
+    );
 
     let text = metrics(&mesh).await?;
     assert_eq!(
         metric_sum(&text, "mesh_dead_lettered_total", ""),
-        POISON as f64
+        dead_letters as f64
+    );
+    assert_eq!(
+        metric_sum(&text, "mesh_dead_lettered_total", "reason=\"unroutable\""),
+        UNROUTABLE as f64
     );
     assert_eq!(
         metric_sum(&text, "mesh_broker_connects_total", ""),

@@ -16,6 +16,18 @@ pub const RECORD_EXCHANGE: &str = "record";
 pub const DEAD_LETTER_EXCHANGE: &str = "dead-letter";
 /// The one queue behind [`DEAD_LETTER_EXCHANGE`].
 pub const DEAD_LETTER_QUEUE: &str = "dead-letter";
+/// Fanout exchange that is the alternate exchange of [`REPORTS_EXCHANGE`]: a
+/// report whose routing key matches no queue (an unknown kind, `<node>.bogus`)
+/// goes here instead of being dropped by the broker. Set by the policy
+/// [`REPORTS_POLICY`], not by an exchange argument (decision 0021).
+pub const UNROUTABLE_EXCHANGE: &str = "reports.unroutable";
+/// The one queue behind [`UNROUTABLE_EXCHANGE`]; the controller dead-letters
+/// everything in it with reason `unroutable`.
+pub const UNROUTABLE_QUEUE: &str = "reports.unroutable";
+/// The vhost policy that gives [`REPORTS_EXCHANGE`] its alternate exchange
+/// (provisioned by the bundle; a policy applies to an exchange that already
+/// exists, where a new exchange argument would be refused).
+pub const REPORTS_POLICY: &str = "mesh-reports-alternate-exchange";
 
 /// Header a dead-lettered message carries: why it was refused, in words.
 pub const REASON_HEADER: &str = "x-mesh-reason";
@@ -49,6 +61,10 @@ pub const DECLARATION_QUEUE_MAX_LEN: i64 = 64;
 pub const RECORD_QUEUE_MAX_LEN: i64 = 100_000;
 /// Bound of the dead-letter queue (messages); overflow drops the oldest poison.
 pub const DEAD_LETTER_QUEUE_MAX_LEN: i64 = 100_000;
+/// Bound of the unroutable queue (messages); overflow refuses the publish
+/// (reject-publish): the sender of an unknown kind gets a NACK, so nothing it
+/// sent vanishes unseen, and only that sender is slowed.
+pub const UNROUTABLE_QUEUE_MAX_LEN: i64 = 10_000;
 
 pub fn report_queue(kind: ReportKind) -> String {
     format!("reports.{}", kind.as_str())
