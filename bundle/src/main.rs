@@ -166,7 +166,7 @@ async fn main() -> ExitCode {
             admin_password,
         } => {
             let mut admin = admin_for(&endpoints, "", "", &admin_user, &admin_password);
-            admin.postgres_url = postgres_url;
+            admin.postgres_url = mesh_credentials::Secret::new(postgres_url);
             match mesh_bundle::probe::run(&admin).await {
                 Ok(report) => {
                     for p in report.passed {

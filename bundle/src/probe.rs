@@ -92,7 +92,7 @@ impl BrokerTarget {
 /// will do), then the broker's with `admin`'s RabbitMQ administrator account.
 /// Leaves nothing behind.
 pub async fn run(admin: &AdminCredentials) -> Result<ProbeReport, ProbeError> {
-    let mut passed = postgres(&admin.postgres_url).await?;
+    let mut passed = postgres(admin.postgres_url.expose()).await?;
     let broker = broker(admin, &BrokerTarget::fresh()).await?;
     passed.extend(broker.passed);
     Ok(ProbeReport { passed, ..broker })

@@ -7,7 +7,6 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use mesh_credentials::AdminCredentials;
 use mesh_bundle::probe::{self, BrokerTarget, ProbeError};
 use mesh_bundle::provision::Rabbit;
 use sqlx::{Connection as _, PgConnection};
@@ -20,7 +19,7 @@ async fn probe_passes_and_cleans_up() {
     let cluster = Cluster::start(&[]);
     let before = cluster.objects().await;
     let mut admin = mesh_testkit::admin_credentials().unwrap();
-    admin.postgres_url = cluster.url();
+    admin.postgres_url = mesh_credentials::Secret::new(cluster.url());
     let report = probe::run(&admin).await.unwrap();
     assert_eq!(
         cluster.objects().await,
@@ -134,7 +133,9 @@ fn autovacuum_or_its_statistics_off_is_refused() {
 #[tokio::test]
 async fn the_postgresql_checks_read_the_live_server() {
     let admin = mesh_testkit::admin_credentials().unwrap();
-    let mut conn = PgConnection::connect(&admin.postgres_url).await.unwrap();
+    let mut conn = PgConnection::connect(admin.postgres_url.expose())
+        .await
+        .unwrap();
     let mut show = async |setting: &str| -> String {
         sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SHOW {setting}")))
             .fetch_one(&mut conn)
@@ -148,7 +149,7 @@ async fn the_postgresql_checks_read_the_live_server() {
     let version = probe::check_server_version(&num).expect("this machine runs PostgreSQL 14+");
     let expected = probe::check_autovacuum(&autovacuum, &track_counts)
         .map(|vacuum| vec![version.detail.clone(), vacuum.detail]);
-    let got = probe::postgres(&admin.postgres_url)
+    let got = probe::postgres(admin.postgres_url.expose())
         .await
         .map(|passed| passed.into_iter().map(|p| p.detail).collect::<Vec<_>>());
     match (got, expected) {
@@ -291,7 +292,7 @@ async fn postgresql_with_autovacuum_off_is_refused() {
     let cluster = Cluster::start(&["autovacuum=off"]);
     let before = cluster.objects().await;
     let mut admin = mesh_testkit::admin_credentials().unwrap();
-    admin.postgres_url = cluster.url();
+    admin.postgres_url = mesh_credentials::Secret::new(cluster.url());
     let err = probe::run(&admin).await.unwrap_err();
     match &err {
         ProbeError::Failed { check, detail } => {

@@ -24,9 +24,9 @@ use std::time::Duration;
 use anyhow::{Context as _, anyhow, bail, ensure};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions};
 use lapin::{BasicProperties, Confirmation, Connection};
-use mesh_testkit::TestEnv;
 use mesh_e2e::sim::{SimNode, add_nodes, drain, queue_depth};
 use mesh_e2e::{Mesh, wait_for};
+use mesh_testkit::TestEnv;
 use serde_json::{Value, json};
 
 /// One row of docs/protocol.md's "Queues and their bounds".
@@ -110,7 +110,7 @@ impl Api {
                 .build()?,
             base: a.rabbitmq_api.clone(),
             user: a.rabbitmq_user.clone(),
-            password: a.rabbitmq_password.clone(),
+            password: a.rabbitmq_password.expose().clone(),
             vhost: urlencoding::encode(env.vhost()).into_owned(),
         })
     }
