@@ -1000,7 +1000,7 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
     assert!(kept[kept.len() - 1] > after + 10);
     for n in ["stdout.log", "stdout.log.1", "stdout.log.2"] {
         let len = std::fs::metadata(log.join(n))
-            .with_context(|| format!("{n}"))?
+            .with_context(|| n.to_string())?
             .len();
         assert!(len <= 1024, "{n} has {len} bytes");
     }

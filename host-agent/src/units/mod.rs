@@ -361,7 +361,7 @@ impl Supervisor {
             std::mem::take(&mut self.stopping).into_iter().collect();
         let runners = std::mem::take(&mut self.units);
         let left = runners.len();
-        for (_, h) in &runners {
+        for h in runners.values() {
             h.task.abort();
         }
         let deadline = Instant::now() + self.shared.config.stop_timeout + Duration::from_secs(5);
@@ -370,7 +370,7 @@ impl Supervisor {
                 warn!(unit = %name, "unit did not stop before the deadline");
             }
         }
-        for (_, h) in runners {
+        for h in runners.into_values() {
             let _ = h.task.await;
         }
         if left > 0 {
