@@ -212,8 +212,8 @@ async fn a_declaration_lost_on_the_way_is_resent_from_the_hello() -> anyhow::Res
 /// was changed, then lost, behind the controller's back; the catch-up lifts the
 /// re-created section above the generation the node already holds.
 #[tokio::test(flavor = "multi_thread")]
-async fn resync_repairs_a_section_changed_or_lost_behind_the_controllers_back()
--> anyhow::Result<()> {
+async fn resync_repairs_a_section_changed_or_lost_behind_the_controllers_back() -> anyhow::Result<()>
+{
     let mut mesh = Mesh::start().await?;
     // The same controller, resyncing every second.
     mesh.kill_controller();

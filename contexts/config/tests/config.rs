@@ -10,9 +10,8 @@ use mesh_config::{Config, ConfigSettings, SECTIONS};
 use mesh_plumbing::section::{self, Items};
 use mesh_plumbing::{Context, OutboxSignal};
 use mesh_protocol::{
-    Applied, Declaration, DeclarationItems, Envelope, FileItem, FileMode, Heartbeat, Hello,
-    Labels, MAX_DECLARATION_BYTES, NodeId, NodeLabelsChanged, Outcome, RecordEvent, Report,
-    Section,
+    Applied, Declaration, DeclarationItems, Envelope, FileItem, FileMode, Heartbeat, Hello, Labels,
+    MAX_DECLARATION_BYTES, NodeId, NodeLabelsChanged, Outcome, RecordEvent, Report, Section,
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -464,7 +463,10 @@ async fn section_generation_grows_only_when_the_digest_changes() {
     .await;
     assert_eq!(report.declared, 1);
     let d = declarations(&f, mark).await;
-    assert_eq!((d.len(), d[0].1.as_str(), d[0].2.generation), (1, a.as_str(), 2));
+    assert_eq!(
+        (d.len(), d[0].1.as_str(), d[0].2.generation),
+        (1, a.as_str(), 2)
+    );
 
     // Everything goes away: an empty generation 3, so the agent removes it.
     let mark = last_outbox_id(&f).await;
@@ -475,7 +477,9 @@ async fn section_generation_grows_only_when_the_digest_changes() {
 
     // Too large for an agent: reported (declared all the same; callers decide).
     let big = "x".repeat(200_000);
-    let huge: Vec<(String, &str)> = (0..6).map(|i| (format!("/etc/big{i}"), big.as_str())).collect();
+    let huge: Vec<(String, &str)> = (0..6)
+        .map(|i| (format!("/etc/big{i}"), big.as_str()))
+        .collect();
     let huge: Vec<(&str, &str)> = huge.iter().map(|(p, c)| (p.as_str(), *c)).collect();
     let report = declare(&f, vec![(b.clone(), items(&huge))]).await;
     assert_eq!(report.too_large.len(), 1, "{report:?}");
@@ -555,7 +559,10 @@ async fn section_heartbeat_resends_after_resend_after_and_catches_up_a_node_ahea
     let n = beat(vec![heartbeat(&a, 0), heartbeat(&a, 0), heartbeat(&b, 1)]).await;
     assert_eq!(n, 1);
     let d = declarations(&f, mark).await;
-    assert_eq!((d.len(), d[0].1.as_str(), d[0].2.generation), (1, a.as_str(), 1));
+    assert_eq!(
+        (d.len(), d[0].1.as_str(), d[0].2.generation),
+        (1, a.as_str(), 1)
+    );
     // ... and not again within resend_after.
     assert_eq!(beat(vec![heartbeat(&a, 0)]).await, 0);
 
@@ -564,7 +571,10 @@ async fn section_heartbeat_resends_after_resend_after_and_catches_up_a_node_ahea
     let mark = last_outbox_id(&f).await;
     assert_eq!(beat(vec![heartbeat(&b, 4)]).await, 1);
     let d = declarations(&f, mark).await;
-    assert_eq!((d.len(), d[0].1.as_str(), d[0].2.generation), (1, b.as_str(), 5));
+    assert_eq!(
+        (d.len(), d[0].1.as_str(), d[0].2.generation),
+        (1, b.as_str(), 5)
+    );
     assert_eq!(row(&f, &b).await.unwrap().0, 5);
     // Now behind, and just sent: nothing more.
     assert_eq!(beat(vec![heartbeat(&b, 4)]).await, 0);
@@ -588,11 +598,13 @@ async fn resync_repairs_a_section_changed_or_lost_behind_its_back() {
     );
 
     // a's row says other items; b's row is gone.
-    sqlx::query("UPDATE config.sections SET digest = 'tampered', items = '{\"files\": []}' WHERE node = $1")
-        .bind(a.as_str())
-        .execute(&f.pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "UPDATE config.sections SET digest = 'tampered', items = '{\"files\": []}' WHERE node = $1",
+    )
+    .bind(a.as_str())
+    .execute(&f.pool)
+    .await
+    .unwrap();
     sqlx::query("DELETE FROM config.sections WHERE node = $1")
         .bind(b.as_str())
         .execute(&f.pool)
@@ -660,7 +672,14 @@ async fn the_section_table_migration_keeps_every_row() {
     .unwrap();
     assert_eq!(
         columns,
-        ["node", "generation", "digest", "items", "declared_at", "last_sent_at"]
+        [
+            "node",
+            "generation",
+            "digest",
+            "items",
+            "declared_at",
+            "last_sent_at"
+        ]
     );
     pool.close().await;
     env.teardown().await.unwrap();

@@ -304,17 +304,17 @@ async fn heartbeat_batch(
         catch_up = SECTIONS.catch_up_sql("(SELECT id, inventory FROM u)", Some("$9")),
     );
     let rows: Vec<Row> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-    .bind(&ids)
-    .bind(&times)
-    .bind(&seqs)
-    .bind(&inventory)
-    .bind(heard_at)
-    .bind(&g_nodes)
-    .bind(&g_sections)
-    .bind(&g_generations)
-    .bind(resend_after.as_secs_f64())
-    .fetch_all(&mut *tx)
-    .await?;
+        .bind(&ids)
+        .bind(&times)
+        .bind(&seqs)
+        .bind(&inventory)
+        .bind(heard_at)
+        .bind(&g_nodes)
+        .bind(&g_sections)
+        .bind(&g_generations)
+        .bind(resend_after.as_secs_f64())
+        .fetch_all(&mut *tx)
+        .await?;
     let mut resend = Vec::new();
     for (what, node, last_heard, generation, items) in rows {
         match (what.as_str(), last_heard, generation, items) {

@@ -133,8 +133,7 @@ impl Items {
     pub fn new(mut items: DeclarationItems) -> Result<Items, SectionError> {
         items.files.sort_by(|a, b| a.path.cmp(&b.path));
         items.units.sort_by(|a, b| a.name.cmp(&b.name));
-        let json =
-            serde_json::to_string(&items).map_err(|e| SectionError::Items(e.to_string()))?;
+        let json = serde_json::to_string(&items).map_err(|e| SectionError::Items(e.to_string()))?;
         let too_large = if items.files.len() > MAX_ITEMS {
             Some(format!("{} files, limit {MAX_ITEMS}", items.files.len()))
         } else if items.units.len() > MAX_ITEMS {
@@ -477,12 +476,22 @@ impl Sections {
     }
 
     /// The section stored for `node`, if any.
-    pub async fn stored(&self, pool: &PgPool, node: &NodeId) -> Result<Option<Stored>, SectionError> {
+    pub async fn stored(
+        &self,
+        pool: &PgPool,
+        node: &NodeId,
+    ) -> Result<Option<Stored>, SectionError> {
         let sql = format!(
             "SELECT generation, digest, items, declared_at, last_sent_at FROM {}.sections WHERE node = $1",
             self.schema
         );
-        type Row = (i64, String, Json<DeclarationItems>, DateTime<Utc>, DateTime<Utc>);
+        type Row = (
+            i64,
+            String,
+            Json<DeclarationItems>,
+            DateTime<Utc>,
+            DateTime<Utc>,
+        );
         let row: Option<Row> = sqlx::query_as(AssertSqlSafe(sql))
             .bind(node.as_str())
             .fetch_optional(pool)
