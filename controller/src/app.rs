@@ -143,6 +143,13 @@ async fn run_fenced(
         sweeper(sweeper_contexts, sweep_interval, sweeper_shutdown).await;
         ("sweeper", Ok(()))
     });
+    let resync_shutdown = shutdown.clone();
+    let resync_contexts = contexts.clone();
+    let resync_interval = settings.resync_interval();
+    tasks.spawn(async move {
+        resync(resync_contexts, resync_interval, resync_shutdown).await;
+        ("resync", Ok(()))
+    });
     let housekeeping_shutdown = shutdown.clone();
     let housekeeping_contexts = contexts.clone();
     tasks.spawn(async move {
@@ -211,6 +218,34 @@ async fn sweeper(contexts: Arc<Contexts>, interval: Duration, shutdown: Cancella
                 }
             }
             Err(e) => tracing::warn!(error = %e, "sweeping the fleet failed; retrying next round"),
+        }
+    }
+}
+
+/// Every `interval`, resync the sections of every context that declares one
+/// (`Contexts::resync_sections`): anything that differs from what each context
+/// computes now is declared again.
+async fn resync(contexts: Arc<Contexts>, interval: Duration, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        for (context, result) in contexts.resync_sections().await {
+            match result {
+                Ok(report) if report.declared > 0 => tracing::info!(
+                    context,
+                    nodes = report.nodes,
+                    declared = report.declared,
+                    "resync declared sections that differed from what was stored"
+                ),
+                Ok(report) => {
+                    tracing::debug!(context, nodes = report.nodes, "resync: sections agree")
+                }
+                Err(e) => {
+                    tracing::warn!(context, error = %e, "resync failed; retrying next round")
+                }
+            }
         }
     }
 }

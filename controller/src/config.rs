@@ -85,6 +85,13 @@ pub struct Settings {
     /// How often the sweeper judges liveness and reconciles the fleet, in
     /// milliseconds. Default 2000.
     pub sweep_interval_ms: u64,
+    /// How often every context that declares a section recomputes the section
+    /// of every node and declares what differs from what it stored (a row
+    /// changed or lost behind its back, a change whose trigger was missed), in
+    /// seconds. The first runs one interval after start. Costs one read of each
+    /// context's nodes and sections; nothing is written when nothing differs.
+    /// Default 300 (minimum 1).
+    pub resync_interval_secs: u64,
 }
 
 impl Default for Settings {
@@ -106,6 +113,7 @@ impl Default for Settings {
             max_unreachable_share: 0.3,
             controller_node: None,
             sweep_interval_ms: 2000,
+            resync_interval_secs: 300,
         }
     }
 }
@@ -179,6 +187,10 @@ impl Settings {
 
     pub fn sweep_interval(&self) -> Duration {
         Duration::from_millis(self.sweep_interval_ms.max(100))
+    }
+
+    pub fn resync_interval(&self) -> Duration {
+        Duration::from_secs(self.resync_interval_secs.max(1))
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use mesh_config::Config;
 use mesh_identity::Identity;
 use mesh_inventory::Inventory;
+use mesh_plumbing::section::{self, Declared};
 use mesh_plumbing::{Context, HandlerError, OutboxSignal, inbox};
 use mesh_protocol::{Envelope, RecordEvent, Report, ReportKind};
 use sqlx::PgPool;
@@ -139,6 +140,27 @@ impl Contexts {
         ]
     }
 
+    /// Recompute every node's section of every context that declares one and
+    /// declare what differs from what is stored (`section::resync`): the
+    /// periodic repair of anything missed. One context's failure does not stop
+    /// the others'.
+    pub async fn resync_sections(&self) -> Vec<(&'static str, Result<Declared, String>)> {
+        vec![
+            (
+                Inventory::SCHEMA,
+                section::resync(&*self.inventory)
+                    .await
+                    .map_err(|e| e.to_string()),
+            ),
+            (
+                Config::SCHEMA,
+                section::resync(&*self.config)
+                    .await
+                    .map_err(|e| e.to_string()),
+            ),
+        ]
+    }
+
     /// Hand a batch of authenticated reports of one kind to every context that
     /// owns a part of them. Each context commits its own transaction (its state,
     /// its inbox, its outbox); the caller acknowledges only after all committed.
@@ -148,7 +170,8 @@ impl Contexts {
         batch: &[Envelope<Report>],
     ) -> Result<(), HandlerError> {
         match kind {
-            // hello: facts and labels (inventory); re-send of a behind section (config).
+            // hello: facts and labels (inventory); every context catches the node
+            // up on its section (mesh_plumbing::section).
             ReportKind::Hello => {
                 both(
                     run(&*self.inventory, batch, true),
@@ -156,7 +179,8 @@ impl Contexts {
                 )
                 .await
             }
-            // heartbeat: liveness (inventory); re-send of a behind section (config).
+            // heartbeat: liveness (inventory); every context re-sends its section
+            // to a node behind (mesh_plumbing::section).
             // Idempotent by nature (last_seen only grows), so no inbox row per
             // heartbeat: that would double the cost of the hottest path.
             ReportKind::Heartbeat => {
@@ -168,14 +192,9 @@ impl Contexts {
             }
             // units: what runs where (inventory owns assignments and units).
             ReportKind::Units => run(&*self.inventory, batch, true).await,
-            // applied: the applied generation (inventory) and the section's status (config).
-            ReportKind::Applied => {
-                both(
-                    run(&*self.inventory, batch, true),
-                    run(&*self.config, batch, true),
-                )
-                .await
-            }
+            // applied: what the node applied of each section (inventory records it
+            // for every section; decision 0015).
+            ReportKind::Applied => run(&*self.inventory, batch, true).await,
         }
     }
 

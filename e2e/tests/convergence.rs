@@ -207,3 +207,49 @@ async fn a_declaration_lost_on_the_way_is_resent_from_the_hello() -> anyhow::Res
     file_is(&mesh, &node, "/a", "two", 0o644).await?;
     mesh.teardown().await
 }
+
+/// The periodic resync (`resync_interval_secs`) repairs a config section that
+/// was changed, then lost, behind the controller's back; the catch-up lifts the
+/// re-created section above the generation the node already holds.
+#[tokio::test(flavor = "multi_thread")]
+async fn resync_repairs_a_section_changed_or_lost_behind_the_controllers_back() -> anyhow::Result<()>
+{
+    let mut mesh = Mesh::start().await?;
+    // The same controller, resyncing every second.
+    mesh.kill_controller();
+    let settings = mesh.dir.path().join("controller.toml");
+    let mut text = std::fs::read_to_string(&settings)?;
+    text.push_str("resync_interval_secs = 1\n");
+    std::fs::write(&settings, text)?;
+    mesh.start_controller(&[]).await?;
+    let web = mesh.add_agent("web-1", &[("role", "web")]).await?;
+    let (status, body) = mesh
+        .put("/v1/files/motd", &json!({"path": "/etc/motd", "content": "kept\n", "mode": "0644", "selector": {"role": "web"}}))
+        .await?;
+    assert!(status == 200 || status == 201, "{status} {body}");
+    file_is(&mesh, &web, "/etc/motd", "kept\n", 0o644).await?;
+    applied_generation(&mesh, &web, 1).await?;
+
+    let pool = sqlx::PgPool::connect(&mesh.env.database_url("config")).await?;
+    // The stored section says something else: resync declares what the files
+    // say now, as generation 2.
+    sqlx::query(
+        "UPDATE config.sections SET digest = 'tampered', items = '{\"files\": []}' WHERE node = $1",
+    )
+    .bind(&web)
+    .execute(&pool)
+    .await?;
+    applied_generation(&mesh, &web, 2).await?;
+    file_is(&mesh, &web, "/etc/motd", "kept\n", 0o644).await?;
+
+    // The row is lost: resync declares generation 1, which the agent (at 2)
+    // ignores; its next heartbeat shows it ahead, and it is lifted to 3.
+    sqlx::query("DELETE FROM config.sections WHERE node = $1")
+        .bind(&web)
+        .execute(&pool)
+        .await?;
+    applied_generation(&mesh, &web, 3).await?;
+    file_is(&mesh, &web, "/etc/motd", "kept\n", 0o644).await?;
+    pool.close().await;
+    mesh.teardown().await
+}

@@ -176,13 +176,16 @@ async fn a_broker_restart_mid_stream_loses_no_declaration_nor_applied_report() -
         "every node's applied report for the newest generation",
         Duration::from_secs(60),
         || async {
-            let behind = scalar(
-                &mesh.env,
-                "config",
-                "SELECT count(*) FROM config.sections WHERE applied_generation < generation",
-            )
-            .await?;
-            Ok((behind == 0).then_some(()))
+            // Declared by config, applied as inventory recorded it: the node view.
+            for a in &agents {
+                let (status, view) = mesh.get(&format!("/v1/nodes/{a}")).await?;
+                anyhow::ensure!(status == 200, "GET node: {status} {view}");
+                let config = &view["sections"]["config"];
+                if config["declared"].is_null() || config["applied"] != config["declared"] {
+                    return Ok(None);
+                }
+            }
+            Ok(Some(()))
         },
     )
     .await?;

@@ -25,6 +25,8 @@ pub enum Error {
     /// A stored value that does not read back (a bug or a manual edit).
     #[error("stored data is unreadable ({what}): {reason}")]
     Corrupt { what: String, reason: String },
+    #[error(transparent)]
+    Section(#[from] mesh_plumbing::section::SectionError),
 }
 
 impl Error {
@@ -35,6 +37,7 @@ impl Error {
             Error::Invalid { .. } => "invalid",
             Error::SectionTooLarge { .. } => "too_large",
             Error::Corrupt { .. } => "corrupt",
+            Error::Section(_) => "section",
         }
     }
 }
@@ -55,6 +58,7 @@ impl From<Error> for HandlerError {
     fn from(e: Error) -> Self {
         match e {
             Error::Database(db) => HandlerError::from(db),
+            Error::Section(e) => HandlerError::from(e),
             other => HandlerError::Permanent(other.to_string()),
         }
     }

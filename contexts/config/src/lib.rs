@@ -4,14 +4,16 @@
 //!
 //! It owns the PostgreSQL schema `config` and nothing else. It learns of nodes
 //! only from record events `inventory.node.joined` / `inventory.node.updated`
-//! (keeping its own copy of each node's labels and version), and of what nodes
-//! applied from reports. It tells nodes their whole config section through its
+//! (keeping its own copy of each node's labels and version), and of the generation
+//! each node holds from its hellos and heartbeats (what nodes applied is
+//! inventory's record). It tells nodes their whole config section through its
 //! outbox; it never publishes, never speaks AMQP and never reads another context's
 //! schema.
 //!
 //! Reconciling is level-triggered: for each node it computes the files that match
-//! now, digests them ([`mesh_protocol::digest_items`]) and declares a new
-//! generation only when the digest differs from the stored one. Precedence when two
+//! now and hands them to the section component ([`mesh_plumbing::section`]),
+//! which declares a new generation only when their digest differs from the
+//! stored one, and catches up nodes on hello and heartbeat. Precedence when two
 //! files name the same path for one node: a file targeted at the node beats a
 //! selector file; between files of the same kind the lexicographically smallest
 //! file name wins. Reconciles are serialized by a PostgreSQL advisory lock (a
@@ -27,19 +29,32 @@ mod reports;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mesh_plumbing::section::{self, Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
-use mesh_protocol::{DecodeError, Envelope, RecordEvent, RecordKind, Report};
+use mesh_protocol::{DecodeError, Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
+/// What a reconcile did: the section component's report.
+pub use mesh_plumbing::section::Declared as ReconcileReport;
 pub use query::{FileSpec, FileSummary, FileView, SectionStatus, Target};
-pub use reconcile::ReconcileReport;
 
 /// The schema (and record context name) this crate owns.
 pub const SCHEMA: &str = "config";
 
+/// The config section of each node, in `config.sections`.
+pub const SECTIONS: Sections = Sections::new(SCHEMA, Section::Config);
+
+// refinery names a Rust migration's module after its file (`V3__sections`).
+#[allow(non_snake_case)]
 mod embedded {
     refinery::embed_migrations!("../../migrations/config");
+}
+
+/// The config migrations, for a test that stops at a version
+/// (`set_target`) to check what a later one keeps.
+pub fn migrations() -> refinery::Runner {
+    embedded::migrations::runner()
 }
 
 /// Apply the config migrations, connected as the config role (`url`). Returns
@@ -94,15 +109,24 @@ impl Config {
     }
 
     /// Reconcile every known node in one transaction and wake the relay if
-    /// anything was declared: the periodic resync that bounds anything missed.
+    /// anything was declared: the periodic resync that bounds anything missed
+    /// (the controller runs it every `resync_interval_secs`, through
+    /// [`section::resync`]).
     pub async fn resync(&self) -> Result<ReconcileReport, Error> {
-        let mut tx = self.pool.begin().await?;
-        let report = reconcile::reconcile(&mut tx, reconcile::Scope::All).await?;
-        tx.commit().await?;
-        if report.declared > 0 {
-            self.signal.notify();
-        }
-        Ok(report)
+        section::resync(self).await
+    }
+}
+
+impl SectionOwner for Config {
+    const SECTIONS: Sections = SECTIONS;
+    type Error = Error;
+
+    fn outbox_signal(&self) -> &OutboxSignal {
+        &self.signal
+    }
+
+    async fn desired(&self, tx: &mut PgConnection) -> Result<Vec<(NodeId, Items)>, Error> {
+        reconcile::desired(tx, reconcile::Scope::All).await
     }
 }
 

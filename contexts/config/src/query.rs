@@ -6,7 +6,7 @@ use serde::Serialize;
 use sqlx::types::Json;
 
 use crate::reconcile::{Scope, reconcile};
-use crate::{Config, Error};
+use crate::{Config, Error, SECTIONS};
 
 /// Who a file is for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,7 +94,8 @@ pub struct FileSummary {
     pub updated_at: DateTime<Utc>,
 }
 
-/// The config section of one node: what was declared and what the node said.
+/// The config section declared to one node (what the node applied is in
+/// inventory's view of the node).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SectionStatus {
     /// Declared generation.
@@ -104,14 +105,6 @@ pub struct SectionStatus {
     pub paths: Vec<String>,
     pub declared_at: DateTime<Utc>,
     pub last_sent_at: DateTime<Utc>,
-    /// Newest generation the node applied (0: none).
-    pub applied_generation: i64,
-    /// Last reported outcome: `applied`, `failed` or `rejected`.
-    pub outcome: Option<String>,
-    /// The generation that outcome concerns.
-    pub outcome_generation: Option<i64>,
-    pub error: Option<String>,
-    pub applied_at: Option<DateTime<Utc>>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -262,38 +255,13 @@ impl Config {
 
     /// The config section declared to `node`, if any.
     pub async fn section(&self, node: &NodeId) -> Result<Option<SectionStatus>, Error> {
-        #[derive(sqlx::FromRow)]
-        struct Row {
-            generation: i64,
-            digest: String,
-            paths: Json<Vec<String>>,
-            declared_at: DateTime<Utc>,
-            last_sent_at: DateTime<Utc>,
-            applied_generation: i64,
-            applied_outcome: Option<String>,
-            applied_outcome_generation: Option<i64>,
-            applied_error: Option<String>,
-            applied_at: Option<DateTime<Utc>>,
-        }
-        let row: Option<Row> = sqlx::query_as(
-            "SELECT generation, digest, jsonb_path_query_array(items, '$.files[*].path') AS paths, declared_at, \
-             last_sent_at, applied_generation, applied_outcome, applied_outcome_generation, applied_error, applied_at \
-             FROM config.sections WHERE node = $1",
-        )
-        .bind(node.as_str())
-        .fetch_optional(&self.pool)
-        .await?;
-        Ok(row.map(|r| SectionStatus {
-            generation: r.generation,
-            digest: r.digest,
-            paths: r.paths.0,
-            declared_at: r.declared_at,
-            last_sent_at: r.last_sent_at,
-            applied_generation: r.applied_generation,
-            outcome: r.applied_outcome,
-            outcome_generation: r.applied_outcome_generation,
-            error: r.applied_error,
-            applied_at: r.applied_at,
+        let stored = SECTIONS.stored(&self.pool, node).await?;
+        Ok(stored.map(|s| SectionStatus {
+            generation: s.generation,
+            digest: s.digest,
+            paths: s.items.files.into_iter().map(|f| f.path).collect(),
+            declared_at: s.declared_at,
+            last_sent_at: s.last_sent_at,
         }))
     }
 }

@@ -5,11 +5,12 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use mesh_config::{Config, ConfigSettings};
+use mesh_config::{Config, ConfigSettings, SECTIONS};
+use mesh_plumbing::section::{self, Items};
 use mesh_plumbing::{Context, OutboxSignal};
 use mesh_protocol::{
-    Applied, Declaration, Envelope, Heartbeat, Hello, Labels, MAX_DECLARATION_BYTES, NodeId,
-    NodeLabelsChanged, Outcome, RecordEvent, Report, Section,
+    Applied, Declaration, DeclarationItems, Envelope, FileItem, FileMode, Heartbeat, Hello, Labels,
+    MAX_DECLARATION_BYTES, NodeId, NodeLabelsChanged, Outcome, RecordEvent, Report, Section,
 };
 use mesh_testkit::TestEnv;
 use sqlx::PgPool;
@@ -346,7 +347,7 @@ async fn behind_nodes_are_sent_their_section_again() {
     assert_eq!(d.len(), 1);
     assert_eq!(d[0].2, first[0].2);
 
-    // Up to date: nothing, and the applied generation is recorded.
+    // Up to date: nothing.
     let mark = last_outbox_id(&f).await;
     sqlx::query("UPDATE config.sections SET last_sent_at = now() - interval '1 minute'")
         .execute(&f.pool)
@@ -354,32 +355,6 @@ async fn behind_nodes_are_sent_their_section_again() {
         .unwrap();
     handle(&f, &[heartbeat(&a, 1), hello(&a, 1)]).await;
     assert!(declarations(&f, mark).await.is_empty());
-    assert_eq!(
-        f.config
-            .section(&a)
-            .await
-            .unwrap()
-            .unwrap()
-            .applied_generation,
-        1
-    );
-
-    // Behind but sent just now while its applied generation advances: the
-    // advance is recorded, nothing is re-sent.
-    sqlx::query(
-        "UPDATE config.sections SET generation = 2, applied_generation = 0, last_sent_at = now()",
-    )
-    .execute(&f.pool)
-    .await
-    .unwrap();
-    handle(&f, &[heartbeat(&a, 1)]).await;
-    assert!(declarations(&f, mark).await.is_empty());
-    let s = f.config.section(&a).await.unwrap().unwrap();
-    assert_eq!((s.generation, s.applied_generation), (2, 1));
-    sqlx::query("UPDATE config.sections SET generation = 1")
-        .execute(&f.pool)
-        .await
-        .unwrap();
 
     // Ahead (the database was restored from an older backup): a new generation above it.
     handle(&f, &[hello(&a, 7)]).await;
@@ -387,34 +362,25 @@ async fn behind_nodes_are_sent_their_section_again() {
     assert_eq!(d.len(), 1);
     assert_eq!(d[0].2.generation, 8);
     assert_eq!(d[0].2.items, first[0].2.items);
+    let s = f.config.section(&a).await.unwrap().unwrap();
+    assert_eq!((s.generation, &s.paths), (8, &vec!["/etc/p".to_owned()]));
 
-    // Applied reports.
-    let applied = |generation, outcome, error: Option<&str>| {
-        Envelope::new(
-            a.clone(),
-            3,
-            Report::Applied(Applied {
-                section: Some(Section::Config),
-                generation: Some(generation),
-                outcome,
-                items: vec![],
-                error: error.map(str::to_owned),
-            }),
-        )
-    };
-    handle(&f, &[applied(8, Outcome::Failed, Some("disk full"))]).await;
-    let s = f.config.section(&a).await.unwrap().unwrap();
-    assert_eq!(
-        (s.generation, s.outcome.as_deref(), s.error.as_deref()),
-        (8, Some("failed"), Some("disk full"))
+    // Applied reports are inventory's record: config's section is unchanged.
+    let mark = last_outbox_id(&f).await;
+    let applied = Envelope::new(
+        a.clone(),
+        3,
+        Report::Applied(Applied {
+            section: Some(Section::Config),
+            generation: Some(8),
+            outcome: Outcome::Failed,
+            items: vec![],
+            error: Some("disk full".into()),
+        }),
     );
-    assert_eq!(s.applied_generation, 7);
-    handle(&f, &[applied(8, Outcome::Applied, None)]).await;
-    let s = f.config.section(&a).await.unwrap().unwrap();
-    assert_eq!(
-        (s.applied_generation, s.outcome.as_deref(), s.error),
-        (8, Some("applied"), None)
-    );
+    handle(&f, &[applied]).await;
+    assert_eq!(f.config.section(&a).await.unwrap().unwrap(), s);
+    assert!(declarations(&f, mark).await.is_empty());
     assert!(
         f.config
             .section(&node(&f, "nobody"))
@@ -423,6 +389,300 @@ async fn behind_nodes_are_sent_their_section_again() {
             .is_none()
     );
     f.env.teardown().await.unwrap();
+}
+
+// The section component (mesh_plumbing::section), on config's table.
+
+fn items(files: &[(&str, &str)]) -> Items {
+    Items::new(DeclarationItems {
+        files: files
+            .iter()
+            .map(|(path, content)| FileItem {
+                path: (*path).to_owned(),
+                content: (*content).to_owned(),
+                mode: FileMode::new(0o644).unwrap(),
+            })
+            .collect(),
+        ..DeclarationItems::default()
+    })
+    .unwrap()
+}
+
+async fn declare(f: &Fixture, desired: Vec<(NodeId, Items)>) -> section::Declared {
+    let mut tx = f.pool.begin().await.unwrap();
+    let report = SECTIONS.declare(&mut tx, desired).await.unwrap();
+    tx.commit().await.unwrap();
+    report
+}
+
+/// (generation, last_sent_at) of `node`'s row.
+async fn row(f: &Fixture, node: &NodeId) -> Option<(i64, chrono::DateTime<chrono::Utc>)> {
+    sqlx::query_as("SELECT generation, last_sent_at FROM config.sections WHERE node = $1")
+        .bind(node.as_str())
+        .fetch_optional(&f.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn section_generation_grows_only_when_the_digest_changes() {
+    let f = setup().await;
+    let (a, b, c) = (node(&f, "a"), node(&f, "b"), node(&f, "c"));
+    let x = items(&[("/etc/x", "1"), ("/etc/y", "2")]);
+    let report = declare(
+        &f,
+        vec![
+            (a.clone(), x.clone()),
+            (b.clone(), x.clone()),
+            (c.clone(), items(&[])),
+        ],
+    )
+    .await;
+    // c: nothing stored and nothing desired, nothing declared.
+    assert_eq!((report.nodes, report.declared), (3, 2));
+    let d = declarations(&f, 0).await;
+    assert_eq!(d.len(), 2);
+    assert!(d.iter().all(|(_, _, decl)| decl.generation == 1
+        && decl.section == Section::Config
+        && decl.items == *x.items()));
+    assert_eq!(row(&f, &c).await, None);
+
+    // The same items, in another order: same digest, nothing declared.
+    let mark = last_outbox_id(&f).await;
+    let reordered = items(&[("/etc/y", "2"), ("/etc/x", "1")]);
+    assert_eq!(reordered.digest(), x.digest());
+    let report = declare(&f, vec![(a.clone(), reordered), (b.clone(), x.clone())]).await;
+    assert_eq!(report.declared, 0);
+    assert!(declarations(&f, mark).await.is_empty());
+
+    // a changes: generation 2 for a alone.
+    let report = declare(
+        &f,
+        vec![(a.clone(), items(&[("/etc/x", "changed")])), (b.clone(), x)],
+    )
+    .await;
+    assert_eq!(report.declared, 1);
+    let d = declarations(&f, mark).await;
+    assert_eq!(
+        (d.len(), d[0].1.as_str(), d[0].2.generation),
+        (1, a.as_str(), 2)
+    );
+
+    // Everything goes away: an empty generation 3, so the agent removes it.
+    let mark = last_outbox_id(&f).await;
+    declare(&f, vec![(a.clone(), items(&[]))]).await;
+    let d = declarations(&f, mark).await;
+    assert_eq!((d.len(), d[0].2.generation), (1, 3));
+    assert!(d[0].2.items.files.is_empty());
+
+    // Too large for an agent: reported (declared all the same; callers decide).
+    let big = "x".repeat(200_000);
+    let huge: Vec<(String, &str)> = (0..6)
+        .map(|i| (format!("/etc/big{i}"), big.as_str()))
+        .collect();
+    let huge: Vec<(&str, &str)> = huge.iter().map(|(p, c)| (p.as_str(), *c)).collect();
+    let report = declare(&f, vec![(b.clone(), items(&huge))]).await;
+    assert_eq!(report.too_large.len(), 1, "{report:?}");
+    assert_eq!(report.too_large[0].0, b.as_str());
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn section_hello_resends_to_a_node_behind_and_jumps_above_one_ahead() {
+    let f = setup().await;
+    let (a, b, stranger) = (node(&f, "a"), node(&f, "b"), node(&f, "stranger"));
+    let x = items(&[("/etc/x", "1")]);
+    declare(&f, vec![(a.clone(), x.clone()), (b.clone(), x.clone())]).await;
+    let (_, sent) = row(&f, &a).await.unwrap();
+
+    // a behind (0), b current (1), a stranger with no section: a alone, at
+    // once, same generation and items, marked sent now.
+    let mark = last_outbox_id(&f).await;
+    let mut tx = f.pool.begin().await.unwrap();
+    let n = SECTIONS
+        .on_hello(&mut tx, &[hello(&a, 0), hello(&b, 1), hello(&stranger, 0)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(n, 1);
+    let d = declarations(&f, mark).await;
+    assert_eq!(d.len(), 1);
+    assert_eq!((d[0].1.as_str(), d[0].2.generation), (a.as_str(), 1));
+    assert_eq!(d[0].2.items, *x.items());
+    assert!(row(&f, &a).await.unwrap().1 > sent);
+
+    // b ahead (a restore lost its generations 2..=7): generation 8, same items;
+    // a node with two hellos in a batch counts with its last.
+    let mark = last_outbox_id(&f).await;
+    handle(&f, &[hello(&b, 0), hello(&b, 7)]).await;
+    let d = declarations(&f, mark).await;
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!((d[0].1.as_str(), d[0].2.generation), (b.as_str(), 8));
+    assert_eq!(d[0].2.items, *x.items());
+    assert_eq!(row(&f, &b).await.unwrap().0, 8);
+    // The next change goes on from there.
+    declare(&f, vec![(b.clone(), items(&[("/etc/x", "2")]))]).await;
+    assert_eq!(row(&f, &b).await.unwrap().0, 9);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn section_heartbeat_resends_after_resend_after_and_catches_up_a_node_ahead() {
+    let f = setup().await;
+    let (a, b) = (node(&f, "a"), node(&f, "b"));
+    let x = items(&[("/etc/x", "1")]);
+    declare(&f, vec![(a.clone(), x.clone()), (b.clone(), x.clone())]).await;
+    let beat = |reports: Vec<Envelope<Report>>| {
+        let pool = f.pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let n = SECTIONS
+                .on_heartbeat(&mut tx, &reports, Duration::from_secs(30))
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            n
+        }
+    };
+
+    // Behind, but sent just now: nothing.
+    let mark = last_outbox_id(&f).await;
+    assert_eq!(beat(vec![heartbeat(&a, 0)]).await, 0);
+    assert!(declarations(&f, mark).await.is_empty());
+
+    // Sent longer than resend_after ago: once per batch, whatever the number of
+    // heartbeats in it; a node that is current is left alone.
+    sqlx::query("UPDATE config.sections SET last_sent_at = now() - interval '1 minute'")
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let n = beat(vec![heartbeat(&a, 0), heartbeat(&a, 0), heartbeat(&b, 1)]).await;
+    assert_eq!(n, 1);
+    let d = declarations(&f, mark).await;
+    assert_eq!(
+        (d.len(), d[0].1.as_str(), d[0].2.generation),
+        (1, a.as_str(), 1)
+    );
+    // ... and not again within resend_after.
+    assert_eq!(beat(vec![heartbeat(&a, 0)]).await, 0);
+
+    // Ahead (b's row was restored to generation 1; b holds 4): at once, whatever
+    // the last send, generation 5.
+    let mark = last_outbox_id(&f).await;
+    assert_eq!(beat(vec![heartbeat(&b, 4)]).await, 1);
+    let d = declarations(&f, mark).await;
+    assert_eq!(
+        (d.len(), d[0].1.as_str(), d[0].2.generation),
+        (1, b.as_str(), 5)
+    );
+    assert_eq!(row(&f, &b).await.unwrap().0, 5);
+    // Now behind, and just sent: nothing more.
+    assert_eq!(beat(vec![heartbeat(&b, 4)]).await, 0);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn resync_repairs_a_section_changed_or_lost_behind_its_back() {
+    let f = setup().await;
+    let (a, b) = (node(&f, "a"), node(&f, "b"));
+    node_event(&f, "node.joined", &a, labels(&[]), 1).await;
+    node_event(&f, "node.joined", &b, labels(&[]), 1).await;
+    let body = r#"{"path": "/etc/p", "content": "x", "mode": "0644", "selector": {}}"#;
+    request(&f, "PUT", "/v1/files/p", body).await;
+    let first = declarations(&f, 0).await;
+    assert_eq!(first.len(), 2);
+    assert_eq!(
+        section::resync(&*f.config).await.unwrap().declared,
+        0,
+        "nothing differs"
+    );
+
+    // a's row says other items; b's row is gone.
+    sqlx::query(
+        "UPDATE config.sections SET digest = 'tampered', items = '{\"files\": []}' WHERE node = $1",
+    )
+    .bind(a.as_str())
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    sqlx::query("DELETE FROM config.sections WHERE node = $1")
+        .bind(b.as_str())
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let mark = last_outbox_id(&f).await;
+    let report = f.config.resync().await.unwrap();
+    assert_eq!((report.nodes, report.declared), (2, 2));
+    let mut d = declarations(&f, mark).await;
+    d.sort_by(|x, y| x.1.cmp(&y.1));
+    assert_eq!((d[0].1.as_str(), d[0].2.generation), (a.as_str(), 2));
+    assert_eq!((d[1].1.as_str(), d[1].2.generation), (b.as_str(), 1));
+    assert!(d.iter().all(|(_, _, decl)| decl.items == first[0].2.items));
+    let s = f.config.section(&a).await.unwrap().unwrap();
+    assert_eq!(s.digest, items(&[("/etc/p", "x")]).digest());
+    // (Had b's agent held a higher generation, its next hello or heartbeat
+    // would lift the section above it.) Repaired: nothing more differs.
+    assert_eq!(f.config.resync().await.unwrap().declared, 0);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_section_table_migration_keeps_every_row() {
+    let env = TestEnv::new().await.unwrap();
+    let url = env.database_url("config");
+    mesh_plumbing::migrate(
+        &url,
+        "config",
+        mesh_config::migrations().set_target(refinery::Target::Version(2)),
+    )
+    .await
+    .unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    // A row as the config context wrote it before the component, applied copy and all.
+    sqlx::query(
+        "INSERT INTO config.sections (node, generation, digest, items, declared_at, last_sent_at, \
+         applied_generation, applied_outcome) \
+         VALUES ('n1', 4, 'd4', '{\"files\": []}', '2026-01-02T03:04:05Z', '2026-01-02T03:04:06Z', 3, 'applied')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let applied = mesh_config::migrate(&url).await.unwrap();
+    assert_eq!(applied.len(), 1, "{applied:?}");
+    let kept: (i64, String, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("SELECT generation, digest, declared_at, last_sent_at FROM config.sections WHERE node = 'n1'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(kept.0, 4);
+    assert_eq!(kept.1, "d4");
+    assert_eq!(kept.2.to_rfc3339(), "2026-01-02T03:04:05+00:00");
+    assert_eq!(kept.3.to_rfc3339(), "2026-01-02T03:04:06+00:00");
+    // The shape is the component's: exactly its columns.
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns \
+         WHERE table_schema = 'config' AND table_name = 'sections' ORDER BY ordinal_position",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        columns,
+        [
+            "node",
+            "generation",
+            "digest",
+            "items",
+            "declared_at",
+            "last_sent_at"
+        ]
+    );
+    pool.close().await;
+    env.teardown().await.unwrap();
 }
 
 #[tokio::test]

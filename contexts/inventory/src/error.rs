@@ -16,6 +16,8 @@ pub enum Error {
     /// A stored value that does not read back (a bug or a manual edit).
     #[error("stored data of node `{node}` is unreadable: {reason}")]
     Corrupt { node: String, reason: String },
+    #[error(transparent)]
+    Section(#[from] mesh_plumbing::section::SectionError),
 }
 
 impl Error {
@@ -25,6 +27,7 @@ impl Error {
             Error::NodeNotFound(_) => "not_found",
             Error::Invalid { .. } => "invalid",
             Error::Corrupt { .. } => "corrupt",
+            Error::Section(_) => "section",
         }
     }
 }
@@ -45,6 +48,7 @@ impl From<Error> for HandlerError {
     fn from(e: Error) -> Self {
         match e {
             Error::Database(db) => HandlerError::from(db),
+            Error::Section(e) => HandlerError::from(e),
             other => HandlerError::Permanent(other.to_string()),
         }
     }

@@ -11,10 +11,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
-use mesh_plumbing::outbox;
-use mesh_protocol::{
-    Declaration, DeclarationItems, DesiredState, Labels, NodeId, Section, digest_items,
-};
+use mesh_plumbing::section::Items;
+use mesh_protocol::{DeclarationItems, DesiredState, Labels, NodeId};
 use serde::Serialize;
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -25,7 +23,7 @@ use crate::placement::{
     place,
 };
 use crate::reports::effective;
-use crate::{Error, SCHEMA};
+use crate::{Error, SECTIONS};
 
 /// Advisory lock of the fleet reconcile ("invf" in ASCII).
 const LOCK_FLEET: i64 = 0x696e_7666;
@@ -567,75 +565,78 @@ pub(crate) async fn reconcile(
     Ok(report)
 }
 
-/// Declare a new inventory section generation to each node of `touched` whose
-/// units differ from what was declared.
+/// The inventory section of `node`: one unit per assignment it holds.
+fn units_of(
+    node: &str,
+    assignments: &BTreeMap<(String, String), Assignment>,
+    modules: &BTreeMap<String, Module>,
+) -> DeclarationItems {
+    let mut items = DeclarationItems::default();
+    let held = assignments
+        .range((node.to_owned(), String::new())..)
+        .take_while(|((n, _), _)| n == node);
+    for (_, a) in held {
+        if let Some(m) = modules.get(&a.module) {
+            items.units.push(m.spec.unit_item(&a.module, &a.name));
+        }
+    }
+    items
+}
+
+fn node_id(node: &str) -> Result<NodeId, Error> {
+    NodeId::parse(node).map_err(|e| Error::Corrupt {
+        node: node.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+/// Hand the inventory section of each node of `touched` to the section
+/// component, which declares a new generation where the units changed.
 async fn declare(
     tx: &mut PgConnection,
     touched: &BTreeSet<String>,
     after: &BTreeMap<(String, String), Assignment>,
     modules: &BTreeMap<String, Module>,
 ) -> Result<usize, Error> {
-    if touched.is_empty() {
-        return Ok(0);
+    let mut desired = Vec::with_capacity(touched.len());
+    for node in touched {
+        let items = Items::new(units_of(node, after, modules))?;
+        desired.push((node_id(node)?, items));
     }
-    let ids: Vec<&str> = touched.iter().map(String::as_str).collect();
-    let sections: Vec<(String, i64, String)> = sqlx::query_as(
-        "SELECT node, generation, digest FROM inventory.sections WHERE node = ANY($1)",
+    Ok(SECTIONS.declare(tx, desired).await?.declared)
+}
+
+/// The inventory section every node should hold now, from the assignments as
+/// they stand (no placement): what the periodic resync compares with what is
+/// stored. Takes the fleet reconcile's lock.
+pub(crate) async fn desired_sections(tx: &mut PgConnection) -> Result<Vec<(NodeId, Items)>, Error> {
+    lock(tx).await?;
+    let modules = load_modules(tx).await?;
+    let assignments: Vec<Assignment> = sqlx::query_as(
+        "SELECT node, name, module, replica, role, placed_at, unit_state FROM inventory.assignments \
+         ORDER BY node, name",
     )
-    .bind(&ids)
     .fetch_all(&mut *tx)
     .await?;
-    let sections: BTreeMap<String, (i64, String)> =
-        sections.into_iter().map(|(n, g, d)| (n, (g, d))).collect();
-    let mut declarations = Vec::new();
-    for node in touched {
-        let mut items = DeclarationItems::default();
-        for a in after.values().filter(|a| a.node == *node) {
-            if let Some(m) = modules.get(&a.module) {
-                items.units.push(m.spec.unit_item(&a.module, &a.name));
-            }
-        }
-        items.units.sort_by(|a, b| a.name.cmp(&b.name));
-        let digest = digest_items(&items);
-        let generation = match sections.get(node) {
-            Some((_, d)) if *d == digest => continue,
-            Some((g, _)) => g + 1,
-            None if items.units.is_empty() => continue,
-            None => 1,
-        };
-        let json = serde_json::to_value(&items).map_err(|e| Error::Corrupt {
-            node: node.clone(),
-            reason: e.to_string(),
-        })?;
-        sqlx::query(
-            "INSERT INTO inventory.sections AS s (node, generation, digest, items) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (node) DO UPDATE SET generation = excluded.generation, digest = excluded.digest, \
-             items = excluded.items, declared_at = now(), last_sent_at = now()",
-        )
-        .bind(node)
-        .bind(generation)
-        .bind(&digest)
-        .bind(json)
-        .execute(&mut *tx)
+    let assignments: BTreeMap<(String, String), Assignment> = assignments
+        .into_iter()
+        .map(|a| ((a.node.clone(), a.name.clone()), a))
+        .collect();
+    let nodes: Vec<String> = sqlx::query_scalar("SELECT id FROM inventory.nodes ORDER BY id")
+        .fetch_all(&mut *tx)
         .await?;
-        let id = NodeId::parse(node).map_err(|e| Error::Corrupt {
-            node: node.clone(),
-            reason: e.to_string(),
-        })?;
-        declarations.push((
-            id,
-            Declaration {
-                section: Section::Inventory,
-                generation: u64::try_from(generation).unwrap_or(0),
-                items,
-            },
-        ));
+    let none = Items::new(DeclarationItems::default())?;
+    let mut desired = Vec::with_capacity(nodes.len());
+    for node in nodes {
+        let units = units_of(&node, &assignments, &modules);
+        let items = if units.units.is_empty() {
+            none.clone()
+        } else {
+            Items::new(units)?
+        };
+        desired.push((node_id(&node)?, items));
     }
-    let n = declarations.len();
-    if n > 0 {
-        outbox::declare_many(tx, SCHEMA, declarations).await?;
-    }
-    Ok(n)
+    Ok(desired)
 }
 
 /// Make the open alerts exactly `alerts`: new ones raised, gone ones cleared,

@@ -29,7 +29,6 @@ mod modules_api;
 pub mod placement;
 mod query;
 mod reports;
-mod sections;
 mod sweep;
 mod units;
 
@@ -38,8 +37,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use mesh_plumbing::section::{Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
-use mesh_protocol::{DecodeError, Envelope, NodeId, RecordEvent, RecordKind, Report};
+use mesh_protocol::{DecodeError, Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
@@ -52,8 +52,19 @@ pub use sweep::SweepReport;
 /// The schema (and record context name) this crate owns.
 pub const SCHEMA: &str = "inventory";
 
+/// The inventory section (units) of each node, in `inventory.sections`.
+pub const SECTIONS: Sections = Sections::new(SCHEMA, Section::Inventory);
+
+// refinery names a Rust migration's module after its file (`V5__sections`).
+#[allow(non_snake_case)]
 mod embedded {
     refinery::embed_migrations!("../../migrations/inventory");
+}
+
+/// The inventory migrations, for a test that stops at a version
+/// (`set_target`) to check what a later one keeps.
+pub fn migrations() -> refinery::Runner {
+    embedded::migrations::runner()
 }
 
 /// Apply the inventory migrations, connected as the inventory role (`url`).
@@ -78,7 +89,8 @@ pub struct InventorySettings {
     /// The node the controller runs on (placement `controller_node`). Default none.
     pub controller_node: Option<NodeId>,
     /// A node whose heartbeat says it is behind on its inventory section is sent
-    /// the section again at most once per this interval. Default 30 s.
+    /// the section again at most once per this interval (the section component's
+    /// catch-up). Default 30 s.
     pub resend_after: Duration,
 }
 
@@ -164,6 +176,22 @@ impl Inventory {
     /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`, `GET /v1/alerts`.
     pub fn routes(self: Arc<Self>) -> axum::Router {
         api::routes(self.clone()).merge(modules_api::routes(self))
+    }
+}
+
+/// The inventory section: the fleet reconcile declares what it changed; the
+/// periodic resync compares every node's units, as assigned now, with what is
+/// stored.
+impl SectionOwner for Inventory {
+    const SECTIONS: Sections = SECTIONS;
+    type Error = Error;
+
+    fn outbox_signal(&self) -> &OutboxSignal {
+        &self.signal
+    }
+
+    async fn desired(&self, tx: &mut PgConnection) -> Result<Vec<(NodeId, Items)>, Error> {
+        fleet::desired_sections(tx).await
     }
 }
 

@@ -384,13 +384,7 @@ impl Inventory {
 impl Inventory {
     /// The inventory section declared to a node: (generation, declared_at).
     pub async fn section(&self, id: &NodeId) -> Result<Option<(i64, DateTime<Utc>)>, Error> {
-        Ok(
-            sqlx::query_as(
-                "SELECT generation, declared_at FROM inventory.sections WHERE node = $1",
-            )
-            .bind(id.as_str())
-            .fetch_optional(&self.pool)
-            .await?,
-        )
+        let stored = crate::SECTIONS.stored(&self.pool, id).await?;
+        Ok(stored.map(|s| (s.generation, s.declared_at)))
     }
 }

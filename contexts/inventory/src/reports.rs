@@ -1,13 +1,15 @@
 //! Report handlers. A batch may mix kinds and nodes: hellos are handled one by
 //! one (they are rare and may emit events), heartbeats and applied reports with
 //! one statement per batch each (a heartbeat batch's: liveness, applied
-//! generations and inventory sections to re-send, in one round trip).
+//! generations and inventory sections to catch up, in one round trip; the
+//! catch-up part is the section component's statement).
 
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use mesh_plumbing::applied;
 use mesh_plumbing::outbox;
+use mesh_plumbing::section::Resend;
 use mesh_protocol::{
     Applied, DeclarationItems, Envelope, Hello, Labels, NodeId, NodeLabelsChanged, RecordEvent,
     Report, Section,
@@ -16,7 +18,7 @@ use sqlx::PgConnection;
 use sqlx::types::Json;
 
 use crate::sweep::{NodeLiveness, emit_liveness};
-use crate::{Error, InventorySettings, SCHEMA};
+use crate::{Error, InventorySettings, SCHEMA, SECTIONS};
 
 pub(crate) async fn handle(
     tx: &mut PgConnection,
@@ -31,15 +33,14 @@ pub(crate) async fn handle(
     let mut units = Vec::new();
     for env in reports {
         match &env.body {
-            Report::Hello(h) => {
-                hello(tx, env, h, heard_at).await?;
-                crate::sections::on_hello(tx, &env.node, h).await?;
-            }
+            Report::Hello(h) => hello(tx, env, h, heard_at).await?,
             Report::Heartbeat(_) => heartbeats.push(env),
             Report::Applied(a) => applied.push((env, a)),
             Report::Units(u) => units.push((env, u)),
         }
     }
+    // Nodes behind or ahead on their inventory section: caught up at once.
+    SECTIONS.on_hello(tx, reports).await?;
     heartbeat_batch(tx, &heartbeats, heard_at, settings.resend_after).await?;
     applied_batch(tx, &applied).await?;
     crate::units::record(tx, &units, heard_at).await?;
@@ -213,8 +214,10 @@ async fn hello(
 
 /// One statement for the whole batch (one round trip): last_seen of every
 /// node in it; its applied generations raised (rows already current are left
-/// alone); and the nodes behind on their inventory section, last sent longer
-/// than `resend_after` ago, marked sent now and returned to be declared again.
+/// alone); and the section component's catch-up of the inventory section
+/// (`Sections::catch_up_sql`): nodes behind, last sent longer than
+/// `resend_after` ago, and nodes ahead, marked sent now and returned to be
+/// declared again (one bulk insert after).
 /// Heartbeats skip the inbox, so all of it is idempotent (greatest). Nodes not
 /// known yet (no hello) are ignored.
 async fn heartbeat_batch(
@@ -277,7 +280,7 @@ async fn heartbeat_batch(
         Option<i64>,
         Option<Json<DeclarationItems>>,
     );
-    let rows: Vec<Row> = sqlx::query_as(
+    let sql = format!(
         "WITH u AS (SELECT * FROM UNNEST($1::text[], $2::timestamptz[], $3::bigint[], $4::bigint[]) \
                     AS u(id, sent_at, seq, inventory)), \
          prev AS (SELECT n.id, n.state, n.heard_at FROM inventory.nodes n JOIN u ON u.id = n.id \
@@ -295,30 +298,33 @@ async fn heartbeat_batch(
                                     AND o.section = g.section AND o.generation >= g.generation) \
                   ON CONFLICT (node, section) DO UPDATE SET generation = excluded.generation, \
                   updated_at = now() WHERE a.generation < excluded.generation), \
-         resend AS (UPDATE inventory.sections AS s SET last_sent_at = now() FROM u \
-                  WHERE s.node = u.id AND u.inventory < s.generation \
-                    AND s.last_sent_at < now() - make_interval(secs => $9) \
-                  RETURNING s.node, s.generation, s.items) \
+         resend AS ({catch_up}) \
          SELECT 'revived', id, heard_at, NULL::bigint, NULL::jsonb FROM seen WHERE state = 'unreachable' \
          UNION ALL SELECT 'resend', node, NULL, generation, items FROM resend",
-    )
-    .bind(&ids)
-    .bind(&times)
-    .bind(&seqs)
-    .bind(&inventory)
-    .bind(heard_at)
-    .bind(&g_nodes)
-    .bind(&g_sections)
-    .bind(&g_generations)
-    .bind(resend_after.as_secs_f64())
-    .fetch_all(&mut *tx)
-    .await?;
+        catch_up = SECTIONS.catch_up_sql("(SELECT id, inventory FROM u)", Some("$9")),
+    );
+    let rows: Vec<Row> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(&ids)
+        .bind(&times)
+        .bind(&seqs)
+        .bind(&inventory)
+        .bind(heard_at)
+        .bind(&g_nodes)
+        .bind(&g_sections)
+        .bind(&g_generations)
+        .bind(resend_after.as_secs_f64())
+        .fetch_all(&mut *tx)
+        .await?;
     let mut resend = Vec::new();
     for (what, node, last_heard, generation, items) in rows {
         match (what.as_str(), last_heard, generation, items) {
             ("revived", Some(last_heard), _, _) => revived(tx, &node, heard_at, last_heard).await?,
             ("resend", _, Some(generation), Some(items)) => {
-                resend.push((node, generation, items.0));
+                resend.push(Resend {
+                    node,
+                    generation,
+                    items: items.0,
+                });
             }
             _ => {
                 return Err(Error::Corrupt {
@@ -328,7 +334,8 @@ async fn heartbeat_batch(
             }
         }
     }
-    crate::sections::resend(tx, resend).await
+    SECTIONS.resend(tx, resend).await?;
+    Ok(())
 }
 
 /// Raise applied generations (never lower them), one statement, keys unique.

@@ -674,3 +674,47 @@ async fn nothing_is_placed_before_the_grace_nor_on_the_unknown() {
     );
     f.env.teardown().await.unwrap();
 }
+
+#[tokio::test]
+async fn resync_repairs_a_units_section_changed_or_lost_behind_its_back() {
+    let f = setup().await;
+    f.observed();
+    let ids = futures_ids(&f, &["a", "b", "c"]).await;
+    let (a, b, c) = (&ids[0], &ids[1], &ids[2]);
+    f.request("PUT", "/v1/modules/web", &[], Some(web(2))).await;
+    let (ga, units_a) = f.declared_units(a).await.unwrap();
+    let (gb, units_b) = f.declared_units(b).await.unwrap();
+    assert_eq!((ga, gb), (1, 1));
+    assert!(f.declared_units(c).await.is_none(), "c runs nothing");
+    let resync = || mesh_plumbing::section::resync(&*f.inventory);
+    assert_eq!(resync().await.unwrap().declared, 0, "nothing differs");
+
+    // a's row was edited, b's lost, and c's says it runs something.
+    sqlx::query("UPDATE inventory.sections SET digest = 'tampered' WHERE node = $1")
+        .bind(a)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM inventory.sections WHERE node = $1")
+        .bind(b)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO inventory.sections (node, generation, digest, items) \
+         VALUES ($1, 3, 'stale', '{\"files\": [], \"units\": []}')",
+    )
+    .bind(c)
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let report = resync().await.unwrap();
+    assert_eq!((report.nodes, report.declared), (3, 3), "{report:?}");
+    assert_eq!(f.declared_units(a).await.unwrap(), (2, units_a));
+    assert_eq!(f.declared_units(b).await.unwrap(), (1, units_b));
+    assert_eq!(f.declared_units(c).await.unwrap(), (4, Vec::new()));
+    assert_eq!(resync().await.unwrap().declared, 0, "repaired");
+    // The assignments were not touched: resync declares, it does not place.
+    assert_eq!(f.placed("web").await.len(), 2);
+    f.env.teardown().await.unwrap();
+}

@@ -299,7 +299,86 @@ async fn heartbeats_resend_a_section_a_node_is_behind_on_at_most_once_per_resend
         va.applied["inventory"].generation, 3,
         "from the hello, never lowered"
     );
+
+    // b ahead (its row was restored to an older generation): lifted above
+    // it at once, in the same one statement, whatever the last send.
+    handle(&f, &[heartbeat(&b, 5, now, &[(Section::Inventory, 9)])]).await;
+    let sent = inventory_declarations(&f).await;
+    assert_eq!(sent[before + 2..], [(b.to_string(), 10)], "{sent:?}");
+    let generation: i64 =
+        sqlx::query_scalar("SELECT generation FROM inventory.sections WHERE node = $1")
+            .bind(b.as_str())
+            .fetch_one(&f.pool)
+            .await
+            .unwrap();
+    assert_eq!(generation, 10);
     f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
+    let env = TestEnv::new().await.unwrap();
+    let url = env.database_url("inventory");
+    mesh_plumbing::migrate(
+        &url,
+        "inventory",
+        mesh_inventory::migrations().set_target(refinery::Target::Version(4)),
+    )
+    .await
+    .unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    for n in ["n1", "n2"] {
+        sqlx::query(
+            "INSERT INTO inventory.nodes (id, hostname, arch, cpus, memory_bytes, agent_version) \
+             VALUES ($1, 'h', 'x86_64', 1, 1, 'old')",
+        )
+        .bind(n)
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO inventory.sections (node, generation, digest, items, declared_at) \
+             VALUES ($1, 6, 'd6', '{\"files\": []}', '2026-01-02T03:04:05Z')",
+        )
+        .bind(n)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let applied = mesh_inventory::migrate(&url).await.unwrap();
+    assert_eq!(applied.len(), 1, "{applied:?}");
+    let kept: Vec<(String, i64, String, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT node, generation, digest, declared_at FROM inventory.sections ORDER BY node",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kept.len(), 2);
+    assert_eq!((kept[0].1, kept[0].2.as_str()), (6, "d6"));
+    assert_eq!(kept[0].3.to_rfc3339(), "2026-01-02T03:04:05+00:00");
+    // A section still goes with its node, and names only a known one.
+    sqlx::query("DELETE FROM inventory.nodes WHERE id = 'n1'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let left: Vec<String> = sqlx::query_scalar("SELECT node FROM inventory.sections")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, ["n2"]);
+    let err = sqlx::query(
+        "INSERT INTO inventory.sections (node, generation, digest, items) VALUES ('nobody', 1, 'd', '{}')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("foreign key"), "{err}");
+    pool.close().await;
+    env.teardown().await.unwrap();
 }
 
 #[tokio::test]

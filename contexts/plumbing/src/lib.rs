@@ -1,6 +1,8 @@
 //! Plumbing every bounded context uses: the [`Context`] trait the controller's
 //! router calls, the inbox (at-most-once effect of at-least-once delivery), the
 //! outbox (declarations and record events written in the handler's transaction),
+//! the declared section's lifecycle ([`section`]: digest, generation, declare,
+//! catch up on hello and heartbeat, resync, and its table's one definition),
 //! the migrations runner, and problem+json API errors.
 //!
 //! This crate knows PostgreSQL and axum, never AMQP: publishing what the outbox
@@ -12,6 +14,7 @@ mod context;
 pub mod inbox;
 mod migrate;
 pub mod outbox;
+pub mod section;
 
 pub use context::{Context, HandlerError, OutboxSignal};
 pub use migrate::{MigrateError, migrate};
