@@ -151,14 +151,14 @@ impl ControllerCredentials {
         if let Some(m) = &self.broker_management {
             check_url(path, "broker_management.url", &m.url, &["http", "https"])?;
         }
-        if let Some(hash) = &self.bootstrap_admin_token_sha256 {
-            if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Err(CredentialsError::invalid(
-                    path,
-                    "bootstrap_admin_token_sha256",
-                    "must be 64 hex digits (a SHA-256)",
-                ));
-            }
+        if let Some(hash) = &self.bootstrap_admin_token_sha256
+            && (hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err(CredentialsError::invalid(
+                path,
+                "bootstrap_admin_token_sha256",
+                "must be 64 hex digits (a SHA-256)",
+            ));
         }
         Ok(())
     }

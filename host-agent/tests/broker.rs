@@ -468,7 +468,7 @@ async fn kill_connections(env: &TestEnv, user: &str) -> anyhow::Result<usize> {
             a.rabbitmq_api.trim_end_matches('/'),
             urlencoding::encode(user)
         ))
-        .basic_auth(&a.rabbitmq_user, Some(&a.rabbitmq_password))
+        .basic_auth(&a.rabbitmq_user, Some(a.rabbitmq_password.expose()))
         .send()
         .await?
         .error_for_status()?
@@ -481,7 +481,7 @@ async fn kill_connections(env: &TestEnv, user: &str) -> anyhow::Result<usize> {
             a.rabbitmq_api.trim_end_matches('/'),
             urlencoding::encode(user)
         ))
-        .basic_auth(&a.rabbitmq_user, Some(&a.rabbitmq_password))
+        .basic_auth(&a.rabbitmq_user, Some(a.rabbitmq_password.expose()))
         .send()
         .await?
         .error_for_status()?;
