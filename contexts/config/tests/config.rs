@@ -10,7 +10,7 @@ use mesh_config::{Config, ConfigSettings};
 use mesh_plumbing::{Context, OutboxSignal};
 use mesh_protocol::{
     Applied, Declaration, Envelope, Heartbeat, Hello, Labels, MAX_DECLARATION_BYTES, NodeId,
-    NodeLabelsChanged, Outcome, RecordEvent, Report, Section,
+    NodeLabelsChanged, Outcome, RecordEvent, RecordKind, Report, Section,
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -57,7 +57,11 @@ async fn node_event(f: &Fixture, event: &str, node: &NodeId, l: Labels, version:
         labels: l,
         version,
     };
-    let event = RecordEvent::new("inventory", event, &body);
+    let event = RecordEvent::new(match event {
+        "node.joined" => RecordKind::NodeJoined(body),
+        "node.updated" => RecordKind::NodeUpdated(body),
+        other => panic!("not a labels event: {other}"),
+    });
     let mut tx = f.pool.begin().await.unwrap();
     f.config.handle_event(&mut tx, &event).await.unwrap();
     tx.commit().await.unwrap();
@@ -143,6 +147,7 @@ fn hello(node: &NodeId, config_applied: u64) -> Envelope<Report> {
             agent_version: "0.1.0".into(),
             public_key: None,
             applied: [(Section::Config, config_applied)].into_iter().collect(),
+            protocol: None,
         }),
     )
 }
@@ -399,6 +404,7 @@ async fn behind_nodes_are_sent_their_section_again() {
                 outcome,
                 items: vec![],
                 error: error.map(str::to_owned),
+                unsupported_section: None,
             }),
         )
     };

@@ -9,13 +9,13 @@ use chrono::{DateTime, Utc};
 use mesh_plumbing::applied;
 use mesh_plumbing::outbox;
 use mesh_protocol::{
-    Applied, DeclarationItems, Envelope, Hello, Labels, NodeId, NodeLabelsChanged, RecordEvent,
-    Report, Section,
+    Applied, DeclarationItems, Envelope, Hello, Labels, LivenessState, NodeId, NodeLabelsChanged,
+    NodeLiveness, ProtocolRange, RecordEvent, RecordKind, Report, Section,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use crate::sweep::{NodeLiveness, emit_liveness};
+use crate::sweep::emit_liveness;
 use crate::{Error, InventorySettings, SCHEMA};
 
 pub(crate) async fn handle(
@@ -32,8 +32,14 @@ pub(crate) async fn handle(
     for env in reports {
         match &env.body {
             Report::Hello(h) => {
+                if let Some(reason) = h.refusal(ProtocolRange::THIS) {
+                    crate::protocol::refuse(tx, env, h, &reason, heard_at).await?;
+                    continue;
+                }
+                let was_refused = crate::protocol::was_refused(tx, &env.node).await?;
                 hello(tx, env, h, heard_at).await?;
                 crate::sections::on_hello(tx, &env.node, h).await?;
+                crate::protocol::accepted(tx, &env.node, h, was_refused).await?;
             }
             Report::Heartbeat(_) => heartbeats.push(env),
             Report::Applied(a) => applied.push((env, a)),
@@ -62,7 +68,7 @@ async fn revived(
         tx,
         NodeLiveness {
             node,
-            state: "alive",
+            state: LivenessState::Alive,
             at: heard_at,
             last_heard: Some(last_heard),
         },
@@ -86,10 +92,11 @@ fn clamp(sent_at: DateTime<Utc>) -> DateTime<Utc> {
     sent_at.min(Utc::now())
 }
 
-/// Write `inventory.node.<event>` with the node's effective labels to the outbox.
+/// Write `inventory.node.joined` or `.updated` (`event`) with the node's
+/// effective labels to the outbox.
 pub(crate) async fn emit(
     tx: &mut PgConnection,
-    event: &str,
+    event: fn(NodeLabelsChanged) -> RecordKind,
     node: &NodeId,
     labels: Labels,
     version: i64,
@@ -99,7 +106,7 @@ pub(crate) async fn emit(
         labels,
         version,
     };
-    outbox::record(tx, SCHEMA, &RecordEvent::new(SCHEMA, event, &body)).await?;
+    outbox::record(tx, SCHEMA, &RecordEvent::new(event(body))).await?;
     Ok(())
 }
 
@@ -133,7 +140,7 @@ async fn hello(
     .await?;
 
     if inserted.is_some() {
-        emit(tx, "node.joined", node, hello.labels.clone(), 1).await?;
+        emit(tx, RecordKind::NodeJoined, node, hello.labels.clone(), 1).await?;
     } else {
         type Row = (
             Json<Labels>,
@@ -198,7 +205,7 @@ async fn hello(
             .execute(&mut *tx)
             .await?;
             if changed {
-                emit(tx, "node.updated", node, after, version).await?;
+                emit(tx, RecordKind::NodeUpdated, node, after, version).await?;
             }
         }
     }
@@ -377,11 +384,13 @@ async fn applied_batch(
     reports: &[(&Envelope<Report>, &Applied)],
 ) -> Result<(), Error> {
     let rows = applied::fold(reports, |env, a| {
-        let Some(section) = a.section else {
+        // An unsupported section is recorded under its name, so the node's
+        // view shows that its agent does not know it.
+        let Some(section) = a.section_name() else {
             tracing::debug!(node = %env.node, "applied report without a section: nothing to record");
             return None;
         };
-        Some((env.node.as_str(), section.as_str()))
+        Some((env.node.as_str(), section))
     });
     if rows.is_empty() {
         return Ok(());
