@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use mesh_plumbing::applied;
 use mesh_plumbing::outbox;
 use mesh_protocol::{
-    Applied, Declaration, DeclarationItems, Envelope, Hello, NodeId, NodeLabelsChanged, Report,
-    Section,
+    Applied, Declaration, DeclarationItems, Envelope, Hello, NodeId, NodeLabelsChanged,
+    ProtocolRange, Report, Section,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -32,6 +32,9 @@ pub(crate) async fn handle(
     let mut applied = Vec::new();
     for env in reports {
         match &env.body {
+            // An agent this controller cannot speak to is declared nothing
+            // (inventory records why; decision 0020).
+            Report::Hello(h) if h.refusal(ProtocolRange::THIS).is_some() => {}
             Report::Hello(h) => hello(tx, &env.node, h).await?,
             Report::Heartbeat(hb) => {
                 let g = to_i64(hb.applied.get(&Section::Config).copied().unwrap_or(0));
