@@ -130,16 +130,17 @@ async fn unknown_fields_are_handled_and_counted_unknown_kinds_dead_lettered() ->
 
     // Dead-lettered, each with its reason: the unknown report kind and the
     // unknown record event (unknown_kind), the impostor and the anonymous one.
-    let letters = wait_for("four dead letters", Duration::from_secs(30), || async {
-        let mut all = Vec::new();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while all.len() < 4 && tokio::time::Instant::now() < deadline {
-            all.extend(drain_dead_letters(&mesh.env.admin_amqp_url()).await?);
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        Ok((all.len() >= 4).then_some(all))
+    wait_for("four dead letters counted", Duration::from_secs(30), || async {
+        let text = metrics(&mesh).await?;
+        Ok((metric_sum(&text, "mesh_dead_lettered_total", "") >= 4.0).then_some(()))
     })
     .await?;
+    let mut letters = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while letters.len() < 4 && tokio::time::Instant::now() < deadline {
+        letters.extend(drain_dead_letters(&mesh.env.admin_amqp_url()).await?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let mut codes: Vec<&str> = letters.iter().map(|(c, _, _)| c.as_str()).collect();
     codes.sort_unstable();
     assert_eq!(
@@ -173,6 +174,19 @@ async fn unknown_fields_are_handled_and_counted_unknown_kinds_dead_lettered() ->
     .await?;
     node.close().await;
     mesh.teardown().await
+}
+
+/// Rows of the inventory outbox about node `id` that match `what`.
+async fn outbox(mesh: &Mesh, id: &str, what: &str) -> anyhow::Result<i64> {
+    scalar(
+        &mesh.env,
+        "inventory",
+        &format!(
+            "SELECT count(*) FROM inventory.outbox WHERE {what} AND \
+             (node = '{id}' OR convert_from(payload, 'UTF8')::jsonb -> 'body' ->> 'node' = '{id}')"
+        ),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -210,22 +224,7 @@ async fn an_agent_the_controller_cannot_speak_to_is_refused_with_a_reason() -> a
     // Declared nothing, told nobody: no declaration and no node.joined in the
     // inventory outbox (the same transaction as the refusal), so config never
     // hears of the node.
-    let outbox = |what: &'static str| {
-        let id = id.clone();
-        let mesh = &mesh;
-        async move {
-            scalar(
-                &mesh.env,
-                "inventory",
-                &format!(
-                    "SELECT count(*) FROM inventory.outbox WHERE {what} AND \
-                     (node = '{id}' OR convert_from(payload, 'UTF8')::jsonb -> 'body' ->> 'node' = '{id}')"
-                ),
-            )
-            .await
-        }
-    };
-    assert_eq!(outbox("true").await?, 0, "nothing written for a refused node");
+    assert_eq!(outbox(&mesh, &id, "true").await?, 0, "nothing written for a refused node");
     let sections = format!("SELECT count(*) FROM config.sections WHERE node = '{id}'");
     assert_eq!(scalar(&mesh.env, "config", &sections).await?, 0);
 
@@ -241,7 +240,7 @@ async fn an_agent_the_controller_cannot_speak_to_is_refused_with_a_reason() -> a
     assert_eq!(view["refused"], Value::Null, "{view}");
     assert_eq!(view["state"], json!("alive"), "{view}");
     assert_eq!(view["protocol"], json!({"min": 1, "max": 1}), "{view}");
-    assert_eq!(outbox("kind = 'node.joined'").await?, 1);
+    assert_eq!(outbox(&mesh, &id, "kind = 'node.joined'").await?, 1);
     node.close().await;
     mesh.teardown().await
 }
