@@ -41,7 +41,10 @@ async fn publish_record(mesh: &Mesh, key: &str, payload: &[u8]) -> anyhow::Resul
         )
         .await?
         .await?;
-    anyhow::ensure!(confirm.is_ack(), "record publish not confirmed: {confirm:?}");
+    anyhow::ensure!(
+        confirm.is_ack(),
+        "record publish not confirmed: {confirm:?}"
+    );
     let _ = conn.close(200, "done".into()).await;
     Ok(())
 }
@@ -60,9 +63,14 @@ async fn unknown_fields_are_handled_and_counted_unknown_kinds_dead_lettered() ->
     let mut hello = as_json(&node.hello(&[("role", "skew")]));
     hello["trace"] = json!({"span": "abc"});
     hello["body"]["gpu"] = json!({"model": "none", "count": 0});
-    node.raw(&format!("{id}.hello"), hello.to_string().as_bytes(), None, true)
-        .await?
-        .await?;
+    node.raw(
+        &format!("{id}.hello"),
+        hello.to_string().as_bytes(),
+        None,
+        true,
+    )
+    .await?
+    .await?;
     // An applied report with an unknown field, then one of an unknown kind on
     // the same (existing) queue, then one naming another node.
     let mut applied = as_json(&node.applied(Section::Config, 1));
@@ -93,47 +101,80 @@ async fn unknown_fields_are_handled_and_counted_unknown_kinds_dead_lettered() ->
         "sent_at": "2026-11-30T12:00:00Z", "future": 1,
         "body": {"node": "x-rec", "labels": {}, "version": 1, "zone": "eu"},
     });
-    publish_record(&mesh, "inventory.node.updated", joined.to_string().as_bytes()).await?;
+    publish_record(
+        &mesh,
+        "inventory.node.updated",
+        joined.to_string().as_bytes(),
+    )
+    .await?;
     let exploded = json!({
         "v": 1, "id": uuid::Uuid::now_v7(), "context": "inventory", "event": "node.exploded",
         "sent_at": "2026-11-30T12:00:00Z", "body": {"node": "x-rec"},
     });
-    publish_record(&mesh, "inventory.node.exploded", exploded.to_string().as_bytes()).await?;
+    publish_record(
+        &mesh,
+        "inventory.node.exploded",
+        exploded.to_string().as_bytes(),
+    )
+    .await?;
 
     // The hello and the applied report were handled.
-    let view = wait_for("the applied report to be recorded", Duration::from_secs(30), || async {
-        let (status, view) = mesh.get(&format!("/v1/nodes/{id}")).await?;
-        Ok((status == 200 && view["applied"]["config"]["generation"] == json!(1)).then_some(view))
-    })
+    let view = wait_for(
+        "the applied report to be recorded",
+        Duration::from_secs(30),
+        || async {
+            let (status, view) = mesh.get(&format!("/v1/nodes/{id}")).await?;
+            Ok(
+                (status == 200 && view["applied"]["config"]["generation"] == json!(1))
+                    .then_some(view),
+            )
+        },
+    )
     .await?;
     assert_eq!(view["labels"]["effective"]["role"], json!("skew"), "{view}");
     assert_eq!(view["refused"], Value::Null, "{view}");
     // The config context handled the known record event despite its unknown fields.
     wait_for("config to learn x-rec", Duration::from_secs(30), || async {
-        let n = scalar(&mesh.env, "config", "SELECT count(*) FROM config.nodes WHERE node = 'x-rec'")
-            .await?;
+        let n = scalar(
+            &mesh.env,
+            "config",
+            "SELECT count(*) FROM config.nodes WHERE node = 'x-rec'",
+        )
+        .await?;
         Ok((n == 1).then_some(()))
     })
     .await?;
 
     // Counted, by kind: 2 in the hello, 1 in the applied, 2 in the record event.
-    let counted = wait_for("unknown fields to be counted", Duration::from_secs(30), || async {
-        let text = metrics(&mesh).await?;
-        let sum = |kind: &str| {
-            metric_sum(&text, "mesh_unknown_fields_total", &format!("kind=\"{kind}\""))
-        };
-        let got = (sum("hello"), sum("applied"), sum("inventory.node.updated"));
-        Ok((got.0 >= 2.0 && got.1 >= 1.0 && got.2 >= 2.0).then_some(got))
-    })
+    let counted = wait_for(
+        "unknown fields to be counted",
+        Duration::from_secs(30),
+        || async {
+            let text = metrics(&mesh).await?;
+            let sum = |kind: &str| {
+                metric_sum(
+                    &text,
+                    "mesh_unknown_fields_total",
+                    &format!("kind=\"{kind}\""),
+                )
+            };
+            let got = (sum("hello"), sum("applied"), sum("inventory.node.updated"));
+            Ok((got.0 >= 2.0 && got.1 >= 1.0 && got.2 >= 2.0).then_some(got))
+        },
+    )
     .await?;
     assert_eq!(counted, (2.0, 1.0, 2.0));
 
     // Dead-lettered, each with its reason: the unknown report kind and the
     // unknown record event (unknown_kind), the impostor and the anonymous one.
-    wait_for("four dead letters counted", Duration::from_secs(30), || async {
-        let text = metrics(&mesh).await?;
-        Ok((metric_sum(&text, "mesh_dead_lettered_total", "") >= 4.0).then_some(()))
-    })
+    wait_for(
+        "four dead letters counted",
+        Duration::from_secs(30),
+        || async {
+            let text = metrics(&mesh).await?;
+            Ok((metric_sum(&text, "mesh_dead_lettered_total", "") >= 4.0).then_some(()))
+        },
+    )
     .await?;
     let mut letters = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -145,7 +186,12 @@ async fn unknown_fields_are_handled_and_counted_unknown_kinds_dead_lettered() ->
     codes.sort_unstable();
     assert_eq!(
         codes,
-        ["impersonation", "unauthenticated", "unknown_kind", "unknown_kind"],
+        [
+            "impersonation",
+            "unauthenticated",
+            "unknown_kind",
+            "unknown_kind"
+        ],
         "{letters:?}"
     );
     assert!(
@@ -206,13 +252,22 @@ async fn an_agent_the_controller_cannot_speak_to_is_refused_with_a_reason() -> a
     // A hello (always a v1 envelope) from an agent that speaks v2..v3 only.
     let mut hello = as_json(&node.hello(&[("role", "skew")]));
     hello["body"]["protocol"] = json!({"min": 2, "max": 3});
-    node.raw(&format!("{id}.hello"), hello.to_string().as_bytes(), None, true)
-        .await?
-        .await?;
-    let view = wait_for("the refusal in the node's view", Duration::from_secs(30), || async {
-        let (status, view) = mesh.get(&format!("/v1/nodes/{id}")).await?;
-        Ok((status == 200 && view["refused"].is_string()).then_some(view))
-    })
+    node.raw(
+        &format!("{id}.hello"),
+        hello.to_string().as_bytes(),
+        None,
+        true,
+    )
+    .await?
+    .await?;
+    let view = wait_for(
+        "the refusal in the node's view",
+        Duration::from_secs(30),
+        || async {
+            let (status, view) = mesh.get(&format!("/v1/nodes/{id}")).await?;
+            Ok((status == 200 && view["refused"].is_string()).then_some(view))
+        },
+    )
     .await?;
     let reason = view["refused"].as_str().unwrap_or_default();
     assert!(
@@ -224,7 +279,11 @@ async fn an_agent_the_controller_cannot_speak_to_is_refused_with_a_reason() -> a
     // Declared nothing, told nobody: no declaration and no node.joined in the
     // inventory outbox (the same transaction as the refusal), so config never
     // hears of the node.
-    assert_eq!(outbox(&mesh, &id, "true").await?, 0, "nothing written for a refused node");
+    assert_eq!(
+        outbox(&mesh, &id, "true").await?,
+        0,
+        "nothing written for a refused node"
+    );
     let sections = format!("SELECT count(*) FROM config.sections WHERE node = '{id}'");
     assert_eq!(scalar(&mesh.env, "config", &sections).await?, 0);
 
@@ -232,9 +291,11 @@ async fn an_agent_the_controller_cannot_speak_to_is_refused_with_a_reason() -> a
     // it joins, and config declares its section.
     let hello = node.hello(&[("role", "skew")]);
     node.send(&hello).await?.await?;
-    wait_for("config to declare the node's section", Duration::from_secs(30), || async {
-        Ok((scalar(&mesh.env, "config", &sections).await? == 1).then_some(()))
-    })
+    wait_for(
+        "config to declare the node's section",
+        Duration::from_secs(30),
+        || async { Ok((scalar(&mesh.env, "config", &sections).await? == 1).then_some(())) },
+    )
     .await?;
     let (_, view) = mesh.get(&format!("/v1/nodes/{id}")).await?;
     assert_eq!(view["refused"], Value::Null, "{view}");

@@ -537,7 +537,8 @@ impl Agent {
     async fn apply_bytes(&mut self, bytes: &[u8]) -> Applied {
         let env = match apply::decode(bytes, &self.creds.node) {
             Ok((env, unknown)) => {
-                self.metrics.unknown_fields(Declaration::KIND, unknown.count);
+                self.metrics
+                    .unknown_fields(Declaration::KIND, unknown.count);
                 if !unknown.is_empty() {
                     debug!(fields = ?unknown.paths, "declaration: ignored fields this agent does not know");
                 }
@@ -549,7 +550,11 @@ impl Agent {
                 section,
                 generation,
             }) => {
-                warn!(section, ?generation, "declaration of a section this agent does not know");
+                warn!(
+                    section,
+                    ?generation,
+                    "declaration of a section this agent does not know"
+                );
                 self.metrics.declaration_applied("unsupported");
                 return Applied {
                     section: None,

@@ -780,8 +780,7 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
 /// (with the section and a reason) and changes nothing; fields it does not know
 /// are ignored and counted; and every other section goes on being applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unknown_section_is_reported_unsupported_and_nothing_else_stops() -> anyhow::Result<()>
-{
+async fn an_unknown_section_is_reported_unsupported_and_nothing_else_stops() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let creds = env.add_node("u").await?;
     let node = creds.node.clone();
@@ -802,7 +801,10 @@ async fn an_unknown_section_is_reported_unsupported_and_nothing_else_stops() -> 
     let agent = tokio::spawn(mesh_host_agent::run(config, async {
         let _ = stopped.await;
     }));
-    let hello = wait_report(&mut reports, "hello", |r| r.kind.as_deref() == Some("hello")).await?;
+    let hello = wait_report(&mut reports, "hello", |r| {
+        r.kind.as_deref() == Some("hello")
+    })
+    .await?;
     let Report::Hello(h) = &hello.envelope.body else {
         bail!("not a hello")
     };
@@ -822,7 +824,11 @@ async fn an_unknown_section_is_reported_unsupported_and_nothing_else_stops() -> 
     })
     .await?;
     let a = applied(&r).unwrap();
-    assert_eq!(a.unsupported_section.as_deref(), Some("observability"), "{a:?}");
+    assert_eq!(
+        a.unsupported_section.as_deref(),
+        Some("observability"),
+        "{a:?}"
+    );
     assert_eq!(a.section, None);
     assert_eq!(a.generation, Some(3));
     let error = a.error.as_deref().unwrap_or_default();

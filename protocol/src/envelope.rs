@@ -43,7 +43,10 @@ impl ProtocolRange {
         if self.min == 0 || self.min > self.max {
             return Err(DecodeError::invalid(
                 field,
-                format!("min {} and max {} must satisfy 1 <= min <= max", self.min, self.max),
+                format!(
+                    "min {} and max {} must satisfy 1 <= min <= max",
+                    self.min, self.max
+                ),
             ));
         }
         Ok(())
@@ -184,10 +187,7 @@ impl<B: Body> Envelope<B> {
 
     /// [`Envelope::decode`], also returning the fields it ignored, so that the
     /// receiver can count them.
-    pub fn decode_noting(
-        bytes: &[u8],
-        limit: usize,
-    ) -> Result<(Self, UnknownFields), DecodeError> {
+    pub fn decode_noting(bytes: &[u8], limit: usize) -> Result<(Self, UnknownFields), DecodeError> {
         if bytes.len() > limit {
             return Err(DecodeError::TooLarge {
                 size: bytes.len(),

@@ -131,9 +131,7 @@ impl RecordKind {
                 RecordKind::NodeUnreachable(parse(&key, body, unknown)?)
             }
             ("inventory", "node.alive") => RecordKind::NodeAlive(parse(&key, body, unknown)?),
-            ("identity", "node.enrolled") => {
-                RecordKind::NodeEnrolled(parse(&key, body, unknown)?)
-            }
+            ("identity", "node.enrolled") => RecordKind::NodeEnrolled(parse(&key, body, unknown)?),
             ("identity", "node.revoked") => RecordKind::NodeRevoked(parse(&key, body, unknown)?),
             (context, AUDIT_EVENT) => {
                 validate_context(context)?;
@@ -157,11 +155,7 @@ impl RecordKind {
             } else {
                 Err(DecodeError::invalid(
                     "body.state",
-                    format!(
-                        "`{}` in a {} event",
-                        body.state.as_str(),
-                        self.event()
-                    ),
+                    format!("`{}` in a {} event", body.state.as_str(), self.event()),
                 ))
             }
         };
@@ -178,7 +172,10 @@ impl RecordKind {
 fn validate_context(context: &str) -> Result<(), DecodeError> {
     let ok = !context.is_empty()
         && context.len() <= 32
-        && context.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
+        && context
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase())
         && context
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
@@ -395,6 +392,9 @@ mod tests {
     fn unknown_events_are_unknown_kind() {
         let bytes = br#"{"v":1,"id":"01890000-0000-7000-8000-000000000000","context":"inventory","event":"node.exploded","sent_at":"2024-01-01T00:00:00Z","body":{}}"#;
         let err = RecordEvent::decode(bytes).unwrap_err();
-        assert_eq!(err, DecodeError::UnknownKind("inventory.node.exploded".into()));
+        assert_eq!(
+            err,
+            DecodeError::UnknownKind("inventory.node.exploded".into())
+        );
     }
 }

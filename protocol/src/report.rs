@@ -19,7 +19,10 @@ fn lenient_generations<'de, D: Deserializer<'de>>(d: D) -> Result<AppliedGenerat
             f.write_str("a map of section to generation")
         }
 
-        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
             let mut out = AppliedGenerations::new();
             while let Some(key) = map.next_key::<String>()? {
                 match Section::parse(&key) {
@@ -297,10 +300,9 @@ impl Applied {
         match self.outcome {
             Outcome::Rejected => {}
             Outcome::Unsupported => match &self.unsupported_section {
-                Some(name) => crate::declaration::validate_section_name(
-                    "body.unsupported_section",
-                    name,
-                )?,
+                Some(name) => {
+                    crate::declaration::validate_section_name("body.unsupported_section", name)?
+                }
                 None => {
                     return Err(DecodeError::invalid(
                         "body.unsupported_section",

@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 use chrono::{DateTime, Utc};
 use mesh_protocol::{
     Applied, AuditEntry, Declaration, DeclarationItems, DesiredState, Envelope, FileItem, FileMode,
-    Heartbeat, Hello, ItemOutcome, LivenessState, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES,
-    NodeId, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness, Outcome, ProtocolRange,
-    RECORD_EVENTS, RecordEvent, RecordKind, Report, ReportKind, RestartPolicy, Section, UnitItem,
-    UnitState, UnitStatus, Units,
+    Heartbeat, Hello, ItemOutcome, LivenessState, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES, NodeId,
+    NodeIdentityChanged, NodeLabelsChanged, NodeLiveness, Outcome, ProtocolRange, RECORD_EVENTS,
+    RecordEvent, RecordKind, Report, ReportKind, RestartPolicy, Section, UnitItem, UnitState,
+    UnitStatus, Units,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -104,11 +104,7 @@ fn the_corpus_holds_every_kind() {
     let mut expected: Vec<String> = ReportKind::ALL
         .iter()
         .map(|k| format!("report-{}.json", k.as_str()))
-        .chain(
-            Section::ALL
-                .iter()
-                .map(|s| format!("declaration-{s}.json")),
-        )
+        .chain(Section::ALL.iter().map(|s| format!("declaration-{s}.json")))
         .chain(
             RECORD_EVENTS
                 .iter()
@@ -158,7 +154,10 @@ fn v1_messages_with_unknown_fields_everywhere_decode_the_same() {
         assert_eq!(message, plain, "{name}");
         // Each added field is noted (a key added to `applied` reads as a
         // section this version does not know: ignored and noted too).
-        assert_eq!(unknown, added, "{name}: {added} unknown fields added, {unknown} noted");
+        assert_eq!(
+            unknown, added,
+            "{name}: {added} unknown fields added, {unknown} noted"
+        );
     }
 }
 
@@ -366,7 +365,10 @@ fn a_hello_whose_range_excludes_ours_is_refused_with_a_reason() {
         panic!("not a hello")
     };
     let reason = h.refusal(ProtocolRange::THIS).expect("refused");
-    assert!(reason.contains("v2..v3") && reason.contains("v1..v1"), "{reason}");
+    assert!(
+        reason.contains("v2..v3") && reason.contains("v1..v1"),
+        "{reason}"
+    );
     // A range that overlaps ours is spoken.
     v["body"]["protocol"] = json!({"min": 1, "max": 3});
     let env = Envelope::<Report>::decode(&serde_json::to_vec(&v).expect("json"), MAX_REPORT_BYTES)

@@ -371,7 +371,10 @@ fn unknown_fields_are_ignored_and_noted_unknown_kinds_refused() {
         Envelope::<Report>::decode_noting(&bytes, MAX_REPORT_BYTES).expect("accepted");
     assert!(matches!(env.body, Report::Heartbeat(_)));
     assert_eq!(unknown.count, 2, "{unknown:?}");
-    assert_eq!(unknown.paths, vec!["extra".to_owned(), "body.future".to_owned()]);
+    assert_eq!(
+        unknown.paths,
+        vec!["extra".to_owned(), "body.future".to_owned()]
+    );
 
     v["kind"] = json!("bogus");
     let err = Envelope::<Report>::decode(&serde_json::to_vec(&v).expect("json"), MAX_REPORT_BYTES)

@@ -163,10 +163,10 @@ impl Identity {
         .execute(&mut *tx)
         .await?;
         let event = RecordEvent::new(RecordKind::NodeEnrolled(NodeIdentityChanged {
-                node: node.clone(),
-                public_key: Some(key.to_hex()),
-                at: Utc::now(),
-            }));
+            node: node.clone(),
+            public_key: Some(key.to_hex()),
+            at: Utc::now(),
+        }));
         outbox::record(&mut tx, SCHEMA, &event).await?;
         // The broker last: if it fails, the transaction rolls back and the token
         // stays unused.
@@ -207,10 +207,10 @@ impl Identity {
         .await?;
         let revoked_at = marked.unwrap_or_else(Utc::now);
         let event = RecordEvent::new(RecordKind::NodeRevoked(NodeIdentityChanged {
-                node: node.clone(),
-                public_key: None,
-                at: revoked_at,
-            }));
+            node: node.clone(),
+            public_key: None,
+            at: revoked_at,
+        }));
         outbox::record(&mut tx, SCHEMA, &event).await?;
         // Delete first (no new connection can authenticate), then close what is open.
         let deleted = self.accounts.delete_node_user(node).await?;
