@@ -24,7 +24,7 @@ use chrono::Utc;
 use mesh_identity::Identity;
 use mesh_plumbing::OutboxSignal;
 use mesh_plumbing::api::{Principal, Problem, Role};
-use mesh_protocol::{AUDIT_EVENT, AuditEntry, RecordEvent};
+use mesh_protocol::{AuditEntry, RecordEvent, RecordKind};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -197,7 +197,10 @@ async fn audit(
         outcome: outcome.to_owned(),
         status: status.as_u16(),
     };
-    let event = RecordEvent::new(guard.context, AUDIT_EVENT, &entry);
+    let event = RecordEvent::new(RecordKind::OperatorAudit {
+        context: guard.context.to_owned(),
+        entry,
+    });
     let written = async {
         let mut tx = guard.pool.begin().await?;
         mesh_plumbing::outbox::record(&mut tx, guard.context, &event).await?;

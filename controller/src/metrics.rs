@@ -19,6 +19,11 @@ pub struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ContextLabels {
     pub context: String,
 }
@@ -40,6 +45,9 @@ pub struct Metrics {
     pub outbox_backlog: Family<ContextLabels, Gauge>,
     /// Connections to the broker made (the first and every reconnect).
     pub broker_connects: Counter,
+    /// Fields of handled messages this version does not know (a newer sender's),
+    /// ignored, by message kind (report kind, or record `<context>.<event>`).
+    pub unknown_fields: Family<KindLabels, Counter>,
 }
 
 impl Metrics {
@@ -54,6 +62,7 @@ impl Metrics {
             published: Family::default(),
             outbox_backlog: Family::default(),
             broker_connects: Counter::default(),
+            unknown_fields: Family::default(),
         };
         registry.register(
             "mesh_messages_handled",
@@ -90,7 +99,25 @@ impl Metrics {
             "Connections made to the broker",
             m.broker_connects.clone(),
         );
+        registry.register(
+            "mesh_unknown_fields",
+            "Fields of accepted messages this version does not know, ignored",
+            m.unknown_fields.clone(),
+        );
         m
+    }
+
+    /// Count the fields a message of `kind` carried that this version ignored.
+    pub fn unknown_fields(&self, kind: &str, unknown: &mesh_protocol::UnknownFields) {
+        if unknown.is_empty() {
+            return;
+        }
+        let count = u64::try_from(unknown.count).unwrap_or(u64::MAX);
+        self.unknown_fields
+            .get_or_create(&KindLabels {
+                kind: kind.to_owned(),
+            })
+            .inc_by(count);
     }
 
     pub fn queue(queue: &str) -> QueueLabels {

@@ -24,7 +24,9 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use mesh_plumbing::{HandlerError, OutboxSignal};
 use mesh_protocol::topology;
-use mesh_protocol::{Envelope, MAX_REPORT_BYTES, NodeId, RecordEvent, Report, ReportKind};
+use mesh_protocol::{
+    Envelope, MAX_REPORT_BYTES, NodeId, RecordEvent, Report, ReportKind, UnknownFields,
+};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -275,7 +277,10 @@ impl Pipeline {
                 let mut good = Vec::with_capacity(batch.len());
                 for (i, d) in batch.iter().enumerate() {
                     match authenticate(kind, d) {
-                        Ok(env) => good.push((i, env)),
+                        Ok((env, unknown)) => {
+                            self.note_unknown(kind.as_str(), &env.node, &unknown);
+                            good.push((i, env));
+                        }
                         Err(r) => refused.push((i, r)),
                     }
                 }
@@ -306,8 +311,15 @@ impl Pipeline {
                 let mut refused = Vec::new();
                 let mut good = Vec::with_capacity(batch.len());
                 for (i, d) in batch.iter().enumerate() {
-                    match RecordEvent::decode(&d.data) {
-                        Ok(e) => good.push((i, e)),
+                    match RecordEvent::decode_noting(&d.data) {
+                        Ok((e, unknown)) => {
+                            if !unknown.is_empty() {
+                                let key = e.routing_key();
+                                tracing::debug!(key, fields = ?unknown.paths, "ignored unknown fields");
+                                self.metrics.unknown_fields(&key, &unknown);
+                            }
+                            good.push((i, e));
+                        }
                         Err(e) => refused.push((i, Refusal::new(e.metric_label(), e.to_string()))),
                     }
                 }
@@ -332,6 +344,16 @@ impl Pipeline {
         // Handlers may have written outboxes: wake the relay.
         self.signal.notify();
         Ok(true)
+    }
+
+    /// Count the fields a report carried that this version does not know: a
+    /// newer agent's additions, ignored (docs/protocol.md, Compatibility).
+    fn note_unknown(&self, kind: &str, node: &NodeId, unknown: &UnknownFields) {
+        if unknown.is_empty() {
+            return;
+        }
+        tracing::debug!(kind, %node, fields = ?unknown.paths, "ignored unknown fields");
+        self.metrics.unknown_fields(kind, unknown);
     }
 
     /// Hand `items` (taken from the batch at `indices`) to the contexts,
@@ -466,8 +488,12 @@ pub fn unroutable(d: &Delivery) -> Refusal {
 }
 
 /// Establish who sent a report and read it. The sender is the broker-validated
-/// `user_id`, never the body: a body that names another node is refused.
-pub fn authenticate(kind: ReportKind, d: &Delivery) -> Result<Envelope<Report>, Refusal> {
+/// `user_id`, never the body: a body that names another node is refused. Fields
+/// this version does not know are ignored and returned, to be counted.
+pub fn authenticate(
+    kind: ReportKind,
+    d: &Delivery,
+) -> Result<(Envelope<Report>, UnknownFields), Refusal> {
     let Some(user) = d.properties.user_id() else {
         return Err(Refusal::new(
             "unauthenticated",
@@ -480,7 +506,7 @@ pub fn authenticate(kind: ReportKind, d: &Delivery) -> Result<Envelope<Report>, 
             format!("user_id `{}` is not a node", user.as_str()),
         )
     })?;
-    let env = Envelope::<Report>::decode(&d.data, MAX_REPORT_BYTES)
+    let (env, unknown) = Envelope::<Report>::decode_noting(&d.data, MAX_REPORT_BYTES)
         .map_err(|e| Refusal::new(e.metric_label(), format!("from {node}: {e}")))?;
     let span =
         tracing::debug_span!("report", message_id = %env.id, node = %node, kind = env.kind());
@@ -515,5 +541,5 @@ pub fn authenticate(kind: ReportKind, d: &Delivery) -> Result<Envelope<Report>, 
         ));
     }
     tracing::trace!("accepted");
-    Ok(env)
+    Ok((env, unknown))
 }

@@ -650,6 +650,7 @@ pub fn hello(
             agent_version: "test".into(),
             public_key: None,
             applied: Default::default(),
+            protocol: None,
         }),
     )
 }

@@ -87,6 +87,7 @@ impl SimNode {
                 outcome: Outcome::Applied,
                 items: vec![],
                 error: None,
+                unsupported_section: None,
             }),
         )
     }

@@ -274,8 +274,10 @@ fn poison(
             ("applied", v.to_string().into_bytes(), true, "invalid")
         }
         8 => {
+            // Unknown fields are accepted (decision 0020); an unknown value of
+            // a known field is not.
             let mut v = as_json(&valid);
-            v["body"]["extra"] = json!("unknown field");
+            v["body"]["outcome"] = json!("exploded");
             ("applied", v.to_string().into_bytes(), true, "invalid")
         }
         _ => {

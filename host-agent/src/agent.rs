@@ -24,8 +24,8 @@ use mesh_protocol::topology::{
     REPORTS_EXCHANGE, SIGNATURE_HEADER, declaration_queue, report_routing_key,
 };
 use mesh_protocol::{
-    Applied, Envelope, Heartbeat, ItemOutcome, MAX_REPORT_BYTES, NodeId, Outcome, Report,
-    ReportKind, Section, Units,
+    Applied, Declaration, DecodeError, Envelope, Heartbeat, ItemOutcome, MAX_REPORT_BYTES, NodeId,
+    Outcome, ProtocolRange, Report, ReportKind, Section, Units,
 };
 use rand::Rng;
 use tokio::time::{Instant, Interval, MissedTickBehavior, sleep_until};
@@ -526,6 +526,7 @@ impl Agent {
                     outcome: Outcome::Rejected,
                     items: Vec::new(),
                     error: Some(format!("signature: {e}")),
+                    unsupported_section: None,
                 })
             }
         }
@@ -534,7 +535,39 @@ impl Agent {
     /// Decode, apply, record. Never fails: every problem becomes the report.
     async fn apply_bytes(&mut self, bytes: &[u8]) -> Applied {
         let env = match apply::decode(bytes, &self.creds.node) {
-            Ok(env) => env,
+            Ok((env, unknown)) => {
+                self.metrics
+                    .unknown_fields(Declaration::KIND, unknown.count);
+                if !unknown.is_empty() {
+                    debug!(fields = ?unknown.paths, "declaration: ignored fields this agent does not know");
+                }
+                env
+            }
+            // A section of a newer controller: nothing changes, and the
+            // controller learns that this agent does not know it.
+            Err(DecodeError::UnsupportedSection {
+                section,
+                generation,
+            }) => {
+                warn!(
+                    section,
+                    ?generation,
+                    "declaration of a section this agent does not know"
+                );
+                self.metrics.declaration_applied("unsupported");
+                return Applied {
+                    section: None,
+                    generation,
+                    outcome: Outcome::Unsupported,
+                    items: Vec::new(),
+                    error: Some(format!(
+                        "section `{section}` is not supported by mesh-agent {} (protocol {}); nothing was applied",
+                        facts::AGENT_VERSION,
+                        ProtocolRange::THIS
+                    )),
+                    unsupported_section: Some(section),
+                };
+            }
             Err(e) => {
                 let (section, generation) = apply::peek_section(bytes);
                 error!(error = %e, ?section, ?generation, size = bytes.len(), "declaration rejected");
@@ -545,6 +578,7 @@ impl Agent {
                     outcome: Outcome::Rejected,
                     items: Vec::new(),
                     error: Some(truncate(&e.to_string(), 2000)),
+                    unsupported_section: None,
                 };
             }
         };
@@ -564,6 +598,7 @@ impl Agent {
                         outcome: Outcome::Failed,
                         items: Vec::new(),
                         error: Some("the applier panicked".into()),
+                        unsupported_section: None,
                     };
                 }
             };
@@ -574,6 +609,7 @@ impl Agent {
                 Outcome::Applied => "applied",
                 Outcome::Failed => "failed",
                 Outcome::Rejected => "rejected",
+                Outcome::Unsupported => "unsupported",
             }
         };
         self.metrics.declaration_applied(label);
@@ -603,6 +639,7 @@ impl Agent {
             outcome: report.outcome,
             items: report.items,
             error: report.error.map(|e| truncate(&e, 2000)),
+            unsupported_section: None,
         }
     }
 
@@ -817,6 +854,7 @@ mod tests {
             outcome: Outcome::Failed,
             items,
             error: Some("x".into()),
+            unsupported_section: None,
         };
         let node = NodeId::parse(&"n".repeat(63)).unwrap();
         let small = fit_applied(a, &node);

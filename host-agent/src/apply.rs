@@ -14,22 +14,27 @@ use std::path::{Path, PathBuf};
 use chrono::Utc;
 use mesh_protocol::{
     Declaration, DecodeError, Envelope, ItemOutcome, MAX_DECLARATION_BYTES, NodeId, Outcome,
-    Section, digest_items, validate_path,
+    Section, UnknownFields, digest_items, validate_path,
 };
 
 use crate::store::{SectionState, write_atomic};
 
 /// Decode a delivery's body: the agent's one parse point for declarations. The
-/// envelope must be addressed to this node.
-pub fn decode(bytes: &[u8], node: &NodeId) -> Result<Envelope<Declaration>, DecodeError> {
-    let env = Envelope::<Declaration>::decode(bytes, MAX_DECLARATION_BYTES)?;
+/// envelope must be addressed to this node. Fields this agent does not know (a
+/// newer controller's) are ignored and returned, to be counted; a section it
+/// does not know is [`DecodeError::UnsupportedSection`].
+pub fn decode(
+    bytes: &[u8],
+    node: &NodeId,
+) -> Result<(Envelope<Declaration>, UnknownFields), DecodeError> {
+    let (env, unknown) = Envelope::<Declaration>::decode_noting(bytes, MAX_DECLARATION_BYTES)?;
     if &env.node != node {
         return Err(DecodeError::Invalid {
             field: "node".into(),
             reason: format!("declaration is for `{}`, this node is `{node}`", env.node),
         });
     }
-    Ok(env)
+    Ok((env, unknown))
 }
 
 /// Best effort: the section and generation of a message that could not be

@@ -1,6 +1,6 @@
 //! The facts a hello states about this host, read from the kernel.
 
-use mesh_protocol::{AppliedGenerations, Hello, Labels};
+use mesh_protocol::{AppliedGenerations, Hello, Labels, ProtocolRange};
 
 /// The agent's version, as reported in hello.
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -17,6 +17,7 @@ pub fn hello(hostname: Option<&str>, labels: &Labels, applied: AppliedGeneration
         agent_version: AGENT_VERSION.to_owned(),
         public_key: None,
         applied,
+        protocol: Some(ProtocolRange::THIS),
     }
 }
 

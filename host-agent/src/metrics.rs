@@ -26,6 +26,7 @@ pub struct Metrics {
     reconnects: Counter,
     unit_restarts: Counter,
     units_running: Gauge,
+    unknown_fields: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -73,8 +74,15 @@ impl Metrics {
             "Units whose process runs now",
             units_running.clone(),
         );
+        let unknown_fields = Family::<Labels, Counter>::default();
+        registry.register(
+            "unknown_fields",
+            "Fields of accepted messages this agent does not know (a newer controller's), ignored, by kind",
+            unknown_fields.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
+            unknown_fields,
             reports_published,
             reports_buffered,
             declarations_applied,
@@ -99,6 +107,15 @@ impl Metrics {
         self.declarations_applied
             .get_or_create(&vec![("outcome", outcome)])
             .inc();
+    }
+
+    /// Count `n` ignored fields of a message of `kind`.
+    pub fn unknown_fields(&self, kind: &'static str, n: usize) {
+        if n > 0 {
+            self.unknown_fields
+                .get_or_create(&vec![("kind", kind)])
+                .inc_by(u64::try_from(n).unwrap_or(u64::MAX));
+        }
     }
 
     pub fn reconnected(&self) {
@@ -164,6 +181,7 @@ mod tests {
         m.reconnected();
         m.unit_restarted();
         m.set_units_running(2);
+        m.unknown_fields("declaration", 2);
         let text = m.render();
         for needle in [
             "mesh_agent_reports_published_total{kind=\"hello\"} 1",
@@ -172,6 +190,7 @@ mod tests {
             "mesh_agent_reconnects_total 1",
             "mesh_agent_unit_restarts_total 1",
             "mesh_agent_units_running 2",
+            "mesh_agent_unknown_fields_total{kind=\"declaration\"} 2",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }

@@ -1006,6 +1006,112 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
     }
     assert!(!log.join("stdout.log.3").exists());
 
+/// Version skew (decision 0020): the hello states the agent's protocol range; a
+/// declaration of a section this agent does not know is reported `unsupported`
+/// (with the section and a reason) and changes nothing; fields it does not know
+/// are ignored and counted; and every other section goes on being applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_section_is_reported_unsupported_and_nothing_else_stops() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("u").await?;
+    let node = creds.node.clone();
+    let (admin, ch, mut reports) = controller_side(&env).await?;
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let metrics_port = free_port();
+    let config = Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        heartbeat_interval: Duration::from_millis(300),
+        metrics_listen: Some(([127, 0, 0, 1], metrics_port).into()),
+        hostname: Some("test-host".into()),
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config, async {
+        let _ = stopped.await;
+    }));
+    let hello = wait_report(&mut reports, "hello", |r| {
+        r.kind.as_deref() == Some("hello")
+    })
+    .await?;
+    let Report::Hello(h) = &hello.envelope.body else {
+        bail!("not a hello")
+    };
+    assert_eq!(h.protocol, Some(mesh_protocol::ProtocolRange::THIS));
+    declaration_queue_for(&ch, &node).await?;
+
+    // A newer controller's section, with a field this agent does not know.
+    let unknown = serde_json::json!({
+        "v": 1, "id": uuid::Uuid::now_v7(), "kind": "declaration", "node": node.as_str(),
+        "seq": 3, "sent_at": "2026-11-30T12:00:00Z",
+        "body": {"section": "observability", "generation": 3,
+                 "items": {"files": [], "probes": [{"url": "http://x"}]}},
+    });
+    publish_raw(&ch, env.signer(), &node, unknown.to_string().as_bytes()).await?;
+    let r = wait_report(&mut reports, "applied of the unknown section", |r| {
+        applied(r).is_some_and(|a| a.outcome == Outcome::Unsupported)
+    })
+    .await?;
+    let a = applied(&r).unwrap();
+    assert_eq!(
+        a.unsupported_section.as_deref(),
+        Some("observability"),
+        "{a:?}"
+    );
+    assert_eq!(a.section, None);
+    assert_eq!(a.generation, Some(3));
+    let error = a.error.as_deref().unwrap_or_default();
+    assert!(
+        error.contains("`observability` is not supported") && error.contains("v1..v1"),
+        "{error}"
+    );
+    assert_eq!(r.user_id.as_deref(), Some(node.as_str()));
+    assert!(!root.path().join("etc").exists(), "nothing written");
+
+    // A known section with unknown fields in the body and in a file item.
+    let mut known: serde_json::Value = serde_json::from_slice(
+        &Envelope::new(
+            node.clone(),
+            1,
+            Declaration {
+                section: Section::Config,
+                generation: 1,
+                items: DeclarationItems {
+                    files: vec![file("/etc/mesh-test/skew", "ok\n", 0o644)],
+                    ..Default::default()
+                },
+            },
+        )
+        .encode(),
+    )?;
+    known["body"]["rollout"] = serde_json::json!("canary");
+    known["body"]["items"]["files"][0]["owner"] = serde_json::json!("root");
+    publish_raw(&ch, env.signer(), &node, known.to_string().as_bytes()).await?;
+    let r = wait_report(&mut reports, "applied config generation 1", |r| {
+        applied(r).is_some_and(|a| a.section == Some(Section::Config))
+    })
+    .await?;
+    let a = applied(&r).unwrap();
+    assert_eq!(a.outcome, Outcome::Applied, "{a:?}");
+    assert_eq!(
+        std::fs::read_to_string(root.path().join("etc/mesh-test/skew"))?,
+        "ok\n"
+    );
+    let text = scrape(metrics_port).await?;
+    for needle in [
+        "mesh_agent_declarations_applied_total{outcome=\"unsupported\"} 1",
+        "mesh_agent_declarations_applied_total{outcome=\"applied\"} 1",
+        "mesh_agent_unknown_fields_total{kind=\"declaration\"} 2",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from\n{text}");
+    }
+
+    let _ = stop.send(());
+    timeout(Duration::from_secs(15), agent)
+        .await
+        .context("agent did not stop")???;
     drop(reports);
     let _ = admin.close(200, "done".into()).await;
     env.teardown().await

@@ -4,7 +4,7 @@ use std::fmt;
 use serde::{Deserialize, Deserializer, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::envelope::{Body, parse_body};
+use crate::envelope::{Body, UnknownFields, parse_body};
 use crate::{DecodeError, MAX_FILE_BYTES, MAX_ITEMS};
 
 /// A part of a node's desired state owned by exactly one context. Each section has
@@ -40,6 +40,28 @@ impl Section {
 
     pub fn parse(s: &str) -> Option<Section> {
         Section::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+}
+
+/// A section's name as it may appear on the wire, known or not: 1 to 32 of
+/// `[a-z0-9_]`, starting with a letter.
+pub fn validate_section_name(field: &str, name: &str) -> Result<(), DecodeError> {
+    let ok = !name.is_empty()
+        && name.len() <= 32
+        && name.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(DecodeError::invalid(
+            field,
+            format!(
+                "`{}`: 1 to 32 characters of a-z 0-9 _ starting with a letter",
+                name.chars().take(64).collect::<String>()
+            ),
+        ))
     }
 }
 
@@ -93,7 +115,6 @@ impl<'de> Deserialize<'de> for FileMode {
 /// A file a node must have: an absolute, normalized path (applied under the agent's
 /// root), its whole content, and its mode.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct FileItem {
     pub path: String,
     pub content: String,
@@ -143,7 +164,6 @@ impl FileItem {
 
 /// The items of one section.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct DeclarationItems {
     #[serde(default)]
     pub files: Vec<FileItem>,
@@ -205,7 +225,6 @@ pub fn digest_items(items: &DeclarationItems) -> String {
 
 /// What a node is told: the whole of one section at one generation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Declaration {
     pub section: Section,
     /// Monotonic per node and section, starting at 1.
@@ -236,11 +255,26 @@ impl Body for Declaration {
         serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
     }
 
-    fn from_parts(kind: &str, body: serde_json::Value) -> Result<Self, DecodeError> {
+    fn from_parts(
+        kind: &str,
+        body: serde_json::Value,
+        unknown: &mut UnknownFields,
+    ) -> Result<Self, DecodeError> {
         if kind != Declaration::KIND {
             return Err(DecodeError::UnknownKind(kind.chars().take(64).collect()));
         }
-        let d: Declaration = parse_body(kind, body)?;
+        // A section this version does not know (a newer controller's) is not a
+        // malformed declaration: the agent reports it unsupported.
+        if let Some(name) = body.get("section").and_then(serde_json::Value::as_str)
+            && Section::parse(name).is_none()
+        {
+            validate_section_name("body.section", name)?;
+            return Err(DecodeError::UnsupportedSection {
+                section: name.to_owned(),
+                generation: body.get("generation").and_then(serde_json::Value::as_u64),
+            });
+        }
+        let d: Declaration = parse_body(kind, body, unknown)?;
         d.validate()?;
         Ok(d)
     }

@@ -12,6 +12,12 @@ pub enum DecodeError {
     UnsupportedVersion(u16),
     #[error("unknown kind `{0}`")]
     UnknownKind(String),
+    /// A declaration of a section this version does not know (a newer sender).
+    #[error("unsupported section `{section}`")]
+    UnsupportedSection {
+        section: String,
+        generation: Option<u64>,
+    },
     #[error("invalid field `{field}`: {reason}")]
     Invalid { field: String, reason: String },
 }
@@ -31,6 +37,7 @@ impl DecodeError {
             DecodeError::Malformed(_) => "malformed",
             DecodeError::UnsupportedVersion(_) => "unsupported_version",
             DecodeError::UnknownKind(_) => "unknown_kind",
+            DecodeError::UnsupportedSection { .. } => "unsupported_section",
             DecodeError::Invalid { .. } => "invalid",
         }
     }

@@ -3,9 +3,12 @@
 //! names of the exchanges and queues they travel through.
 //!
 //! This crate is pure: no I/O, no broker, no database. It is the one parse point
-//! for everything that crosses the wire. Decoding is strict: an unknown kind, a
-//! missing or unknown field, an oversized message or an invalid value is a typed
-//! [`DecodeError`], never a panic and never a silently defaulted value.
+//! for everything that crosses the wire. Decoding is strict about what it knows
+//! and tolerant of what a newer sender may add: an unknown kind, a missing field,
+//! an oversized message, an unsupported version or an invalid value is a typed
+//! [`DecodeError`], never a panic and never a silently defaulted value; a field
+//! this version does not know is ignored and reported ([`UnknownFields`]), so
+//! the receiver counts it (docs/protocol.md, Compatibility).
 //!
 //! docs/protocol.md is the contract this crate implements.
 
@@ -22,13 +25,15 @@ mod unit;
 
 pub use declaration::{
     Declaration, DeclarationItems, FileItem, FileMode, Section, digest_items, validate_path,
+    validate_section_name,
 };
 pub use envelope::Body;
-pub use envelope::{Envelope, PROTOCOL_VERSION, RawEnvelope};
+pub use envelope::{Envelope, PROTOCOL_VERSION, ProtocolRange, RawEnvelope, UnknownFields};
 pub use error::DecodeError;
 pub use node::{Labels, NodeId, validate_labels};
 pub use record::{
-    AUDIT_EVENT, AuditEntry, NodeIdentityChanged, NodeLabelsChanged, RecordEvent, RecordKind,
+    AUDIT_EVENT, AuditEntry, LivenessState, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,
+    RECORD_EVENTS, RecordEvent, RecordKind,
 };
 pub use report::{
     Applied, AppliedGenerations, Heartbeat, Hello, ItemOutcome, MAX_ERROR_CHARS, Outcome, Report,

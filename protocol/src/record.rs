@@ -1,75 +1,258 @@
+//! Record events: how one context tells the others what happened, without any
+//! of them reading another's tables. Routing key `<context>.<event>`.
+//!
+//! The set of events is closed: [`RecordKind`] names every one, with its typed
+//! body, and [`RecordEvent::decode`] is the one place they are read. An event
+//! this version does not know is a [`DecodeError::UnknownKind`] (the controller
+//! dead-letters it with reason `unknown_kind`).
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use crate::envelope::{UnknownFields, from_slice_noting, from_value_noting};
 use crate::{DecodeError, Labels, MAX_EVENT_BYTES, NodeId, PROTOCOL_VERSION};
 
-/// A domain event on the record: how one context tells the others what happened,
-/// without any of them reading another's tables. Routing key `<context>.<event>`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RecordEvent {
-    pub v: u16,
-    /// Event id, UUID v7; the receiving context's inbox key.
-    pub id: Uuid,
-    /// The context that wrote the event.
-    pub context: String,
-    /// The event's name within that context, e.g. `node.joined`.
-    pub event: String,
-    pub sent_at: DateTime<Utc>,
-    pub body: serde_json::Value,
+/// Event name (after the context) of an operator action's audit entry: every
+/// context that served an operator's mutation writes `<context>.operator.audit`
+/// to its outbox; identity subscribes to `*.operator.audit` and appends it.
+pub const AUDIT_EVENT: &str = "operator.audit";
+
+/// Every record event of this version, as `<context>.<event>` (`*` for any
+/// context). The compatibility corpus (tests/compat/v1/) holds one of each.
+pub const RECORD_EVENTS: [&str; 7] = [
+    "inventory.node.joined",
+    "inventory.node.updated",
+    "inventory.node.unreachable",
+    "inventory.node.alive",
+    "identity.node.enrolled",
+    "identity.node.revoked",
+    "*.operator.audit",
+];
+
+/// The record event as it is on the wire, body not yet interpreted.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct RawRecordEvent {
+    v: u16,
+    id: Uuid,
+    context: String,
+    event: String,
+    sent_at: DateTime<Utc>,
+    body: serde_json::Value,
 }
 
-impl RecordEvent {
-    pub fn new<T: Serialize>(context: &str, event: &str, body: &T) -> Self {
-        RecordEvent {
-            v: PROTOCOL_VERSION,
-            id: Uuid::now_v7(),
-            context: context.to_owned(),
-            event: event.to_owned(),
-            sent_at: Utc::now(),
-            body: serde_json::to_value(body).unwrap_or(serde_json::Value::Null),
+/// A decoded, typed record event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordEvent {
+    /// Event id, UUID v7; the receiving context's inbox key.
+    pub id: Uuid,
+    pub sent_at: DateTime<Utc>,
+    /// What happened, with its body.
+    pub kind: RecordKind,
+}
+
+/// Every record event there is, typed. A new event does not compile until it
+/// has a name here, a body type and a corpus file.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RecordKind {
+    /// `inventory.node.joined`: a node's first hello.
+    NodeJoined(NodeLabelsChanged),
+    /// `inventory.node.updated`: a node's effective labels changed.
+    NodeUpdated(NodeLabelsChanged),
+    /// `inventory.node.unreachable`: the sweeper judged a node silent.
+    NodeUnreachable(NodeLiveness),
+    /// `inventory.node.alive`: a node judged unreachable was heard again.
+    NodeAlive(NodeLiveness),
+    /// `identity.node.enrolled`: a node joined (or re-joined under a new key).
+    NodeEnrolled(NodeIdentityChanged),
+    /// `identity.node.revoked`: a node was revoked.
+    NodeRevoked(NodeIdentityChanged),
+    /// `<context>.operator.audit`: an operator's mutation served by `context`.
+    OperatorAudit { context: String, entry: AuditEntry },
+}
+
+impl RecordKind {
+    /// The context that writes this event.
+    pub fn context(&self) -> &str {
+        match self {
+            RecordKind::NodeJoined(_)
+            | RecordKind::NodeUpdated(_)
+            | RecordKind::NodeUnreachable(_)
+            | RecordKind::NodeAlive(_) => "inventory",
+            RecordKind::NodeEnrolled(_) | RecordKind::NodeRevoked(_) => "identity",
+            RecordKind::OperatorAudit { context, .. } => context,
         }
     }
 
+    /// The event's name within its context, e.g. `node.joined`.
+    pub fn event(&self) -> &'static str {
+        match self {
+            RecordKind::NodeJoined(_) => "node.joined",
+            RecordKind::NodeUpdated(_) => "node.updated",
+            RecordKind::NodeUnreachable(_) => "node.unreachable",
+            RecordKind::NodeAlive(_) => "node.alive",
+            RecordKind::NodeEnrolled(_) => "node.enrolled",
+            RecordKind::NodeRevoked(_) => "node.revoked",
+            RecordKind::OperatorAudit { .. } => AUDIT_EVENT,
+        }
+    }
+
+    fn body(&self) -> serde_json::Value {
+        let v = match self {
+            RecordKind::NodeJoined(b) | RecordKind::NodeUpdated(b) => serde_json::to_value(b),
+            RecordKind::NodeUnreachable(b) | RecordKind::NodeAlive(b) => serde_json::to_value(b),
+            RecordKind::NodeEnrolled(b) | RecordKind::NodeRevoked(b) => serde_json::to_value(b),
+            RecordKind::OperatorAudit { entry, .. } => serde_json::to_value(entry),
+        };
+        // Serializing plain data structures to JSON cannot fail.
+        v.unwrap_or(serde_json::Value::Null)
+    }
+
+    /// Read `body` as the event `<context>.<event>`; unknown fields are noted.
+    fn parse(
+        context: &str,
+        event: &str,
+        body: serde_json::Value,
+        unknown: &mut UnknownFields,
+    ) -> Result<RecordKind, DecodeError> {
+        let key = format!("{context}.{event}");
+        fn parse<T: serde::de::DeserializeOwned>(
+            key: &str,
+            body: serde_json::Value,
+            unknown: &mut UnknownFields,
+        ) -> Result<T, DecodeError> {
+            from_value_noting(body, unknown, "body")
+                .map_err(|e| DecodeError::invalid("body", format!("{key}: {e}")))
+        }
+        let kind = match (context, event) {
+            ("inventory", "node.joined") => RecordKind::NodeJoined(parse(&key, body, unknown)?),
+            ("inventory", "node.updated") => RecordKind::NodeUpdated(parse(&key, body, unknown)?),
+            ("inventory", "node.unreachable") => {
+                RecordKind::NodeUnreachable(parse(&key, body, unknown)?)
+            }
+            ("inventory", "node.alive") => RecordKind::NodeAlive(parse(&key, body, unknown)?),
+            ("identity", "node.enrolled") => RecordKind::NodeEnrolled(parse(&key, body, unknown)?),
+            ("identity", "node.revoked") => RecordKind::NodeRevoked(parse(&key, body, unknown)?),
+            (context, AUDIT_EVENT) => {
+                validate_context(context)?;
+                RecordKind::OperatorAudit {
+                    context: context.to_owned(),
+                    entry: parse(&key, body, unknown)?,
+                }
+            }
+            _ => {
+                return Err(DecodeError::UnknownKind(key.chars().take(128).collect()));
+            }
+        };
+        kind.validate()?;
+        Ok(kind)
+    }
+
+    fn validate(&self) -> Result<(), DecodeError> {
+        let state = |body: &NodeLiveness, expected: LivenessState| {
+            if body.state == expected {
+                Ok(())
+            } else {
+                Err(DecodeError::invalid(
+                    "body.state",
+                    format!("`{}` in a {} event", body.state.as_str(), self.event()),
+                ))
+            }
+        };
+        match self {
+            RecordKind::NodeUnreachable(b) => state(b, LivenessState::Unreachable),
+            RecordKind::NodeAlive(b) => state(b, LivenessState::Alive),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A context's name as it appears in routing keys: 1 to 32 of `[a-z0-9_]`,
+/// starting with a letter.
+fn validate_context(context: &str) -> Result<(), DecodeError> {
+    let ok = !context.is_empty()
+        && context.len() <= 32
+        && context
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase())
+        && context
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(DecodeError::invalid(
+            "context",
+            format!(
+                "`{}`: 1 to 32 characters of a-z 0-9 _ starting with a letter",
+                context.chars().take(64).collect::<String>()
+            ),
+        ))
+    }
+}
+
+impl RecordEvent {
+    /// A new event with a fresh UUID v7 and the current time.
+    pub fn new(kind: RecordKind) -> Self {
+        RecordEvent {
+            id: Uuid::now_v7(),
+            sent_at: Utc::now(),
+            kind,
+        }
+    }
+
+    /// The context that wrote the event.
+    pub fn context(&self) -> &str {
+        self.kind.context()
+    }
+
+    /// The event's name within that context, e.g. `node.joined`.
+    pub fn event(&self) -> &'static str {
+        self.kind.event()
+    }
+
     pub fn routing_key(&self) -> String {
-        format!("{}.{}", self.context, self.event)
+        format!("{}.{}", self.context(), self.event())
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        serde_json::to_vec(self).unwrap_or_default()
+        let raw = RawRecordEvent {
+            v: PROTOCOL_VERSION,
+            id: self.id,
+            context: self.context().to_owned(),
+            event: self.event().to_owned(),
+            sent_at: self.sent_at,
+            body: self.kind.body(),
+        };
+        serde_json::to_vec(&raw).unwrap_or_default()
     }
 
+    /// Decode and validate an event; fields this version does not know are ignored.
     pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        Self::decode_noting(bytes).map(|(e, _)| e)
+    }
+
+    /// [`RecordEvent::decode`], also returning the fields it ignored.
+    pub fn decode_noting(bytes: &[u8]) -> Result<(Self, UnknownFields), DecodeError> {
         if bytes.len() > MAX_EVENT_BYTES {
             return Err(DecodeError::TooLarge {
                 size: bytes.len(),
                 limit: MAX_EVENT_BYTES,
             });
         }
-        let e: RecordEvent = serde_json::from_slice(bytes)?;
-        if e.v != PROTOCOL_VERSION {
-            return Err(DecodeError::UnsupportedVersion(e.v));
+        let mut unknown = UnknownFields::default();
+        let raw: RawRecordEvent = from_slice_noting(bytes, &mut unknown)?;
+        if raw.v != PROTOCOL_VERSION {
+            return Err(DecodeError::UnsupportedVersion(raw.v));
         }
-        Ok(e)
-    }
-
-    /// The typed form of the events this crate knows.
-    pub fn kind(&self) -> Result<RecordKind, DecodeError> {
-        match (self.context.as_str(), self.event.as_str()) {
-            ("inventory", "node.joined") => Ok(RecordKind::NodeJoined(self.body()?)),
-            ("inventory", "node.updated") => Ok(RecordKind::NodeUpdated(self.body()?)),
-            ("identity", "node.enrolled") => Ok(RecordKind::NodeEnrolled(self.body()?)),
-            ("identity", "node.revoked") => Ok(RecordKind::NodeRevoked(self.body()?)),
-            _ => Err(DecodeError::UnknownKind(self.routing_key())),
-        }
-    }
-
-    /// The body read as `T`, naming the event in the error.
-    fn body<T: serde::de::DeserializeOwned>(&self) -> Result<T, DecodeError> {
-        serde_json::from_value(self.body.clone()).map_err(|e| {
-            DecodeError::invalid("body", format!("{}.{}: {e}", self.context, self.event))
-        })
+        let kind = RecordKind::parse(&raw.context, &raw.event, raw.body, &mut unknown)?;
+        let event = RecordEvent {
+            id: raw.id,
+            sent_at: raw.sent_at,
+            kind,
+        };
+        Ok((event, unknown))
     }
 }
 
@@ -77,31 +260,55 @@ impl RecordEvent {
 /// effective labels. `version` grows with every change to the node, so a receiver
 /// ignores an older event that arrives after a newer one.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct NodeLabelsChanged {
     pub node: NodeId,
     pub labels: Labels,
     pub version: i64,
 }
 
-/// The record events contexts subscribe to, typed.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RecordKind {
-    NodeJoined(NodeLabelsChanged),
-    NodeUpdated(NodeLabelsChanged),
-    NodeEnrolled(NodeIdentityChanged),
-    NodeRevoked(NodeIdentityChanged),
+/// A node's liveness as the controller judges it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LivenessState {
+    Alive,
+    Unreachable,
 }
 
-/// Event name (after the context) of an operator action's audit entry: every
-/// context that served an operator's mutation writes `<context>.operator.audit`
-/// to its outbox; identity subscribes to `*.operator.audit` and appends it.
-pub const AUDIT_EVENT: &str = "operator.audit";
+impl LivenessState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LivenessState::Alive => "alive",
+            LivenessState::Unreachable => "unreachable",
+        }
+    }
+}
+
+/// Body of `inventory.node.unreachable` and `inventory.node.alive`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeLiveness {
+    pub node: NodeId,
+    /// `unreachable` or `alive`, as the event's name says.
+    pub state: LivenessState,
+    /// When the controller judged it (unreachable) or heard it again (alive).
+    pub at: DateTime<Utc>,
+    /// When the controller last heard from the node before this transition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_heard: Option<DateTime<Utc>>,
+}
+
+impl NodeLiveness {
+    /// The event this body belongs to.
+    pub fn into_kind(self) -> RecordKind {
+        match self.state {
+            LivenessState::Alive => RecordKind::NodeAlive(self),
+            LivenessState::Unreachable => RecordKind::NodeUnreachable(self),
+        }
+    }
+}
 
 /// Body of `<context>.operator.audit`: who did what to what, and how it ended.
 /// Never carries a token or any other secret.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct AuditEntry {
     /// The operator token's id (UUID) and name, e.g. `ci-deployer`.
     pub principal_id: Uuid,
@@ -121,24 +328,73 @@ pub struct AuditEntry {
     pub status: u16,
 }
 
-impl AuditEntry {
-    /// The audit entry an event carries, if it is a `*.operator.audit` event.
-    pub fn from_event(event: &RecordEvent) -> Option<Result<AuditEntry, DecodeError>> {
-        (event.event == AUDIT_EVENT).then(|| {
-            serde_json::from_value(event.body.clone())
-                .map_err(|e| DecodeError::invalid("body", format!("{}: {e}", event.routing_key())))
-        })
-    }
-}
-
 /// Body of `identity.node.enrolled` (a node joined with a join token, or
 /// re-joined under a new key) and `identity.node.revoked`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct NodeIdentityChanged {
     pub node: NodeId,
     /// The node's Ed25519 public key (hex); absent on revocation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub public_key: Option<String>,
     pub at: DateTime<Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> NodeId {
+        NodeId::parse("node-a").unwrap()
+    }
+
+    #[test]
+    fn every_kind_round_trips_under_its_name() {
+        let at = Utc::now();
+        let kinds = [
+            RecordKind::NodeJoined(NodeLabelsChanged {
+                node: node(),
+                labels: Labels::new(),
+                version: 1,
+            }),
+            NodeLiveness {
+                node: node(),
+                state: LivenessState::Unreachable,
+                at,
+                last_heard: Some(at),
+            }
+            .into_kind(),
+            RecordKind::NodeRevoked(NodeIdentityChanged {
+                node: node(),
+                public_key: None,
+                at,
+            }),
+        ];
+        for kind in kinds {
+            let event = RecordEvent::new(kind);
+            let back = RecordEvent::decode(&event.encode()).unwrap();
+            assert_eq!(back, event);
+            assert!(
+                RECORD_EVENTS.contains(&event.routing_key().as_str()),
+                "{}",
+                event.routing_key()
+            );
+        }
+    }
+
+    #[test]
+    fn liveness_state_must_match_the_event() {
+        let bytes = br#"{"v":1,"id":"01890000-0000-7000-8000-000000000000","context":"inventory","event":"node.alive","sent_at":"2024-01-01T00:00:00Z","body":{"node":"node-a","state":"unreachable","at":"2024-01-01T00:00:00Z"}}"#;
+        let err = RecordEvent::decode(bytes).unwrap_err();
+        assert_eq!(err.metric_label(), "invalid", "{err}");
+    }
+
+    #[test]
+    fn unknown_events_are_unknown_kind() {
+        let bytes = br#"{"v":1,"id":"01890000-0000-7000-8000-000000000000","context":"inventory","event":"node.exploded","sent_at":"2024-01-01T00:00:00Z","body":{}}"#;
+        let err = RecordEvent::decode(bytes).unwrap_err();
+        assert_eq!(
+            err,
+            DecodeError::UnknownKind("inventory.node.exploded".into())
+        );
+    }
 }

@@ -1,12 +1,44 @@
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::envelope::{Body, parse_body};
-use crate::{DecodeError, Labels, Section, validate_labels};
+use crate::envelope::{Body, UnknownFields, parse_body};
+use crate::{DecodeError, Labels, ProtocolRange, Section, validate_labels};
 
 /// Newest generation a node has applied, per section.
 pub type AppliedGenerations = BTreeMap<Section, u64>;
+
+/// Read applied generations, skipping (and so noting as unknown fields) the
+/// sections this version does not know: a newer agent may have applied one.
+fn lenient_generations<'de, D: Deserializer<'de>>(d: D) -> Result<AppliedGenerations, D::Error> {
+    struct Visitor;
+    impl<'de> serde::de::Visitor<'de> for Visitor {
+        type Value = AppliedGenerations;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a map of section to generation")
+        }
+
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = AppliedGenerations::new();
+            while let Some(key) = map.next_key::<String>()? {
+                match Section::parse(&key) {
+                    Some(section) => {
+                        out.insert(section, map.next_value()?);
+                    }
+                    None => {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                }
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_map(Visitor)
+}
 
 /// The kinds of report a node sends. The controller's router matches on this
 /// exhaustively: a new kind does not compile until it is routed.
@@ -78,12 +110,16 @@ impl Body for Report {
         v.unwrap_or(serde_json::Value::Null)
     }
 
-    fn from_parts(kind: &str, body: serde_json::Value) -> Result<Self, DecodeError> {
+    fn from_parts(
+        kind: &str,
+        body: serde_json::Value,
+        unknown: &mut UnknownFields,
+    ) -> Result<Self, DecodeError> {
         let report = match ReportKind::parse(kind)? {
-            ReportKind::Hello => Report::Hello(parse_body(kind, body)?),
-            ReportKind::Heartbeat => Report::Heartbeat(parse_body(kind, body)?),
-            ReportKind::Applied => Report::Applied(parse_body(kind, body)?),
-            ReportKind::Units => Report::Units(parse_body(kind, body)?),
+            ReportKind::Hello => Report::Hello(parse_body(kind, body, unknown)?),
+            ReportKind::Heartbeat => Report::Heartbeat(parse_body(kind, body, unknown)?),
+            ReportKind::Applied => Report::Applied(parse_body(kind, body, unknown)?),
+            ReportKind::Units => Report::Units(parse_body(kind, body, unknown)?),
         };
         report.validate()?;
         Ok(report)
@@ -107,9 +143,10 @@ impl Report {
 }
 
 /// Sent on every (re)connect: the node's facts, and what it has applied, so the
-/// controller can re-send any section the node is behind on.
+/// controller can re-send any section the node is behind on. The hello is the
+/// handshake: every version sends it in a v1 envelope, so any controller can
+/// read who the agent is and which versions it speaks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Hello {
     pub hostname: String,
     pub arch: String,
@@ -121,11 +158,36 @@ pub struct Hello {
     /// The node's public key, once it has enrolled (identity issue).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub public_key: Option<String>,
+    #[serde(deserialize_with = "lenient_generations")]
     pub applied: AppliedGenerations,
+    /// The envelope versions the agent speaks; absent (an agent older than
+    /// ranges): v1 only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<ProtocolRange>,
 }
 
 impl Hello {
+    /// The envelope versions the agent speaks.
+    pub fn protocol(&self) -> ProtocolRange {
+        self.protocol.unwrap_or(ProtocolRange::V1)
+    }
+
+    /// Why a controller speaking `ours` cannot talk to this agent; none if it can.
+    pub fn refusal(&self, ours: ProtocolRange) -> Option<String> {
+        let theirs = self.protocol();
+        ours.common(theirs).is_none().then(|| {
+            format!(
+                "protocol mismatch: agent {} speaks {theirs}, this controller speaks {ours}; \
+                 nothing is declared to the node until one of them is upgraded",
+                self.agent_version
+            )
+        })
+    }
+
     fn validate(&self) -> Result<(), DecodeError> {
+        if let Some(range) = self.protocol {
+            range.validate("body.protocol")?;
+        }
         for (field, value, max) in [
             ("body.hostname", &self.hostname, 255),
             ("body.arch", &self.arch, 64),
@@ -144,8 +206,8 @@ impl Hello {
 
 /// Sent on an interval: cheap, idempotent, carries the applied generations.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Heartbeat {
+    #[serde(deserialize_with = "lenient_generations")]
     pub applied: AppliedGenerations,
 }
 
@@ -158,6 +220,9 @@ pub enum Outcome {
     Failed,
     /// The declaration could not be read or validated; nothing on disk changed.
     Rejected,
+    /// The declaration is for a section this agent does not know (a newer
+    /// controller); nothing changed. `unsupported_section` names it.
+    Unsupported,
 }
 
 impl Outcome {
@@ -166,13 +231,13 @@ impl Outcome {
             Outcome::Applied => "applied",
             Outcome::Failed => "failed",
             Outcome::Rejected => "rejected",
+            Outcome::Unsupported => "unsupported",
         }
     }
 }
 
 /// The outcome of one item of a declaration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ItemOutcome {
     /// The item's path (files) or name (units).
     pub item: String,
@@ -183,9 +248,9 @@ pub struct ItemOutcome {
 
 /// Sent after a declaration was handled, whatever the outcome.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Applied {
-    /// Absent only when a rejected declaration could not be read far enough to know.
+    /// Absent only when a rejected declaration could not be read far enough to
+    /// know, or its section is unsupported (see `unsupported_section`).
     pub section: Option<Section>,
     pub generation: Option<u64>,
     pub outcome: Outcome,
@@ -193,6 +258,10 @@ pub struct Applied {
     pub items: Vec<ItemOutcome>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Outcome `unsupported`: the section as declared, which this agent does
+    /// not know (so `section` cannot name it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unsupported_section: Option<String>,
 }
 
 /// Longest error text a receiver keeps from an applied report, in characters.
@@ -220,14 +289,35 @@ impl Applied {
         Some(text.chars().take(MAX_ERROR_CHARS).collect())
     }
 
+    /// The section's name: the known `section`, else the unsupported one.
+    pub fn section_name(&self) -> Option<&str> {
+        self.section
+            .map(Section::as_str)
+            .or(self.unsupported_section.as_deref())
+    }
+
     fn validate(&self) -> Result<(), DecodeError> {
-        if self.outcome != Outcome::Rejected
-            && (self.section.is_none() || self.generation.is_none())
-        {
-            return Err(DecodeError::invalid(
-                "body.section",
-                "section and generation are required unless the outcome is rejected",
-            ));
+        match self.outcome {
+            Outcome::Rejected => {}
+            Outcome::Unsupported => match &self.unsupported_section {
+                Some(name) => {
+                    crate::declaration::validate_section_name("body.unsupported_section", name)?
+                }
+                None => {
+                    return Err(DecodeError::invalid(
+                        "body.unsupported_section",
+                        "required when the outcome is unsupported",
+                    ));
+                }
+            },
+            Outcome::Applied | Outcome::Failed => {
+                if self.section.is_none() || self.generation.is_none() {
+                    return Err(DecodeError::invalid(
+                        "body.section",
+                        "section and generation are required unless the outcome is rejected or unsupported",
+                    ));
+                }
+            }
         }
         if self.items.len() > crate::MAX_ITEMS {
             return Err(DecodeError::invalid("body.items", "too many items"));

@@ -34,7 +34,6 @@ pub enum DesiredState {
 /// assignment's name (`<module>` or `<module>-<replica>`), so a unit is always
 /// traceable to the module that asked for it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct UnitItem {
     pub name: String,
     /// The module this unit runs.
@@ -126,7 +125,6 @@ pub enum UnitState {
 
 /// One unit as the agent sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct UnitStatus {
     pub name: String,
     pub module: String,
@@ -144,7 +142,6 @@ pub struct UnitStatus {
 /// Body of the `units` report: the state of every unit the node supervises.
 /// Sent when a unit changes state; a whole list, never a delta.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Units {
     pub units: Vec<UnitStatus>,
 }

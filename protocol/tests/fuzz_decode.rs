@@ -11,17 +11,18 @@ use std::collections::BTreeMap;
 
 use mesh_protocol::{
     Applied, Declaration, DeclarationItems, DecodeError, Envelope, FileItem, FileMode, Heartbeat,
-    Hello, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES, NodeId, Outcome, RecordEvent, Report, Section,
-    validate_path,
+    Hello, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES, NodeId, NodeLabelsChanged, Outcome,
+    RecordEvent, RecordKind, Report, Section, validate_path,
 };
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
-const LABELS: [&str; 5] = [
+const LABELS: [&str; 6] = [
     "too_large",
     "malformed",
     "unsupported_version",
     "unknown_kind",
+    "unsupported_section",
     "invalid",
 ];
 
@@ -59,9 +60,9 @@ fn decode_all(bytes: &[u8]) {
     }
     match RecordEvent::decode(bytes) {
         Ok(ev) => {
-            if let Err(e) = ev.kind() {
-                typed(&e);
-            }
+            let again = RecordEvent::decode(&ev.encode())
+                .expect("an accepted record event re-encodes to an accepted one");
+            assert_eq!(again, ev);
         }
         Err(e) => typed(&e),
     }
@@ -85,6 +86,7 @@ fn valid_envelopes() -> Vec<Value> {
             agent_version: "1".into(),
             public_key: None,
             applied: applied.clone(),
+            protocol: None,
         }),
         Report::Heartbeat(Heartbeat {
             applied: applied.clone(),
@@ -95,6 +97,7 @@ fn valid_envelopes() -> Vec<Value> {
             outcome: Outcome::Applied,
             items: vec![],
             error: None,
+            unsupported_section: None,
         }),
     ];
     let mut out: Vec<Value> = reports
@@ -116,11 +119,11 @@ fn valid_envelopes() -> Vec<Value> {
     out.push(serde_json::from_slice(&Envelope::new(node(), 4, decl).encode()).expect("json"));
     out.push(
         serde_json::from_slice(
-            &RecordEvent::new(
-                "inventory",
-                "node.joined",
-                &json!({"node": "node-a", "labels": {}, "version": 1}),
-            )
+            &RecordEvent::new(RecordKind::NodeJoined(NodeLabelsChanged {
+                node: node(),
+                labels: Default::default(),
+                version: 1,
+            }))
             .encode(),
         )
         .expect("json"),
@@ -324,7 +327,8 @@ fn deep_nesting_is_an_error_not_a_stack_overflow() {
 }
 
 /// The kept corpus: every file decodes without panic, and files named
-/// `accept-*` must be accepted as a report or a declaration.
+/// `accept-*` must be accepted as a report or a declaration (an unknown field
+/// included: bodies and envelopes ignore what this version does not know).
 #[test]
 fn corpus_replays() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
@@ -353,4 +357,68 @@ fn corpus_replays() {
         n += 1;
     }
     assert!(n >= 5, "the corpus is missing ({n} files)");
+}
+
+/// Forward compatibility: a field this version does not know is ignored and
+/// noted, wherever it is; an unknown kind is still refused.
+#[test]
+fn unknown_fields_are_ignored_and_noted_unknown_kinds_refused() {
+    let mut v = valid_envelopes().swap_remove(1); // heartbeat
+    v["extra"] = json!(1);
+    v["body"]["future"] = json!({"a": [1, 2]});
+    let bytes = serde_json::to_vec(&v).expect("json");
+    let (env, unknown) =
+        Envelope::<Report>::decode_noting(&bytes, MAX_REPORT_BYTES).expect("accepted");
+    assert!(matches!(env.body, Report::Heartbeat(_)));
+    assert_eq!(unknown.count, 2, "{unknown:?}");
+    assert_eq!(
+        unknown.paths,
+        vec!["extra".to_owned(), "body.future".to_owned()]
+    );
+
+    v["kind"] = json!("bogus");
+    let err = Envelope::<Report>::decode(&serde_json::to_vec(&v).expect("json"), MAX_REPORT_BYTES)
+        .unwrap_err();
+    assert_eq!(err.metric_label(), "unknown_kind", "{err}");
+}
+
+/// A declaration of a section this version does not know is its own error
+/// (the agent reports it unsupported), naming the section and generation.
+#[test]
+fn unknown_sections_are_unsupported_not_malformed() {
+    let mut v = valid_envelopes().swap_remove(3); // declaration
+    v["body"]["section"] = json!("observability");
+    let err = Envelope::<Declaration>::decode(
+        &serde_json::to_vec(&v).expect("json"),
+        MAX_DECLARATION_BYTES,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::UnsupportedSection {
+            section: "observability".into(),
+            generation: Some(4)
+        }
+    );
+    // A section name that is no name at all is invalid, not unsupported.
+    v["body"]["section"] = json!("../x");
+    let err = Envelope::<Declaration>::decode(
+        &serde_json::to_vec(&v).expect("json"),
+        MAX_DECLARATION_BYTES,
+    )
+    .unwrap_err();
+    assert_eq!(err.metric_label(), "invalid", "{err}");
+    // A heartbeat naming a section this version does not know keeps the rest.
+    let mut hb = valid_envelopes().swap_remove(1);
+    hb["body"]["applied"]["observability"] = json!(9);
+    let (env, unknown) = Envelope::<Report>::decode_noting(
+        &serde_json::to_vec(&hb).expect("json"),
+        MAX_REPORT_BYTES,
+    )
+    .expect("accepted");
+    let Report::Heartbeat(h) = env.body else {
+        panic!("not a heartbeat")
+    };
+    assert_eq!(h.applied.get(&Section::Config), Some(&3));
+    assert_eq!(unknown.paths, vec!["body.applied.observability".to_owned()]);
 }

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use mesh_plumbing::section::{self, Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
-use mesh_protocol::{DecodeError, Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
+use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
@@ -156,19 +156,18 @@ impl Context for Config {
         tx: &mut PgConnection,
         event: &RecordEvent,
     ) -> Result<(), HandlerError> {
-        match event.kind() {
-            Ok(RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body)) => {
-                reports::node_changed(tx, &body)
+        match &event.kind {
+            RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body) => {
+                reports::node_changed(tx, body)
                     .await
                     .map_err(HandlerError::from)
             }
-            Ok(RecordKind::NodeEnrolled(_) | RecordKind::NodeRevoked(_)) => Ok(()),
-            // An event this crate does not know yet: not an error.
-            Err(DecodeError::UnknownKind(kind)) => {
-                tracing::debug!(kind, "ignoring record event");
+            // Known events config does not act on (the protocol decoded them:
+            // an unknown one never reaches a context).
+            _ => {
+                tracing::debug!(key = %event.routing_key(), "not an event config acts on");
                 Ok(())
             }
-            Err(e) => Err(HandlerError::Permanent(e.to_string())),
         }
     }
 }

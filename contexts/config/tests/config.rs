@@ -10,7 +10,8 @@ use mesh_plumbing::section::{self, Items};
 use mesh_plumbing::{Context, OutboxSignal};
 use mesh_protocol::{
     Applied, Declaration, DeclarationItems, Envelope, FileItem, FileMode, Heartbeat, Hello, Labels,
-    MAX_DECLARATION_BYTES, NodeId, NodeLabelsChanged, Outcome, RecordEvent, Report, Section,
+    MAX_DECLARATION_BYTES, NodeId, NodeLabelsChanged, Outcome, RecordEvent, RecordKind, Report,
+    Section,
 };
 use mesh_testkit::TestEnv;
 use sqlx::PgPool;
@@ -58,7 +59,11 @@ async fn node_event(f: &Fixture, event: &str, node: &NodeId, l: Labels, version:
         labels: l,
         version,
     };
-    let event = RecordEvent::new("inventory", event, &body);
+    let event = RecordEvent::new(match event {
+        "node.joined" => RecordKind::NodeJoined(body),
+        "node.updated" => RecordKind::NodeUpdated(body),
+        other => panic!("not a labels event: {other}"),
+    });
     let mut tx = f.pool.begin().await.unwrap();
     f.config.handle_event(&mut tx, &event).await.unwrap();
     tx.commit().await.unwrap();
@@ -144,6 +149,7 @@ fn hello(node: &NodeId, config_applied: u64) -> Envelope<Report> {
             agent_version: "0.1.0".into(),
             public_key: None,
             applied: [(Section::Config, config_applied)].into_iter().collect(),
+            protocol: None,
         }),
     )
 }
@@ -376,6 +382,7 @@ async fn behind_nodes_are_sent_their_section_again() {
             outcome: Outcome::Failed,
             items: vec![],
             error: Some("disk full".into()),
+            unsupported_section: None,
         }),
     );
     handle(&f, &[applied]).await;

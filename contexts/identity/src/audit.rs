@@ -23,7 +23,7 @@ pub(crate) async fn append(
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (event_id) DO NOTHING",
     )
     .bind(event.id)
-    .bind(&event.context)
+    .bind(event.context())
     .bind(entry.principal_id)
     .bind(&entry.principal)
     .bind(&entry.role)

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
-use mesh_protocol::{AuditEntry, Envelope, NodeId, RecordEvent, Report};
+use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report};
 use sqlx::{PgConnection, PgPool};
 
 pub use audit::{AuditFilter, AuditPage, AuditRow};
@@ -163,13 +163,12 @@ impl Context for Identity {
         tx: &mut PgConnection,
         event: &RecordEvent,
     ) -> Result<(), HandlerError> {
-        match AuditEntry::from_event(event) {
-            Some(Ok(entry)) => audit::append(tx, event, &entry)
+        match &event.kind {
+            RecordKind::OperatorAudit { entry, .. } => audit::append(tx, event, entry)
                 .await
                 .map_err(HandlerError::from),
-            Some(Err(e)) => Err(HandlerError::Permanent(e.to_string())),
-            None => {
-                tracing::debug!(key = %event.routing_key(), "ignoring record event");
+            _ => {
+                tracing::debug!(key = %event.routing_key(), "not an event identity acts on");
                 Ok(())
             }
         }

@@ -6,7 +6,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use mesh_plumbing::outbox;
 use mesh_protocol::{
-    NodeId, NodeIdentityChanged, PublicKey, RecordEvent, Secret, new_token, token_sha256_hex,
+    NodeId, NodeIdentityChanged, PublicKey, RecordEvent, RecordKind, Secret, new_token,
+    token_sha256_hex,
 };
 use serde::{Deserialize, Serialize};
 
@@ -161,15 +162,11 @@ impl Identity {
         .bind(&created_by)
         .execute(&mut *tx)
         .await?;
-        let event = RecordEvent::new(
-            SCHEMA,
-            "node.enrolled",
-            &NodeIdentityChanged {
-                node: node.clone(),
-                public_key: Some(key.to_hex()),
-                at: Utc::now(),
-            },
-        );
+        let event = RecordEvent::new(RecordKind::NodeEnrolled(NodeIdentityChanged {
+            node: node.clone(),
+            public_key: Some(key.to_hex()),
+            at: Utc::now(),
+        }));
         outbox::record(&mut tx, SCHEMA, &event).await?;
         // The broker last: if it fails, the transaction rolls back and the token
         // stays unused.
@@ -209,15 +206,11 @@ impl Identity {
         .execute(&mut *tx)
         .await?;
         let revoked_at = marked.unwrap_or_else(Utc::now);
-        let event = RecordEvent::new(
-            SCHEMA,
-            "node.revoked",
-            &NodeIdentityChanged {
-                node: node.clone(),
-                public_key: None,
-                at: revoked_at,
-            },
-        );
+        let event = RecordEvent::new(RecordKind::NodeRevoked(NodeIdentityChanged {
+            node: node.clone(),
+            public_key: None,
+            at: revoked_at,
+        }));
         outbox::record(&mut tx, SCHEMA, &event).await?;
         // Delete first (no new connection can authenticate), then close what is open.
         let deleted = self.accounts.delete_node_user(node).await?;

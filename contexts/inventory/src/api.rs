@@ -121,7 +121,14 @@ impl Inventory {
             .execute(&mut *tx)
             .await?;
         if changed {
-            emit(&mut tx, "node.updated", id, view.effective.clone(), version).await?;
+            emit(
+                &mut tx,
+                mesh_protocol::RecordKind::NodeUpdated,
+                id,
+                view.effective.clone(),
+                version,
+            )
+            .await?;
         }
         tx.commit().await?;
         if changed {

@@ -183,8 +183,11 @@ pub(crate) async fn reconcile(
 ) -> Result<ReconcileReport, Error> {
     lock(tx).await?;
     let nodes: Vec<NodeRow> = sqlx::query_as(
-        "SELECT id, reported_labels, operator_labels, cpus, memory_bytes, state, admin_state, drain_blocked \
-         FROM inventory.nodes ORDER BY id",
+        // A refused node (its agent speaks no protocol version this controller
+        // does) is not schedulable, like one that is not active.
+        "SELECT id, reported_labels, operator_labels, cpus, memory_bytes, state, \
+         CASE WHEN refused IS NOT NULL AND admin_state = 'active' THEN 'refused' ELSE admin_state END AS admin_state, \
+         drain_blocked FROM inventory.nodes ORDER BY id",
     )
     .fetch_all(&mut *tx)
     .await?;

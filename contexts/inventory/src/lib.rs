@@ -27,6 +27,7 @@ mod fleet;
 pub mod module;
 mod modules_api;
 pub mod placement;
+mod protocol;
 mod query;
 mod reports;
 mod sweep;
@@ -39,13 +40,14 @@ use chrono::{DateTime, Utc};
 
 use mesh_plumbing::section::{Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
-use mesh_protocol::{DecodeError, Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
+use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
 pub use fleet::ReconcileReport;
 pub use query::{
     AlertView, AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView,
+    ProtocolView,
 };
 pub use sweep::SweepReport;
 
@@ -224,15 +226,13 @@ impl Context for Inventory {
         tx: &mut PgConnection,
         event: &RecordEvent,
     ) -> Result<(), HandlerError> {
-        let (body, revoked) = match event.kind() {
-            Ok(RecordKind::NodeRevoked(body)) => (body, true),
-            Ok(RecordKind::NodeEnrolled(body)) => (body, false),
-            Ok(_) => return Ok(()),
-            Err(DecodeError::UnknownKind(kind)) => {
-                tracing::debug!(kind, "ignoring record event");
+        let (body, revoked) = match &event.kind {
+            RecordKind::NodeRevoked(body) => (body, true),
+            RecordKind::NodeEnrolled(body) => (body, false),
+            _ => {
+                tracing::debug!(key = %event.routing_key(), "not an event inventory acts on");
                 return Ok(());
             }
-            Err(e) => return Err(HandlerError::Permanent(e.to_string())),
         };
         // Only the newest identity change counts; a node inventory has not heard
         // from yet gets its state when it says hello (and cannot, once revoked).

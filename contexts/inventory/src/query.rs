@@ -69,7 +69,8 @@ pub struct NodeView {
     pub agent_version: String,
     pub public_key: Option<String>,
     pub labels: LabelsView,
-    /// `revoked`, else `unreachable`, else `draining` / `drained`, else `alive`.
+    /// `revoked`, else `refused`, else `unreachable`, else `draining` /
+    /// `drained`, else `alive`.
     pub state: String,
     /// `alive` or `unreachable`, as the controller judges it.
     pub liveness: String,
@@ -89,6 +90,18 @@ pub struct NodeView {
     pub version: i64,
     /// Per section name.
     pub applied: BTreeMap<String, AppliedView>,
+    /// The envelope versions the node's agent speaks (from its hello).
+    pub protocol: ProtocolView,
+    /// Why the controller refuses the node's agent (it speaks no version the
+    /// controller does): nothing is declared to it. None: not refused.
+    pub refused: Option<String>,
+}
+
+/// The envelope versions an agent speaks, oldest to newest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ProtocolView {
+    pub min: i32,
+    pub max: i32,
 }
 
 #[derive(sqlx::FromRow)]
@@ -112,6 +125,9 @@ struct NodeRow {
     last_seen: DateTime<Utc>,
     last_seq: i64,
     version: i64,
+    protocol_min: i32,
+    protocol_max: i32,
+    refused: Option<String>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -130,8 +146,9 @@ impl Inventory {
     pub async fn node(&self, id: &NodeId) -> Result<Option<NodeView>, Error> {
         let row: Option<NodeRow> = sqlx::query_as(
             "SELECT id, hostname, arch, cpus, memory_bytes, agent_version, public_key, reported_labels, \
-             operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, state AS liveness, admin_state, drain_blocked, unreachable_since, heard_at, \
-             first_seen, last_seen, last_seq, version FROM inventory.nodes WHERE id = $1",
+             operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, state AS liveness, admin_state, drain_blocked, unreachable_since, heard_at, \
+             first_seen, last_seen, last_seq, version, protocol_min, protocol_max, refused \
+             FROM inventory.nodes WHERE id = $1",
         )
         .bind(id.as_str())
         .fetch_optional(&self.pool)
@@ -165,6 +182,11 @@ impl Inventory {
             last_seen: n.last_seen,
             last_seq: n.last_seq,
             version: n.version,
+            protocol: ProtocolView {
+                min: n.protocol_min,
+                max: n.protocol_max,
+            },
+            refused: n.refused,
             applied: applied
                 .into_iter()
                 .map(|a| {
@@ -194,7 +216,7 @@ impl Inventory {
             DateTime<Utc>,
         );
         let rows: Vec<Row> = sqlx::query_as(
-            "SELECT id, hostname, reported_labels, operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, last_seen FROM inventory.nodes \
+            "SELECT id, hostname, reported_labels, operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, last_seen FROM inventory.nodes \
              WHERE $1::text IS NULL OR id > $1 ORDER BY id LIMIT $2",
         )
         .bind(after)

@@ -11,13 +11,13 @@ use mesh_plumbing::applied;
 use mesh_plumbing::outbox;
 use mesh_plumbing::section::Resend;
 use mesh_protocol::{
-    Applied, DeclarationItems, Envelope, Hello, Labels, NodeId, NodeLabelsChanged, RecordEvent,
-    Report, Section,
+    Applied, DeclarationItems, Envelope, Hello, Labels, LivenessState, NodeId, NodeLabelsChanged,
+    NodeLiveness, ProtocolRange, RecordEvent, RecordKind, Report, Section,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use crate::sweep::{NodeLiveness, emit_liveness};
+use crate::sweep::emit_liveness;
 use crate::{Error, InventorySettings, SCHEMA, SECTIONS};
 
 pub(crate) async fn handle(
@@ -33,7 +33,15 @@ pub(crate) async fn handle(
     let mut units = Vec::new();
     for env in reports {
         match &env.body {
-            Report::Hello(h) => hello(tx, env, h, heard_at).await?,
+            Report::Hello(h) => {
+                if let Some(reason) = h.refusal(ProtocolRange::THIS) {
+                    crate::protocol::refuse(tx, env, h, &reason, heard_at).await?;
+                    continue;
+                }
+                let was_refused = crate::protocol::was_refused(tx, &env.node).await?;
+                hello(tx, env, h, heard_at).await?;
+                crate::protocol::accepted(tx, &env.node, h, was_refused).await?;
+            }
             Report::Heartbeat(_) => heartbeats.push(env),
             Report::Applied(a) => applied.push((env, a)),
             Report::Units(u) => units.push((env, u)),
@@ -63,7 +71,7 @@ async fn revived(
         tx,
         NodeLiveness {
             node,
-            state: "alive",
+            state: LivenessState::Alive,
             at: heard_at,
             last_heard: Some(last_heard),
         },
@@ -87,10 +95,11 @@ fn clamp(sent_at: DateTime<Utc>) -> DateTime<Utc> {
     sent_at.min(Utc::now())
 }
 
-/// Write `inventory.node.<event>` with the node's effective labels to the outbox.
+/// Write `inventory.node.joined` or `.updated` (`event`) with the node's
+/// effective labels to the outbox.
 pub(crate) async fn emit(
     tx: &mut PgConnection,
-    event: &str,
+    event: fn(NodeLabelsChanged) -> RecordKind,
     node: &NodeId,
     labels: Labels,
     version: i64,
@@ -100,7 +109,7 @@ pub(crate) async fn emit(
         labels,
         version,
     };
-    outbox::record(tx, SCHEMA, &RecordEvent::new(SCHEMA, event, &body)).await?;
+    outbox::record(tx, SCHEMA, &RecordEvent::new(event(body))).await?;
     Ok(())
 }
 
@@ -134,7 +143,7 @@ async fn hello(
     .await?;
 
     if inserted.is_some() {
-        emit(tx, "node.joined", node, hello.labels.clone(), 1).await?;
+        emit(tx, RecordKind::NodeJoined, node, hello.labels.clone(), 1).await?;
     } else {
         type Row = (
             Json<Labels>,
@@ -199,7 +208,7 @@ async fn hello(
             .execute(&mut *tx)
             .await?;
             if changed {
-                emit(tx, "node.updated", node, after, version).await?;
+                emit(tx, RecordKind::NodeUpdated, node, after, version).await?;
             }
         }
     }
@@ -384,11 +393,13 @@ async fn applied_batch(
     reports: &[(&Envelope<Report>, &Applied)],
 ) -> Result<(), Error> {
     let rows = applied::fold(reports, |env, a| {
-        let Some(section) = a.section else {
+        // An unsupported section is recorded under its name, so the node's
+        // view shows that its agent does not know it.
+        let Some(section) = a.section_name() else {
             tracing::debug!(node = %env.node, "applied report without a section: nothing to record");
             return None;
         };
-        Some((env.node.as_str(), section.as_str()))
+        Some((env.node.as_str(), section))
     });
     if rows.is_empty() {
         return Ok(());

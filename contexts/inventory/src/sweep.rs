@@ -3,30 +3,16 @@
 
 use chrono::{DateTime, Utc};
 use mesh_plumbing::outbox;
-use mesh_protocol::{NodeId, RecordEvent};
+use mesh_protocol::{LivenessState, NodeId, NodeLiveness, RecordEvent};
 use serde::Serialize;
 use sqlx::PgConnection;
 
 use crate::fleet::{self, Pass, ReconcileReport};
 use crate::{Error, Inventory, SCHEMA};
 
-/// Body of `inventory.node.unreachable` and `inventory.node.alive`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct NodeLiveness {
-    pub node: NodeId,
-    /// `unreachable` or `alive`.
-    pub state: &'static str,
-    /// When the controller judged it (unreachable) or heard it again (alive).
-    pub at: DateTime<Utc>,
-    /// When the controller last heard from the node before this transition.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub last_heard: Option<DateTime<Utc>>,
-}
-
 /// Write `inventory.node.<state>` for a liveness transition to the outbox.
 pub(crate) async fn emit_liveness(tx: &mut PgConnection, body: NodeLiveness) -> Result<(), Error> {
-    let event = format!("node.{}", body.state);
-    outbox::record(tx, SCHEMA, &RecordEvent::new(SCHEMA, &event, &body)).await?;
+    outbox::record(tx, SCHEMA, &RecordEvent::new(body.into_kind())).await?;
     Ok(())
 }
 
@@ -93,7 +79,7 @@ impl Inventory {
                     &mut tx,
                     NodeLiveness {
                         node,
-                        state: "unreachable",
+                        state: LivenessState::Unreachable,
                         at: now,
                         last_heard: Some(heard_at),
                     },

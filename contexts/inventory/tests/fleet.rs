@@ -84,6 +84,7 @@ impl Fixture {
                 agent_version: "test".into(),
                 public_key: None,
                 applied: Default::default(),
+                protocol: None,
             }),
         );
         self.handle(&[env]).await;

@@ -68,6 +68,7 @@ fn hello(node: &NodeId, seq: u64, l: Labels, applied: &[(Section, u64)]) -> Enve
             agent_version: "0.1.0".into(),
             public_key: None,
             applied: applied.iter().copied().collect(),
+            protocol: None,
         }),
     )
 }
@@ -107,7 +108,7 @@ async fn events(f: &Fixture) -> Vec<(String, NodeLabelsChanged)> {
         .map(|(key, payload)| {
             let event = RecordEvent::decode(&payload).unwrap();
             assert_eq!(event.routing_key(), key);
-            match event.kind().unwrap() {
+            match event.kind {
                 RecordKind::NodeJoined(b) => ("node.joined".to_owned(), b),
                 RecordKind::NodeUpdated(b) => ("node.updated".to_owned(), b),
                 other => panic!("inventory wrote an event it does not own: {other:?}"),
@@ -472,6 +473,7 @@ async fn applied_reports() {
                 outcome,
                 items: vec![],
                 error: error.map(str::to_owned),
+                unsupported_section: None,
             }),
         )
     };
@@ -597,7 +599,11 @@ async fn identity_event(f: &Fixture, event: &str, node: &NodeId, at: DateTime<Ut
         public_key: None,
         at,
     };
-    let event = RecordEvent::new("identity", event, &body);
+    let event = RecordEvent::new(match event {
+        "node.enrolled" => RecordKind::NodeEnrolled(body),
+        "node.revoked" => RecordKind::NodeRevoked(body),
+        other => panic!("not an identity event: {other}"),
+    });
     let mut tx = f.pool.begin().await.unwrap();
     f.inventory.handle_event(&mut tx, &event).await.unwrap();
     tx.commit().await.unwrap();

@@ -117,7 +117,7 @@ pub async fn record(
         message_id: event.id,
         exchange: RECORD_EXCHANGE,
         routing_key: &key,
-        kind: &event.event,
+        kind: event.event(),
         node: None,
         payload: event.encode(),
     };

@@ -34,8 +34,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use mesh_protocol::{
-    Declaration, DeclarationItems, Envelope, MAX_DECLARATION_BYTES, MAX_ITEMS, NodeId, Report,
-    Section, digest_items,
+    Declaration, DeclarationItems, Envelope, MAX_DECLARATION_BYTES, MAX_ITEMS, NodeId,
+    ProtocolRange, Report, Section, digest_items,
 };
 use serde::Serialize;
 use sqlx::types::Json;
@@ -448,7 +448,12 @@ impl Sections {
     ) -> Result<usize, SectionError> {
         let mut reported = BTreeMap::new();
         for env in reports {
-            if let (Report::Hello(_), Some(g)) = (&env.body, self.reported(&env.body)) {
+            // An agent this controller cannot speak to is declared nothing
+            // (inventory records why; decision 0020).
+            if let Report::Hello(h) = &env.body
+                && h.refusal(ProtocolRange::THIS).is_none()
+                && let Some(g) = self.reported(&env.body)
+            {
                 reported.insert(env.node.as_str(), g);
             }
         }

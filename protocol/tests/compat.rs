@@ -1,0 +1,385 @@
+//! The compatibility corpus: one message of every kind as protocol v1 writes it
+//! (tests/compat/v1/: `report-<kind>.json`, `declaration-<section>.json`,
+//! `record-<context>.<event>.json`). Every later version must decode all of
+//! them, know every field in them (a v1 field is never removed or renamed), and
+//! accept them with fields it does not know added anywhere.
+//!
+//! The files were written by this crate (`MESH_WRITE_COMPAT_CORPUS=1 cargo test
+//! -p mesh-protocol --test compat write_corpus`); never edit or regenerate the
+//! v1 files once released: a new version gets its own directory.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use chrono::{DateTime, Utc};
+use mesh_protocol::{
+    Applied, AuditEntry, Declaration, DeclarationItems, DesiredState, Envelope, FileItem, FileMode,
+    Heartbeat, Hello, ItemOutcome, LivenessState, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES, NodeId,
+    NodeIdentityChanged, NodeLabelsChanged, NodeLiveness, Outcome, ProtocolRange, RECORD_EVENTS,
+    RecordEvent, RecordKind, Report, ReportKind, RestartPolicy, Section, UnitItem, UnitState,
+    UnitStatus, Units,
+};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/v1")
+}
+
+fn files() -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir())
+        .expect("tests/compat/v1")
+        .map(|e| {
+            let path = e.expect("entry").path();
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default()
+                .to_owned();
+            (name, std::fs::read(&path).expect("read"))
+        })
+        .collect()
+}
+
+/// A decoded corpus message, and the fields its decoder did not know.
+#[derive(Debug, PartialEq)]
+enum Message {
+    Report(Envelope<Report>),
+    Declaration(Envelope<Declaration>),
+    Record(RecordEvent),
+}
+
+fn decode(name: &str, bytes: &[u8]) -> (Message, usize) {
+    if name.starts_with("report-") {
+        let (env, unknown) = Envelope::<Report>::decode_noting(bytes, MAX_REPORT_BYTES)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(
+            format!("report-{}.json", env.kind()),
+            name,
+            "{name} holds another kind"
+        );
+        (Message::Report(env), unknown.count)
+    } else if name.starts_with("declaration-") {
+        let (env, unknown) = Envelope::<Declaration>::decode_noting(bytes, MAX_DECLARATION_BYTES)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(format!("declaration-{}.json", env.body.section), name);
+        (Message::Declaration(env), unknown.count)
+    } else if name.starts_with("record-") {
+        let (event, unknown) =
+            RecordEvent::decode_noting(bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+        (Message::Record(event), unknown.count)
+    } else {
+        panic!("{name}: not a corpus file name");
+    }
+}
+
+fn encode(m: &Message) -> Vec<u8> {
+    match m {
+        Message::Report(e) => e.encode(),
+        Message::Declaration(e) => e.encode(),
+        Message::Record(e) => e.encode(),
+    }
+}
+
+/// The corpus file name of a record event: its routing key, with an audit
+/// event written by a context named `config`.
+fn record_name(event: &RecordEvent) -> String {
+    format!("record-{}.json", event.routing_key())
+}
+
+#[test]
+fn every_v1_message_decodes_and_every_field_is_known() {
+    for (name, bytes) in files() {
+        let (message, unknown) = decode(&name, &bytes);
+        assert_eq!(unknown, 0, "{name}: a v1 field is no longer known");
+        // What this version writes of it reads back the same.
+        let (again, _) = decode(&name, &encode(&message));
+        assert_eq!(again, message, "{name} does not survive a round trip");
+    }
+}
+
+#[test]
+fn the_corpus_holds_every_kind() {
+    let names: Vec<String> = files().into_keys().collect();
+    let mut expected: Vec<String> = ReportKind::ALL
+        .iter()
+        .map(|k| format!("report-{}.json", k.as_str()))
+        .chain(Section::ALL.iter().map(|s| format!("declaration-{s}.json")))
+        .chain(
+            RECORD_EVENTS
+                .iter()
+                .map(|e| format!("record-{}.json", e.replace('*', "config"))),
+        )
+        .collect();
+    expected.sort();
+    for name in &expected {
+        assert!(names.contains(name), "the v1 corpus lacks {name}");
+    }
+    for (name, bytes) in files() {
+        if let (Message::Record(e), _) = decode(&name, &bytes) {
+            assert_eq!(record_name(&e), name);
+        }
+    }
+}
+
+/// Add `"x_future_<n>"` fields to every object of `v` that holds fields (not
+/// to the data maps `labels` and `env`, whose keys are data); returns how many.
+fn add_unknown_fields(v: &mut Value, n: &mut usize) {
+    match v {
+        Value::Object(m) => {
+            for (key, child) in m.iter_mut() {
+                if key != "labels" && key != "env" {
+                    add_unknown_fields(child, n);
+                }
+            }
+            *n += 1;
+            m.insert(
+                format!("x_future_{n}"),
+                json!({"nested": [1, {"deep": true}], "n": *n}),
+            );
+        }
+        Value::Array(a) => a.iter_mut().for_each(|c| add_unknown_fields(c, n)),
+        _ => {}
+    }
+}
+
+#[test]
+fn v1_messages_with_unknown_fields_everywhere_decode_the_same() {
+    for (name, bytes) in files() {
+        let (plain, _) = decode(&name, &bytes);
+        let mut v: Value = serde_json::from_slice(&bytes).expect("json");
+        let mut added = 0;
+        add_unknown_fields(&mut v, &mut added);
+        let (message, unknown) = decode(&name, &serde_json::to_vec(&v).expect("json"));
+        assert_eq!(message, plain, "{name}");
+        // Each added field is noted (a key added to `applied` reads as a
+        // section this version does not know: ignored and noted too).
+        assert_eq!(
+            unknown, added,
+            "{name}: {added} unknown fields added, {unknown} noted"
+        );
+    }
+}
+
+#[test]
+fn an_older_agents_hello_speaks_v1() {
+    let bytes = std::fs::read(dir().join("report-hello.json")).expect("hello");
+    let env = Envelope::<Report>::decode(&bytes, MAX_REPORT_BYTES).expect("hello");
+    let Report::Hello(h) = env.body else {
+        panic!("not a hello")
+    };
+    assert_eq!(h.protocol(), ProtocolRange::V1);
+    assert_eq!(h.refusal(ProtocolRange::THIS), None);
+}
+
+// ---- writing the corpus (once, for v1) ----
+
+fn at() -> DateTime<Utc> {
+    "2026-11-30T12:00:00Z".parse().expect("time")
+}
+
+fn id(n: u8) -> Uuid {
+    Uuid::parse_str(&format!("01890000-0000-7000-8000-0000000000{n:02x}")).expect("uuid")
+}
+
+fn node() -> NodeId {
+    NodeId::parse("node-a").expect("node")
+}
+
+fn envelope<B: mesh_protocol::Body>(n: u8, seq: u64, body: B) -> Envelope<B> {
+    Envelope {
+        id: id(n),
+        node: node(),
+        seq,
+        sent_at: at(),
+        body,
+    }
+}
+
+/// Writes tests/compat/v1/ from the values below, only when asked to
+/// (`MESH_WRITE_COMPAT_CORPUS=1`). The v1 corpus is frozen: never rewrite it.
+#[test]
+fn write_corpus() {
+    if std::env::var_os("MESH_WRITE_COMPAT_CORPUS").is_none() {
+        return;
+    }
+    let applied: BTreeMap<Section, u64> = [(Section::Inventory, 2), (Section::Config, 3)].into();
+    let labels: mesh_protocol::Labels = [("role".to_owned(), "web".to_owned())].into();
+    let mut out: Vec<(String, Vec<u8>)> = Vec::new();
+    let reports = [
+        Report::Hello(Hello {
+            hostname: "host-a".into(),
+            arch: "x86_64".into(),
+            cpus: 2,
+            memory_bytes: 8 << 30,
+            labels: labels.clone(),
+            agent_version: "0.1.0".into(),
+            public_key: Some("ab".repeat(32)),
+            applied: applied.clone(),
+            protocol: None,
+        }),
+        Report::Heartbeat(Heartbeat {
+            applied: applied.clone(),
+        }),
+        Report::Applied(Applied {
+            section: Some(Section::Config),
+            generation: Some(3),
+            outcome: Outcome::Failed,
+            items: vec![
+                ItemOutcome {
+                    item: "/etc/motd".into(),
+                    ok: true,
+                    error: None,
+                },
+                ItemOutcome {
+                    item: "/etc/app.toml".into(),
+                    ok: false,
+                    error: Some("write: permission denied".into()),
+                },
+            ],
+            error: None,
+            unsupported_section: None,
+        }),
+        Report::Units(Units {
+            units: vec![UnitStatus {
+                name: "web-0".into(),
+                module: "web".into(),
+                state: UnitState::Running,
+                pid: Some(4242),
+                exit_code: Some(0),
+                restarts: 1,
+                started_at: Some(at()),
+            }],
+        }),
+    ];
+    for (n, r) in reports.into_iter().enumerate() {
+        let name = format!("report-{}.json", r.report_kind().as_str());
+        let n = u8::try_from(n).expect("few");
+        out.push((name, envelope(n + 1, 10 + u64::from(n), r).encode()));
+    }
+    for (n, section) in Section::ALL.into_iter().enumerate() {
+        let units = if section == Section::Inventory {
+            vec![UnitItem {
+                name: "web-0".into(),
+                module: "web".into(),
+                command: "/usr/bin/web".into(),
+                args: vec!["--port".into(), "8080".into()],
+                env: [("MODE".to_owned(), "prod".to_owned())].into(),
+                working_dir: Some("/srv/web".into()),
+                restart: RestartPolicy::OnFailure,
+                desired: DesiredState::Running,
+            }]
+        } else {
+            Vec::new()
+        };
+        let d = Declaration {
+            section,
+            generation: 4,
+            items: DeclarationItems {
+                files: vec![FileItem {
+                    path: format!("/etc/mesh/{section}.conf"),
+                    content: "key = \"value\"\n".into(),
+                    mode: FileMode::new(0o640).expect("mode"),
+                }],
+                units,
+            },
+        };
+        let n = u8::try_from(n).expect("few");
+        out.push((
+            format!("declaration-{section}.json"),
+            envelope(0x10 + n, 4, d).encode(),
+        ));
+    }
+    let kinds = [
+        RecordKind::NodeJoined(NodeLabelsChanged {
+            node: node(),
+            labels: labels.clone(),
+            version: 1,
+        }),
+        RecordKind::NodeUpdated(NodeLabelsChanged {
+            node: node(),
+            labels,
+            version: 2,
+        }),
+        RecordKind::NodeUnreachable(NodeLiveness {
+            node: node(),
+            state: LivenessState::Unreachable,
+            at: at(),
+            last_heard: Some(at()),
+        }),
+        RecordKind::NodeAlive(NodeLiveness {
+            node: node(),
+            state: LivenessState::Alive,
+            at: at(),
+            last_heard: Some(at()),
+        }),
+        RecordKind::NodeEnrolled(NodeIdentityChanged {
+            node: node(),
+            public_key: Some("cd".repeat(32)),
+            at: at(),
+        }),
+        RecordKind::NodeRevoked(NodeIdentityChanged {
+            node: node(),
+            public_key: None,
+            at: at(),
+        }),
+        RecordKind::OperatorAudit {
+            context: "config".into(),
+            entry: AuditEntry {
+                principal_id: id(0x30),
+                principal: "ci-deployer".into(),
+                role: "operator".into(),
+                action: "PUT /v1/files/{name}".into(),
+                target: "/v1/files/motd".into(),
+                request_id: id(0x31),
+                at: at(),
+                outcome: "ok".into(),
+                status: 200,
+            },
+        },
+    ];
+    for (n, kind) in kinds.into_iter().enumerate() {
+        let event = RecordEvent {
+            id: id(0x20 + u8::try_from(n).expect("few")),
+            sent_at: at(),
+            kind,
+        };
+        out.push((record_name(&event), event.encode()));
+    }
+    for (name, bytes) in out {
+        let pretty: Value = serde_json::from_slice(&bytes).expect("json");
+        let mut text = serde_json::to_string_pretty(&pretty).expect("json");
+        text.push('\n');
+        std::fs::write(dir().join(name), text).expect("write");
+    }
+}
+
+#[test]
+fn a_hello_whose_range_excludes_ours_is_refused_with_a_reason() {
+    let bytes = std::fs::read(dir().join("report-hello.json")).expect("hello");
+    let mut v: Value = serde_json::from_slice(&bytes).expect("json");
+    v["body"]["protocol"] = json!({"min": 2, "max": 3});
+    let env = Envelope::<Report>::decode(&serde_json::to_vec(&v).expect("json"), MAX_REPORT_BYTES)
+        .expect("a v1 hello with a range decodes");
+    let Report::Hello(h) = env.body else {
+        panic!("not a hello")
+    };
+    let reason = h.refusal(ProtocolRange::THIS).expect("refused");
+    assert!(
+        reason.contains("v2..v3") && reason.contains("v1..v1"),
+        "{reason}"
+    );
+    // A range that overlaps ours is spoken.
+    v["body"]["protocol"] = json!({"min": 1, "max": 3});
+    let env = Envelope::<Report>::decode(&serde_json::to_vec(&v).expect("json"), MAX_REPORT_BYTES)
+        .expect("decodes");
+    let Report::Hello(h) = env.body else {
+        panic!("not a hello")
+    };
+    assert_eq!(h.refusal(ProtocolRange::THIS), None);
+    // An empty range is invalid.
+    v["body"]["protocol"] = json!({"min": 3, "max": 2});
+    let err = Envelope::<Report>::decode(&serde_json::to_vec(&v).expect("json"), MAX_REPORT_BYTES)
+        .unwrap_err();
+    assert_eq!(err.metric_label(), "invalid", "{err}");
+}
