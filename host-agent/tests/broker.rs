@@ -1006,6 +1006,21 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
     }
     assert!(!log.join("stdout.log.3").exists());
 
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}
+
+/// Wait for a plain condition (files, /proc), polling, within the deadline.
+async fn wait_until(what: &str, check: impl Fn() -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + DEADLINE;
+    while !check() {
+        anyhow::ensure!(Instant::now() < deadline, "no {what} within {DEADLINE:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
 /// Version skew (decision 0020): the hello states the agent's protocol range; a
 /// declaration of a section this agent does not know is reported `unsupported`
 /// (with the section and a reason) and changes nothing; fields it does not know
@@ -1115,14 +1130,4 @@ async fn an_unknown_section_is_reported_unsupported_and_nothing_else_stops() -> 
     drop(reports);
     let _ = admin.close(200, "done".into()).await;
     env.teardown().await
-}
-
-/// Wait for a plain condition (files, /proc), polling, within the deadline.
-async fn wait_until(what: &str, check: impl Fn() -> bool) -> anyhow::Result<()> {
-    let deadline = Instant::now() + DEADLINE;
-    while !check() {
-        anyhow::ensure!(Instant::now() < deadline, "no {what} within {DEADLINE:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
 }
