@@ -78,6 +78,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
         registry: Arc::new(registry),
         broker_up: broker_up.clone(),
         signal: signal.clone(),
+        metrics: metrics.clone(),
     });
 
     let mut tasks = JoinSet::new();

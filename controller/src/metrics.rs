@@ -40,6 +40,13 @@ pub struct Metrics {
     pub outbox_backlog: Family<ContextLabels, Gauge>,
     /// Connections to the broker made (the first and every reconnect).
     pub broker_connects: Counter,
+    /// API requests refused with 401 (no principal, so no audit entry).
+    pub unauthenticated: Counter,
+    /// Mutations that answered 2xx without writing their audit entry in their
+    /// transaction (a handler's bug; the auth layer wrote the entry afterwards).
+    pub mutations_unaudited: Family<ContextLabels, Counter>,
+    /// Audit entries the auth layer could not write (403s and failures).
+    pub audit_lost: Family<ContextLabels, Counter>,
 }
 
 impl Metrics {
@@ -54,6 +61,9 @@ impl Metrics {
             published: Family::default(),
             outbox_backlog: Family::default(),
             broker_connects: Counter::default(),
+            unauthenticated: Counter::default(),
+            mutations_unaudited: Family::default(),
+            audit_lost: Family::default(),
         };
         registry.register(
             "mesh_messages_handled",
@@ -89,6 +99,21 @@ impl Metrics {
             "mesh_broker_connects",
             "Connections made to the broker",
             m.broker_connects.clone(),
+        );
+        registry.register(
+            "mesh_api_unauthenticated",
+            "API requests refused for a missing, unknown or revoked token",
+            m.unauthenticated.clone(),
+        );
+        registry.register(
+            "mesh_api_mutations_unaudited",
+            "API mutations that succeeded without an audit entry in their transaction",
+            m.mutations_unaudited.clone(),
+        );
+        registry.register(
+            "mesh_api_audit_lost",
+            "Audit entries of refused or failed API requests that could not be written",
+            m.audit_lost.clone(),
         );
         m
     }
