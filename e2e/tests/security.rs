@@ -695,6 +695,16 @@ async fn samples(mesh: &Mesh, metric: &str) -> anyhow::Result<Vec<(String, f64)>
         .collect())
 }
 
+/// (method, path, body, answer, action, context).
+type Route = (
+    Method,
+    String,
+    Option<Value>,
+    u16,
+    &'static str,
+    &'static str,
+);
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> anyhow::Result<()> {
     let mesh = Mesh::start().await?;
@@ -725,7 +735,7 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
     // Every mutating route of every context, each once, in an order that
     // succeeds: (method, path, body, answer, action, context).
     let n = node.as_str();
-    let routes: Vec<(Method, String, Option<Value>, u16, &str, &str)> = vec![
+    let routes: Vec<Route> = vec![
         (
             Method::PUT,
             format!("/v1/nodes/{n}/labels"),
