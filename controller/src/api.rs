@@ -26,12 +26,15 @@ pub struct ApiState {
     pub broker_up: Arc<AtomicBool>,
     /// Wakes the relay after the auth layer wrote an audit event.
     pub signal: mesh_plumbing::OutboxSignal,
+    /// The auth layer's counters (unauthenticated, unaudited, lost entries).
+    pub metrics: crate::metrics::Metrics,
 }
 
 /// Every route, each context's behind the auth layer that knows the context
 /// (auth.rs: the role each route needs; audit events to that context's outbox).
 pub fn router(state: ApiState) -> Router {
     let c = &state.contexts;
+    let failpoint: Option<Arc<str>> = std::env::var(auth::API_FAILPOINT_ENV).ok().map(Into::into);
     let guarded = |routes: Router, context: &'static str, pool: &sqlx::PgPool| {
         routes.layer(axum::middleware::from_fn_with_state(
             auth::Guard {
@@ -39,6 +42,8 @@ pub fn router(state: ApiState) -> Router {
                 context,
                 pool: pool.clone(),
                 signal: state.signal.clone(),
+                metrics: state.metrics.clone(),
+                failpoint: failpoint.clone(),
             },
             auth::guard,
         ))
@@ -75,7 +80,7 @@ async fn healthz(State(state): State<ApiState>) -> Response {
     checks.insert("broker".into(), json!(if broker { "ok" } else { "down" }));
     let mut ok = broker;
     for (schema, pool) in state.contexts.schemas() {
-        let up = sqlx::query("SELECT 1").execute(pool).await.is_ok();
+        let up = mesh_plumbing::reachable(pool).await;
         ok &= up;
         checks.insert(schema.into(), json!(if up { "ok" } else { "down" }));
     }

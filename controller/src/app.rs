@@ -113,6 +113,7 @@ async fn run_fenced(
         registry: Arc::new(registry),
         broker_up: broker_up.clone(),
         signal: signal.clone(),
+        metrics: metrics.clone(),
     });
 
     let api_shutdown = shutdown.clone();

@@ -1,5 +1,5 @@
 //! Who may call what: bearer API tokens (identity's), the role every route
-//! needs, and the audit event every operator mutation leaves.
+//! needs, and the audit entry of every operator mutation.
 //!
 //! The policy is one table, [`required`]: the route (method and pattern, as axum
 //! matched it) → [`Access`]. `/healthz`, `/metrics` are open; `POST /v1/join` is
@@ -8,10 +8,15 @@
 //! any other change `operator`. A missing or unknown token is 401, a role too
 //! small is 403, both problem+json.
 //!
-//! The layer is applied to each context's routes with that context's name: after
-//! an authenticated mutation (or a 403) it writes a `<context>.operator.audit`
-//! event to that context's outbox, which the relay publishes to the record and
-//! identity appends to its audit log (docs/decisions/0007).
+//! Audit (docs/decisions/0018): the layer puts a [`mesh_plumbing::audit::Audit`]
+//! in an authenticated request; the mutating handler writes its `ok` entry into
+//! the context's outbox in the transaction of the change itself. The layer only
+//! writes, through plumbing, the entries no handler's transaction carries: a
+//! 403 (`denied`) and a failed mutation (`failed`, with its status), after the
+//! response. A 401 has no principal and is not in the audit log: it is logged
+//! and counted (`mesh_api_unauthenticated`). A mutation that answered 2xx
+//! without an entry in its transaction is a bug: it is logged, counted
+//! (`mesh_api_mutations_unaudited`) and its entry written afterwards.
 
 use std::sync::Arc;
 
@@ -20,16 +25,26 @@ use axum::http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
 use axum::http::{HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use chrono::Utc;
 use mesh_identity::Identity;
 use mesh_plumbing::OutboxSignal;
-use mesh_plumbing::api::{Principal, Problem, Role};
-use mesh_protocol::{AuditEntry, RecordEvent, RecordKind};
+use mesh_plumbing::api::{Problem, Role};
+use mesh_plumbing::audit::{self, Audit};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::metrics::Metrics;
+
 /// Response header carrying the request's id (also in its audit entry).
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// For tests of crash safety only: when `MESH_FAILPOINT_EXIT_AFTER_API_COMMIT`
+/// names a route's action (`PUT /v1/files/{name}`) or is `*`, the process exits
+/// (code 87) right after such a mutation committed, before its response is
+/// sent, as a crash at that moment would.
+pub const API_FAILPOINT_ENV: &str = "MESH_FAILPOINT_EXIT_AFTER_API_COMMIT";
+
+/// Exit code of the API failpoint.
+pub const API_FAILPOINT_EXIT: i32 = 87;
 
 /// What a route needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +80,9 @@ pub struct Guard {
     pub context: &'static str,
     pub pool: PgPool,
     pub signal: OutboxSignal,
+    pub metrics: Metrics,
+    /// [`API_FAILPOINT_ENV`], read once at startup.
+    pub failpoint: Option<Arc<str>>,
 }
 
 fn bearer(req: &Request) -> Option<&str> {
@@ -123,100 +141,98 @@ async fn authorized(
     request_id: Uuid,
 ) -> Response {
     let Some(token) = bearer(&req) else {
+        guard.metrics.unauthenticated.inc();
+        tracing::info!(%method, target, %request_id, "refused: no API token");
         return unauthorized("this route needs an API token: `Authorization: Bearer <token>`");
     };
     let principal = match guard.identity.authenticate(token).await {
         Ok(Some(p)) => p,
         Ok(None) => {
-            tracing::info!(%method, target, "refused an unknown or revoked API token");
+            guard.metrics.unauthenticated.inc();
+            tracing::info!(%method, target, %request_id, "refused an unknown or revoked API token");
             return unauthorized("the API token is not known or was revoked");
         }
         Err(e) => return Problem::internal(e).into_response(),
     };
     let action = format!("{method} {}", route.unwrap_or(target));
+    let audit = Audit::new(principal, action, target, request_id);
+    let principal = audit.principal();
     if principal.role < needed {
-        tracing::info!(principal = %principal.name, role = %principal.role, %action, "refused: role too small");
-        if is_mutation(method) {
-            audit(
-                guard,
-                &principal,
-                &action,
-                target,
-                request_id,
-                StatusCode::FORBIDDEN,
-            )
-            .await;
-        }
-        return Problem::forbidden(format!(
-            "`{action}` needs the {needed} role; token `{}` has {}",
-            principal.name, principal.role
+        tracing::info!(principal = %principal.name, role = %principal.role, action = audit.action(), "refused: role too small");
+        let refusal = Problem::forbidden(format!(
+            "`{}` needs the {needed} role; token `{}` has {}",
+            audit.action(),
+            principal.name,
+            principal.role
         ))
         .into_response();
+        if is_mutation(method) {
+            after(guard, &audit, StatusCode::FORBIDDEN).await;
+        }
+        return refusal;
     }
-    req.extensions_mut().insert(principal.clone());
+    req.extensions_mut().insert(audit.clone());
     let response = next.run(req).await;
     if is_mutation(method) {
-        audit(
-            guard,
-            &principal,
-            &action,
-            target,
-            request_id,
-            response.status(),
-        )
-        .await;
+        let status = response.status();
+        if status.is_success()
+            && guard
+                .failpoint
+                .as_deref()
+                .is_some_and(|f| f == "*" || f == audit.action())
+        {
+            tracing::warn!(
+                action = audit.action(),
+                "failpoint: exiting after the API commit, before the response"
+            );
+            std::process::exit(API_FAILPOINT_EXIT);
+        }
+        if status.is_success() && audit.recorded() {
+            // The entry committed with the change; wake the relay for it.
+            guard.signal.notify();
+        } else if status.is_success() {
+            guard
+                .metrics
+                .mutations_unaudited
+                .get_or_create(&Metrics::context(guard.context))
+                .inc();
+            tracing::error!(
+                context = guard.context,
+                %request_id,
+                principal = %audit.principal().name,
+                action = audit.action(),
+                "MUTATION WITHOUT AUDIT ENTRY: the handler wrote none in its transaction; writing it now"
+            );
+            after(guard, &audit, status).await;
+        } else {
+            after(guard, &audit, status).await;
+        }
     }
     response
 }
 
-/// Write the audit event of one operator action to the serving context's
-/// outbox. A failure is logged (loudly) and does not undo the action.
-async fn audit(
-    guard: &Guard,
-    principal: &Principal,
-    action: &str,
-    target: &str,
-    request_id: Uuid,
-    status: StatusCode,
-) {
-    let outcome = if status.is_success() {
-        "ok"
-    } else if status == StatusCode::FORBIDDEN {
-        "denied"
-    } else {
-        "failed"
-    };
-    let entry = AuditEntry {
-        principal_id: principal.id,
-        principal: principal.name.clone(),
-        role: principal.role.as_str().to_owned(),
-        action: action.to_owned(),
-        target: target.chars().take(1024).collect(),
-        request_id,
-        at: Utc::now(),
-        outcome: outcome.to_owned(),
-        status: status.as_u16(),
-    };
-    let event = RecordEvent::new(RecordKind::OperatorAudit {
-        context: guard.context.to_owned(),
-        entry,
-    });
-    let written = async {
-        let mut tx = guard.pool.begin().await?;
-        mesh_plumbing::outbox::record(&mut tx, guard.context, &event).await?;
-        tx.commit().await
-    }
-    .await;
-    match written {
+/// Write the entry of a request whose entry no handler's transaction carries
+/// (403, a failed mutation) to the serving context's outbox, through plumbing.
+/// A failure is logged loudly and counted; the response stands.
+async fn after(guard: &Guard, audit: &Audit, status: StatusCode) {
+    match audit::record_outcome(&guard.pool, guard.context, audit, status).await {
         Ok(()) => guard.signal.notify(),
-        Err(e) => tracing::error!(
-            context = guard.context,
-            %request_id,
-            principal = %principal.name,
-            action,
-            error = %e,
-            "AUDIT EVENT LOST: could not write it to the outbox"
-        ),
+        Err(e) => {
+            guard
+                .metrics
+                .audit_lost
+                .get_or_create(&Metrics::context(guard.context))
+                .inc();
+            tracing::error!(
+                context = guard.context,
+                request_id = %audit.request_id(),
+                principal = %audit.principal().name,
+                action = audit.action(),
+                %status,
+                error = %e,
+                "AUDIT ENTRY LOST: could not write it to the outbox"
+            );
+        }
     }
 }
 

@@ -48,6 +48,13 @@ pub struct Metrics {
     /// Fields of handled messages this version does not know (a newer sender's),
     /// ignored, by message kind (report kind, or record `<context>.<event>`).
     pub unknown_fields: Family<KindLabels, Counter>,
+    /// API requests refused with 401 (no principal, so no audit entry).
+    pub unauthenticated: Counter,
+    /// Mutations that answered 2xx without writing their audit entry in their
+    /// transaction (a handler's bug; the auth layer wrote the entry afterwards).
+    pub mutations_unaudited: Family<ContextLabels, Counter>,
+    /// Audit entries the auth layer could not write (403s and failures).
+    pub audit_lost: Family<ContextLabels, Counter>,
 }
 
 impl Metrics {
@@ -63,6 +70,9 @@ impl Metrics {
             outbox_backlog: Family::default(),
             broker_connects: Counter::default(),
             unknown_fields: Family::default(),
+            unauthenticated: Counter::default(),
+            mutations_unaudited: Family::default(),
+            audit_lost: Family::default(),
         };
         registry.register(
             "mesh_messages_handled",
@@ -103,6 +113,21 @@ impl Metrics {
             "mesh_unknown_fields",
             "Fields of accepted messages this version does not know, ignored",
             m.unknown_fields.clone(),
+        );
+        registry.register(
+            "mesh_api_unauthenticated",
+            "API requests refused for a missing, unknown or revoked token",
+            m.unauthenticated.clone(),
+        );
+        registry.register(
+            "mesh_api_mutations_unaudited",
+            "API mutations that succeeded without an audit entry in their transaction",
+            m.mutations_unaudited.clone(),
+        );
+        registry.register(
+            "mesh_api_audit_lost",
+            "Audit entries of refused or failed API requests that could not be written",
+            m.audit_lost.clone(),
         );
         m
     }

@@ -12,7 +12,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ExchangeKind};
 use mesh_bundle::provision::Rabbit;
-use mesh_e2e::{Mesh, wait_for};
+use mesh_e2e::{Mesh, hello, publish_as, wait_for};
 use mesh_protocol::topology::SIGNATURE_HEADER;
 use mesh_protocol::{
     Declaration, DeclarationItems, DeclarationSigner, Envelope, FileItem, FileMode, NodeId, Section,
@@ -649,5 +649,369 @@ async fn api_tokens_roles_and_one_audit_entry_per_success() -> anyhow::Result<()
             .0,
         401
     );
+    mesh.teardown().await
+}
+
+/// A request as the admin: (status, its `x-request-id`, JSON body or null).
+async fn call(
+    mesh: &Mesh,
+    method: Method,
+    path: &str,
+    body: Option<&Value>,
+) -> anyhow::Result<(u16, String, Value)> {
+    let mut req = reqwest::Client::new()
+        .request(method, format!("{}{path}", mesh.api))
+        .bearer_auth(mesh.admin_token());
+    if let Some(b) = body {
+        req = req.json(b);
+    }
+    let r = req.send().await?;
+    let id = r
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    Ok((
+        r.status().as_u16(),
+        id,
+        r.json().await.unwrap_or(Value::Null),
+    ))
+}
+
+/// The value of every sample of `metric` in the controller's /metrics.
+async fn samples(mesh: &Mesh, metric: &str) -> anyhow::Result<Vec<(String, f64)>> {
+    let text = reqwest::get(format!("{}/metrics", mesh.api))
+        .await?
+        .text()
+        .await?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with(metric))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            Some((name.to_owned(), value.parse().ok()?))
+        })
+        .collect())
+}
+
+/// (method, path, body, answer, action, context).
+type Route = (
+    Method,
+    String,
+    Option<Value>,
+    u16,
+    &'static str,
+    &'static str,
+);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> anyhow::Result<()> {
+    let mesh = Mesh::start().await?;
+    let creds = mesh.env.add_node("audited").await?;
+    let node = creds.node.to_string();
+    publish_as(
+        &creds,
+        &format!("{node}.hello"),
+        &hello(&node, &[]).encode(),
+        true,
+    )
+    .await?;
+    listed(&mesh, &node).await?;
+    let file = json!({"path": "/etc/audited", "content": "x", "mode": "0644", "selector": {"role": "none"}});
+    let module = json!({
+        "unit": {"command": "/bin/sleep", "args": ["1000"], "resources": {"cpu_millis": 1}},
+        "placement": {"match_labels": {"labels": {"role": "none"}, "replicas": 1}}
+    });
+    let (_, _, created) = call(
+        &mesh,
+        Method::POST,
+        "/v1/tokens",
+        Some(&json!({"name": "to-revoke", "role": "viewer"})),
+    )
+    .await?;
+    let token_id = created["id"].as_str().unwrap_or_default().to_owned();
+
+    // Every mutating route of every context, each once, in an order that
+    // succeeds: (method, path, body, answer, action, context).
+    let n = node.as_str();
+    let routes: Vec<Route> = vec![
+        (
+            Method::PUT,
+            format!("/v1/nodes/{n}/labels"),
+            Some(json!({"labels": {"tier": "a"}})),
+            200,
+            "PUT /v1/nodes/{id}/labels",
+            "inventory",
+        ),
+        (
+            Method::PUT,
+            "/v1/files/audited".into(),
+            Some(file),
+            201,
+            "PUT /v1/files/{name}",
+            "config",
+        ),
+        (
+            Method::DELETE,
+            "/v1/files/audited".into(),
+            None,
+            204,
+            "DELETE /v1/files/{name}",
+            "config",
+        ),
+        (
+            Method::PUT,
+            "/v1/modules/audited".into(),
+            Some(module),
+            201,
+            "PUT /v1/modules/{name}",
+            "inventory",
+        ),
+        (
+            Method::PUT,
+            "/v1/modules/audited/intent/policy".into(),
+            Some(json!({"min": 0, "max": 2})),
+            200,
+            "PUT /v1/modules/{name}/intent/{layer}",
+            "inventory",
+        ),
+        (
+            Method::DELETE,
+            "/v1/modules/audited/intent/policy".into(),
+            None,
+            204,
+            "DELETE /v1/modules/{name}/intent/{layer}",
+            "inventory",
+        ),
+        (
+            Method::DELETE,
+            "/v1/modules/audited".into(),
+            None,
+            204,
+            "DELETE /v1/modules/{name}",
+            "inventory",
+        ),
+        (
+            Method::POST,
+            format!("/v1/nodes/{n}/drain"),
+            None,
+            200,
+            "POST /v1/nodes/{id}/drain",
+            "inventory",
+        ),
+        (
+            Method::POST,
+            format!("/v1/nodes/{n}/undrain"),
+            None,
+            200,
+            "POST /v1/nodes/{id}/undrain",
+            "inventory",
+        ),
+        (
+            Method::POST,
+            format!("/v1/nodes/{n}/join-tokens"),
+            Some(json!({})),
+            201,
+            "POST /v1/nodes/{id}/join-tokens",
+            "identity",
+        ),
+        (
+            Method::POST,
+            "/v1/tokens".into(),
+            Some(json!({"name": "audited", "role": "viewer"})),
+            201,
+            "POST /v1/tokens",
+            "identity",
+        ),
+        (
+            Method::DELETE,
+            format!("/v1/tokens/{token_id}"),
+            None,
+            200,
+            "DELETE /v1/tokens/{id}",
+            "identity",
+        ),
+        (
+            Method::DELETE,
+            format!("/v1/nodes/{n}"),
+            None,
+            200,
+            "DELETE /v1/nodes/{id}",
+            "identity",
+        ),
+    ];
+    let mut sent = Vec::new();
+    for (method, path, body, want, action, context) in &routes {
+        let (status, id, v) = call(&mesh, method.clone(), path, body.as_ref()).await?;
+        assert_eq!(status, *want, "{method} {path}: {v}");
+        assert!(!id.is_empty(), "{method} {path}: no x-request-id");
+        sent.push((id, "ok", *action, *context, path.clone()));
+    }
+    // Failed mutations have an entry too (written after the response).
+    for (path, action) in [
+        ("/v1/files/missing", "DELETE /v1/files/{name}"),
+        ("/v1/modules/missing", "DELETE /v1/modules/{name}"),
+        ("/v1/tokens/missing", "DELETE /v1/tokens/{id}"),
+    ] {
+        let (status, id, v) = call(&mesh, Method::DELETE, path, None).await?;
+        assert_eq!(status, 404, "{path}: {v}");
+        let context = if path.contains("files") {
+            "config"
+        } else if path.contains("modules") {
+            "inventory"
+        } else {
+            "identity"
+        };
+        sent.push((id, "failed", action, context, path.to_owned()));
+    }
+
+    let entries = wait_for("every request's audit entry", WITHIN, || async {
+        let e = audit_entries(&mesh, "limit=1000").await?;
+        let all = sent
+            .iter()
+            .all(|(id, ..)| e.iter().any(|x| x["request_id"] == id.as_str()));
+        Ok(all.then_some(e))
+    })
+    .await?;
+    for (id, outcome, action, context, path) in &sent {
+        let mine: Vec<&Value> = entries
+            .iter()
+            .filter(|x| x["request_id"] == id.as_str())
+            .collect();
+        assert_eq!(mine.len(), 1, "{action} {path}: {mine:?}");
+        let e = mine[0];
+        assert_eq!(e["outcome"], *outcome, "{action}: {e}");
+        assert_eq!(e["action"], *action, "{e}");
+        assert_eq!(e["context"], *context, "{e}");
+        assert_eq!(e["target"], path.as_str(), "{e}");
+        assert_eq!(e["principal"], "bootstrap-admin", "{e}");
+    }
+    // Every success carried its entry in its own transaction: the auth layer
+    // never had to write one afterwards.
+    let unaudited = samples(&mesh, "mesh_api_mutations_unaudited_total").await?;
+    assert!(unaudited.iter().all(|(_, v)| *v == 0.0), "{unaudited:?}");
+    assert!(
+        !mesh
+            .controller_log()
+            .contains("MUTATION WITHOUT AUDIT ENTRY")
+    );
+
+    // A 401 has no principal: counted and logged, not in the audit log.
+    let before = samples(&mesh, "mesh_api_unauthenticated_total").await?;
+    let r = reqwest::Client::new()
+        .delete(format!("{}/v1/files/anything", mesh.api))
+        .send()
+        .await?;
+    assert_eq!(r.status(), 401);
+    let after = samples(&mesh, "mesh_api_unauthenticated_total").await?;
+    let total = |s: &[(String, f64)]| s.iter().map(|(_, v)| v).sum::<f64>();
+    assert_eq!(total(&after), total(&before) + 1.0, "{after:?}");
+    let anything = audit_entries(&mesh, "target=/v1/files/anything").await?;
+    assert!(anything.is_empty(), "{anything:?}");
+
+    // Once the API describes itself (/v1/openapi.json), this table must cover
+    // every mutating operation it lists.
+    let (status, doc) = mesh.get("/v1/openapi.json").await?;
+    if status == 200 {
+        let covered: std::collections::BTreeSet<&str> = routes.iter().map(|r| r.4).collect();
+        for (path, ops) in doc["paths"].as_object().into_iter().flatten() {
+            for method in ["put", "post", "delete", "patch"] {
+                if ops.get(method).is_some() && path != "/v1/join" {
+                    let action = format!("{} {path}", method.to_uppercase());
+                    assert!(
+                        covered.contains(action.as_str()),
+                        "{action} is a mutating route this test does not cover"
+                    );
+                }
+            }
+        }
+    }
+    mesh.teardown().await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_controller_killed_between_a_change_and_its_answer_keeps_the_changes_audit_entry()
+-> anyhow::Result<()> {
+    let mut mesh = Mesh::start().await?;
+    let file =
+        json!({"path": "/etc/crash", "content": "x", "mode": "0644", "selector": {"role": "none"}});
+    let module = json!({
+        "unit": {"command": "/bin/sleep", "args": ["1000"], "resources": {"cpu_millis": 1}},
+        "placement": {"match_labels": {"labels": {"role": "none"}, "replicas": 1}}
+    });
+    // One mutation per context, each served by a controller that exits right
+    // after the change committed and before it answers.
+    let changes = [
+        (
+            Method::PUT,
+            "/v1/files/crash",
+            file,
+            "PUT /v1/files/{name}",
+            "config",
+        ),
+        (
+            Method::PUT,
+            "/v1/modules/crash",
+            module,
+            "PUT /v1/modules/{name}",
+            "inventory",
+        ),
+        (
+            Method::POST,
+            "/v1/tokens",
+            json!({"name": "crash", "role": "viewer"}),
+            "POST /v1/tokens",
+            "identity",
+        ),
+    ];
+    for (method, path, body, action, _) in &changes {
+        mesh.kill_controller();
+        mesh.start_controller(&[("MESH_FAILPOINT_EXIT_AFTER_API_COMMIT", action)])
+            .await?;
+        let answered = mesh
+            .request_as(method.clone(), path, Some(mesh.admin_token()), Some(body))
+            .await;
+        assert!(
+            answered.is_err(),
+            "{action} was answered: the failpoint did not fire: {answered:?}"
+        );
+        let mut dead = mesh.take_controller().expect("controller running");
+        let status = dead.wait_exit(WITHIN).await?;
+        assert_eq!(
+            status.code(),
+            Some(87),
+            "the failpoint did not fire: {}",
+            mesh.controller_log()
+        );
+    }
+
+    mesh.start_controller(&[]).await?;
+    // Every change committed...
+    assert_eq!(mesh.get("/v1/files/crash").await?.0, 200);
+    assert_eq!(mesh.get("/v1/modules/crash").await?.0, 200);
+    let (_, tokens) = mesh.get("/v1/tokens").await?;
+    assert!(
+        tokens["tokens"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|t| t["name"] == "crash")),
+        "{tokens}"
+    );
+    // ...and has exactly one entry, which identity appends once the restarted
+    // controller's relay publishes what the outbox kept.
+    for (_, path, _, action, context) in &changes {
+        let query = format!(
+            "target={path}&action={}&outcome=ok",
+            urlencoding::encode(action)
+        );
+        let entries = wait_for(&format!("the entry of {action}"), WITHIN, || async {
+            let e = audit_entries(&mesh, &query).await?;
+            Ok((!e.is_empty()).then_some(e))
+        })
+        .await?;
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        assert_eq!(entries[0]["context"], *context);
+        assert_eq!(entries[0]["principal"], "bootstrap-admin");
+    }
     mesh.teardown().await
 }

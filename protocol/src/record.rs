@@ -324,7 +324,8 @@ pub struct AuditEntry {
     pub at: DateTime<Utc>,
     /// `ok` (2xx), `denied` (403: the role was not enough) or `failed` (any other).
     pub outcome: String,
-    /// The HTTP status the request ended with.
+    /// The HTTP status: 200 for every `ok` entry (it commits with the change,
+    /// before the response exists), the status the request ended with otherwise.
     pub status: u16,
 }
 

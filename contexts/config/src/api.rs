@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::query::{FileSpec, FileSummary, Target, validate_name};
 use crate::{Config, Error};
 use mesh_plumbing::api::ApiJson;
+use mesh_plumbing::audit::Audit;
 
 pub(crate) fn routes(config: Arc<Config>) -> Router {
     Router::new()
@@ -94,11 +95,12 @@ async fn get_file(
 async fn put_file(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,
+    audit: Audit,
     ApiJson(body): ApiJson<FileBody>,
 ) -> Result<Response, Problem> {
     validate_name(&name)?;
     let spec = body.parse()?;
-    let (file, created) = config.put_file(&name, spec).await?;
+    let (file, created) = config.put_file(&name, spec, &audit).await?;
     let status = if created {
         StatusCode::CREATED
     } else {
@@ -110,7 +112,8 @@ async fn put_file(
 async fn delete_file(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,
+    audit: Audit,
 ) -> Result<StatusCode, Problem> {
-    config.delete_file(&name).await?;
+    config.delete_file(&name, &audit).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -1,12 +1,13 @@
 //! Files (write and read side) and section status.
 
 use chrono::{DateTime, Utc};
+use mesh_plumbing::audit::{self, Audit};
 use mesh_protocol::{FileMode, Labels, MAX_FILE_BYTES, NodeId, validate_labels, validate_path};
 use serde::Serialize;
 use sqlx::types::Json;
 
 use crate::reconcile::{Scope, reconcile};
-use crate::{Config, Error, SECTIONS};
+use crate::{Config, Error, SCHEMA, SECTIONS};
 
 /// Who a file is for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -147,10 +148,15 @@ impl From<FileViewRow> for FileView {
 
 impl Config {
     /// Create or replace file `name`, reconcile every node and declare what
-    /// changed, in one transaction. Returns the file and whether it was created.
-    /// Refused (nothing changes) when a node's section would become larger than
-    /// an agent accepts.
-    pub async fn put_file(&self, name: &str, spec: FileSpec) -> Result<(FileView, bool), Error> {
+    /// changed, in one transaction with the request's audit entry. Returns the
+    /// file and whether it was created. Refused (nothing changes) when a node's
+    /// section would become larger than an agent accepts.
+    pub async fn put_file(
+        &self,
+        name: &str,
+        spec: FileSpec,
+        audit: &Audit,
+    ) -> Result<(FileView, bool), Error> {
         validate_name(name)?;
         spec.validate()?;
         let (node, selector) = match &spec.target {
@@ -183,6 +189,7 @@ impl Config {
                 reason,
             });
         }
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
         tx.commit().await?;
         if report.declared > 0 {
             self.signal.notify();
@@ -191,8 +198,8 @@ impl Config {
     }
 
     /// Delete file `name` and declare the resulting sections (a node left with
-    /// no files gets a generation with none).
-    pub async fn delete_file(&self, name: &str) -> Result<(), Error> {
+    /// no files gets a generation with none), with the request's audit entry.
+    pub async fn delete_file(&self, name: &str, audit: &Audit) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
         let gone: Option<String> =
             sqlx::query_scalar("DELETE FROM config.files WHERE name = $1 RETURNING name")
@@ -203,6 +210,7 @@ impl Config {
             return Err(Error::FileNotFound(name.chars().take(80).collect()));
         }
         let report = reconcile(&mut tx, Scope::All).await?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
         tx.commit().await?;
         if report.declared > 0 {
             self.signal.notify();

@@ -18,6 +18,21 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tower::ServiceExt;
 
+/// What the controller's auth layer puts in every authenticated request.
+fn audit(method: &str, uri: &str) -> mesh_plumbing::audit::Audit {
+    let principal = mesh_plumbing::api::Principal {
+        id: uuid::Uuid::now_v7(),
+        name: "tester".into(),
+        role: mesh_plumbing::api::Role::Admin,
+    };
+    mesh_plumbing::audit::Audit::new(
+        principal,
+        format!("{method} {uri}"),
+        uri,
+        uuid::Uuid::now_v7(),
+    )
+}
+
 struct Fixture {
     env: TestEnv,
     pool: PgPool,
@@ -78,7 +93,8 @@ async fn handle(f: &Fixture, reports: &[Envelope<Report>]) {
 /// Declarations in the outbox after row id `after`: (outbox id, node, declaration).
 async fn declarations(f: &Fixture, after: i64) -> Vec<(i64, String, Declaration)> {
     let rows: Vec<(i64, String, String, String, Vec<u8>)> = sqlx::query_as(
-        "SELECT id, node, routing_key, exchange, payload FROM config.outbox WHERE id > $1 ORDER BY id",
+        "SELECT id, node, routing_key, exchange, payload FROM config.outbox \
+         WHERE id > $1 AND exchange = 'declarations' ORDER BY id",
     )
     .bind(after)
     .fetch_all(&f.pool)
@@ -118,6 +134,7 @@ async fn request(
                 .method(method)
                 .uri(uri)
                 .header("content-type", "application/json")
+                .extension(audit(method, uri))
                 .body(Body::from(body.to_owned()))
                 .unwrap(),
         )
@@ -826,10 +843,11 @@ async fn a_file_change_for_thousands_of_nodes_is_one_bulk_reconcile() {
         StatusCode::CREATED
     );
     let took = started.elapsed();
-    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM config.outbox")
-        .fetch_one(&f.pool)
-        .await
-        .unwrap();
+    let count: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM config.outbox WHERE exchange = 'declarations'")
+            .fetch_one(&f.pool)
+            .await
+            .unwrap();
     assert_eq!(count, i64::from(n / 2));
     eprintln!("reconciled {n} nodes, declared {count}, in {took:?}");
     assert!(took < Duration::from_secs(20), "{took:?}");
@@ -857,5 +875,101 @@ async fn roles_cannot_cross_schemas() {
         .unwrap_err();
     assert!(err.to_string().contains("permission denied"), "{err}");
     inventory.close().await;
+    f.env.teardown().await.unwrap();
+}
+
+/// The audit entries in config's outbox: (request id, outcome, principal).
+async fn audit_rows(f: &Fixture) -> Vec<(uuid::Uuid, String, String)> {
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(
+        "SELECT routing_key, payload FROM config.outbox WHERE kind = 'operator.audit' ORDER BY id",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .map(|(key, payload)| {
+            assert_eq!(key, "config.operator.audit");
+            let event = RecordEvent::decode(&payload).unwrap();
+            let entry = mesh_protocol::AuditEntry::from_event(&event)
+                .unwrap()
+                .unwrap();
+            (entry.request_id, entry.outcome, entry.principal)
+        })
+        .collect()
+}
+
+async fn send(
+    f: &Fixture,
+    method: &str,
+    uri: &str,
+    body: &str,
+    audit: Option<mesh_plumbing::audit::Audit>,
+) -> StatusCode {
+    let mut builder = Request::builder().method(method).uri(uri);
+    if let Some(audit) = audit {
+        builder = builder.extension(audit);
+    }
+    f.config
+        .clone()
+        .routes()
+        .oneshot(builder.body(Body::from(body.to_owned())).unwrap())
+        .await
+        .unwrap()
+        .status()
+}
+
+#[tokio::test]
+async fn a_change_commits_with_its_audit_entry_and_nothing_else_does() {
+    let f = setup().await;
+    let body = r#"{"path": "/etc/x", "content": "x", "mode": "0644", "selector": {}}"#;
+
+    // A change: the file and exactly one `ok` entry for this request, together.
+    let put = audit("PUT", "/v1/files/x");
+    assert_eq!(
+        send(&f, "PUT", "/v1/files/x", body, Some(put.clone())).await,
+        StatusCode::CREATED
+    );
+    assert!(put.recorded());
+    assert_eq!(
+        audit_rows(&f).await,
+        vec![(put.request_id(), "ok".to_owned(), "tester".to_owned())]
+    );
+
+    // A refused change writes no `ok` entry (the auth layer writes `failed`).
+    let missing = audit("DELETE", "/v1/files/missing");
+    assert_eq!(
+        send(&f, "DELETE", "/v1/files/missing", "", Some(missing.clone())).await,
+        StatusCode::NOT_FOUND
+    );
+    assert!(!missing.recorded());
+    let bad = audit("PUT", "/v1/files/y");
+    assert_eq!(
+        send(&f, "PUT", "/v1/files/y", "{}", Some(bad.clone())).await,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    assert!(!bad.recorded());
+
+    // A route reached without the auth layer's audit context changes nothing.
+    assert_eq!(
+        send(&f, "PUT", "/v1/files/z", body, None).await,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert_eq!(
+        send(&f, "DELETE", "/v1/files/x", "", None).await,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert!(f.config.file("z").await.unwrap().is_none());
+    assert!(f.config.file("x").await.unwrap().is_some());
+    assert_eq!(audit_rows(&f).await.len(), 1);
+
+    // The delete commits with its own entry.
+    let delete = audit("DELETE", "/v1/files/x");
+    assert_eq!(
+        send(&f, "DELETE", "/v1/files/x", "", Some(delete.clone())).await,
+        StatusCode::NO_CONTENT
+    );
+    let rows = audit_rows(&f).await;
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1].0, delete.request_id());
     f.env.teardown().await.unwrap();
 }

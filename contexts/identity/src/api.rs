@@ -1,6 +1,7 @@
 //! HTTP routes of the identity context. Errors are problem+json naming the field.
-//! Who may call which route is the controller's auth layer's business; handlers
-//! that record who acted take the [`Principal`] it put in the extensions.
+//! Who may call which route is the controller's auth layer's business; every
+//! mutating handler takes the [`Audit`] it put in the extensions and writes the
+//! entry in the transaction of its change.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,9 +10,10 @@ use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{delete, get, post};
-use axum::{Extension, Json, Router};
+use axum::{Json, Router};
 use chrono::{DateTime, Utc};
-use mesh_plumbing::api::{ApiJson, Principal, Problem, Role};
+use mesh_plumbing::api::{ApiJson, Problem, Role};
+use mesh_plumbing::audit::Audit;
 use mesh_protocol::NodeId;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -28,11 +30,6 @@ pub(crate) fn routes(identity: Arc<Identity>) -> Router {
         .route("/v1/tokens/{id}", delete(revoke_token))
         .route("/v1/audit", get(audit))
         .with_state(identity)
-}
-
-fn principal(p: Option<Extension<Principal>>) -> Result<Principal, Problem> {
-    p.map(|Extension(p)| p)
-        .ok_or_else(|| Problem::unauthorized("this route needs an API token"))
 }
 
 fn node_id(id: &str) -> Result<NodeId, Problem> {
@@ -53,11 +50,10 @@ struct JoinTokenBody {
 
 async fn create_join_token(
     State(identity): State<Arc<Identity>>,
-    p: Option<Extension<Principal>>,
+    audit: Audit,
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<serde_json::Value>), Problem> {
-    let principal = principal(p)?;
     let node = node_id(&id)?;
     // The body is optional: no body means the default validity.
     let body: JoinTokenBody = if body.iter().all(u8::is_ascii_whitespace) {
@@ -67,11 +63,7 @@ async fn create_join_token(
             .map_err(|e| Problem::unprocessable("ttl_secs", e.to_string()))?
     };
     let created = identity
-        .create_join_token(
-            &node,
-            body.ttl_secs.map(Duration::from_secs),
-            &principal.name,
-        )
+        .create_join_token(&node, body.ttl_secs.map(Duration::from_secs), &audit)
         .await?;
     Ok((
         StatusCode::CREATED,
@@ -101,9 +93,10 @@ async fn join(
 async fn revoke_node(
     State(identity): State<Arc<Identity>>,
     Path(id): Path<String>,
+    audit: Audit,
 ) -> Result<Json<crate::Revoked>, Problem> {
     let node = node_id(&id)?;
-    Ok(Json(identity.revoke_node(&node).await?))
+    Ok(Json(identity.revoke_node(&node, &audit).await?))
 }
 
 #[derive(Debug, Deserialize)]
@@ -123,13 +116,10 @@ struct CreatedToken {
 
 async fn create_token(
     State(identity): State<Arc<Identity>>,
-    p: Option<Extension<Principal>>,
+    audit: Audit,
     ApiJson(body): ApiJson<TokenBody>,
 ) -> Result<(StatusCode, Json<CreatedToken>), Problem> {
-    let principal = principal(p)?;
-    let created = identity
-        .create_token(&body.name, body.role, &principal.name)
-        .await?;
+    let created = identity.create_token(&body.name, body.role, &audit).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreatedToken {
@@ -176,6 +166,7 @@ async fn list_tokens(
 async fn revoke_token(
     State(identity): State<Arc<Identity>>,
     Path(id): Path<String>,
+    audit: Audit,
 ) -> Result<Json<TokenView>, Problem> {
     let id = Uuid::parse_str(&id).map_err(|_| {
         Error::NotFound(format!(
@@ -183,7 +174,7 @@ async fn revoke_token(
             id.chars().take(40).collect::<String>()
         ))
     })?;
-    Ok(Json(identity.revoke_token(id).await?))
+    Ok(Json(identity.revoke_token(id, &audit).await?))
 }
 
 #[derive(Debug, Deserialize)]

@@ -130,8 +130,9 @@ impl Identity {
     /// The API routes this context serves: `POST /v1/join`,
     /// `POST /v1/nodes/{id}/join-tokens`, `DELETE /v1/nodes/{id}`,
     /// `POST|GET /v1/tokens`, `DELETE /v1/tokens/{id}`, `GET /v1/audit`.
-    /// Authentication is the controller's (it puts a [`Principal`] in the
-    /// request's extensions); `POST /v1/join` is authenticated by its join token.
+    /// Authentication is the controller's (it puts a
+    /// [`mesh_plumbing::audit::Audit`] naming the [`Principal`] in the request's
+    /// extensions); `POST /v1/join` is authenticated by its join token.
     pub fn routes(self: Arc<Self>) -> axum::Router {
         api::routes(self)
     }

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use mesh_plumbing::audit::{self, Audit};
 use mesh_plumbing::outbox;
 use mesh_protocol::{
     NodeId, NodeIdentityChanged, PublicKey, RecordEvent, RecordKind, Secret, new_token,
@@ -75,13 +76,15 @@ fn ttl_secs(d: Duration) -> f64 {
 
 impl Identity {
     /// A single-use join token for `node`, valid for `ttl` (default and maximum
-    /// from the settings), created by `by`.
+    /// from the settings), created by the request's principal, with its audit
+    /// entry in the same transaction.
     pub async fn create_join_token(
         &self,
         node: &NodeId,
         ttl: Option<Duration>,
-        by: &str,
+        audit: &Audit,
     ) -> Result<NewJoinToken, Error> {
+        let by = audit.principal().name.as_str();
         let ttl = ttl.unwrap_or(self.settings.join_token_ttl);
         if ttl.is_zero() || ttl > self.settings.join_token_max_ttl {
             return Err(Error::invalid(
@@ -93,6 +96,7 @@ impl Identity {
             ));
         }
         let token = new_token(JOIN_TOKEN_PREFIX, rand::random());
+        let mut tx = self.pool.begin().await?;
         let expires_at: DateTime<Utc> = sqlx::query_scalar(
             "INSERT INTO identity.join_tokens (token_sha256, node, created_by, expires_at) \
              VALUES ($1, $2, $3, now() + make_interval(secs => $4)) RETURNING expires_at",
@@ -101,8 +105,10 @@ impl Identity {
         .bind(node.as_str())
         .bind(by)
         .bind(ttl_secs(ttl))
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *tx)
         .await?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
         tracing::info!(%node, by, %expires_at, "join token created");
         Ok(NewJoinToken {
             node: node.clone(),
@@ -187,10 +193,11 @@ impl Identity {
     }
 
     /// Revoke a node: delete its broker user, close its connections, mark it
-    /// revoked, void its unused join tokens, and tell the record. A node that
-    /// was never enrolled through identity (bundle node-add) but has a broker
-    /// user is revoked too.
-    pub async fn revoke_node(&self, node: &NodeId) -> Result<Revoked, Error> {
+    /// revoked, void its unused join tokens, and tell the record, with the
+    /// request's audit entry in the same transaction. A node that was never
+    /// enrolled through identity (bundle node-add) but has a broker user is
+    /// revoked too.
+    pub async fn revoke_node(&self, node: &NodeId, audit: &Audit) -> Result<Revoked, Error> {
         let mut tx = self.pool.begin().await?;
         let marked: Option<DateTime<Utc>> = sqlx::query_scalar(
             "UPDATE identity.nodes SET revoked_at = COALESCE(revoked_at, now()) WHERE name = $1 \
@@ -218,6 +225,7 @@ impl Identity {
         if marked.is_none() && !deleted {
             return Err(Error::NotFound(format!("no node `{node}` is enrolled")));
         }
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
         tx.commit().await?;
         self.signal.notify();
         tracing::info!(%node, deleted, closed, "node revoked");

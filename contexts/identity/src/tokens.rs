@@ -3,11 +3,12 @@
 
 use chrono::{DateTime, Utc};
 use mesh_plumbing::api::{Principal, Role};
+use mesh_plumbing::audit::{self, Audit};
 use mesh_protocol::{Secret, new_token, token_sha256_hex};
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::{Error, Identity};
+use crate::{Error, Identity, SCHEMA};
 
 /// Prefix of every API token, so a leaked one is recognisable.
 pub const API_TOKEN_PREFIX: &str = "mesh_at_";
@@ -48,10 +49,18 @@ pub(crate) fn validate_name(field: &str, name: &str) -> Result<(), Error> {
 }
 
 impl Identity {
-    /// Create an API token with `role`, named `name`, by `by`.
-    pub async fn create_token(&self, name: &str, role: Role, by: &str) -> Result<NewToken, Error> {
+    /// Create an API token with `role`, named `name`, by the request's
+    /// principal, with its audit entry in the same transaction.
+    pub async fn create_token(
+        &self,
+        name: &str,
+        role: Role,
+        audit: &Audit,
+    ) -> Result<NewToken, Error> {
         validate_name("name", name)?;
+        let by = audit.principal().name.as_str();
         let token = new_token(API_TOKEN_PREFIX, rand::random());
+        let mut tx = self.pool.begin().await?;
         let view: TokenView = sqlx::query_as(
             "INSERT INTO identity.tokens (id, name, role, token_sha256, created_by) \
              VALUES ($1, $2, $3, $4, $5) \
@@ -62,8 +71,10 @@ impl Identity {
         .bind(role.as_str())
         .bind(token_sha256_hex(&token))
         .bind(by)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *tx)
         .await?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
         tracing::info!(token_id = %view.id, name, role = %role, by, "API token created");
         Ok(NewToken {
             view,
@@ -84,16 +95,19 @@ impl Identity {
     }
 
     /// Revoke a token: it authenticates nothing from now on. Revoking a revoked
-    /// token changes nothing.
-    pub async fn revoke_token(&self, id: Uuid) -> Result<TokenView, Error> {
+    /// token changes nothing. The request's audit entry commits with it.
+    pub async fn revoke_token(&self, id: Uuid, audit: &Audit) -> Result<TokenView, Error> {
+        let mut tx = self.pool.begin().await?;
         let row: Option<TokenView> = sqlx::query_as(
             "UPDATE identity.tokens SET revoked_at = COALESCE(revoked_at, now()) WHERE id = $1 \
              RETURNING id, name, role, created_at, created_by, revoked_at",
         )
         .bind(id)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *tx)
         .await?;
         let view = row.ok_or_else(|| Error::NotFound(format!("no token `{id}`")))?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
         tracing::info!(token_id = %id, name = %view.name, "API token revoked");
         Ok(view)
     }

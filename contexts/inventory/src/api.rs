@@ -15,8 +15,9 @@ use sqlx::types::Json as SqlJson;
 
 use crate::query::{LabelsView, NodeSummary};
 use crate::reports::{effective, emit};
-use crate::{Error, Inventory};
+use crate::{Error, Inventory, SCHEMA};
 use mesh_plumbing::api::ApiJson;
+use mesh_plumbing::audit::{self, Audit};
 
 pub(crate) fn routes(inventory: Arc<Inventory>) -> Router {
     Router::new()
@@ -78,11 +79,14 @@ struct LabelsResponse {
 async fn put_labels(
     State(inventory): State<Arc<Inventory>>,
     Path(id): Path<String>,
+    audit: Audit,
     ApiJson(body): ApiJson<LabelsBody>,
 ) -> Result<Json<LabelsResponse>, Problem> {
     let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
     validate_labels("labels", &body.labels).map_err(Error::from)?;
-    let (labels, version) = inventory.set_operator_labels(&id, body.labels).await?;
+    let (labels, version) = inventory
+        .set_operator_labels(&id, body.labels, &audit)
+        .await?;
     Ok(Json(LabelsResponse {
         id: id.to_string(),
         labels,
@@ -92,12 +96,14 @@ async fn put_labels(
 
 impl Inventory {
     /// Replace a node's operator labels. Emits `inventory.node.updated` (and
-    /// wakes the relay) when the effective labels change. Returns the labels and
-    /// the node's version.
+    /// wakes the relay) when the effective labels change; writes the request's
+    /// audit entry in the same transaction. Returns the labels and the node's
+    /// version.
     pub async fn set_operator_labels(
         &self,
         id: &NodeId,
         operator: Labels,
+        audit: &Audit,
     ) -> Result<(LabelsView, i64), Error> {
         validate_labels("labels", &operator)?;
         let mut tx = self.pool.begin().await?;
@@ -130,6 +136,7 @@ impl Inventory {
             )
             .await?;
         }
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
         tx.commit().await?;
         if changed {
             self.signal.notify();

@@ -18,6 +18,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use mesh_plumbing::api::{ApiJson, Problem};
+use mesh_plumbing::audit::{self, Audit};
 use mesh_protocol::NodeId;
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
@@ -25,7 +26,7 @@ use sqlx::types::Json as SqlJson;
 use crate::fleet;
 use crate::module::{AutoscalerIntent, MAX_REPLICAS, ModuleSpec, PolicyIntent, validate_name};
 use crate::query::{AlertView, ModuleView};
-use crate::{Error, Inventory};
+use crate::{Error, Inventory, SCHEMA};
 
 pub(crate) fn routes(inventory: Arc<Inventory>) -> Router {
     Router::new()
@@ -152,13 +153,14 @@ async fn put_module(
     State(inventory): State<Arc<Inventory>>,
     Path(name): Path<String>,
     headers: HeaderMap,
+    audit: Audit,
     ApiJson(spec): ApiJson<ModuleSpec>,
 ) -> Result<Response, Problem> {
     spec.validate(&name)?;
     let if_match = precondition(&headers, IF_MATCH)?;
     let if_none_match = precondition(&headers, IF_NONE_MATCH)?;
     let created = inventory
-        .put_module(&name, &spec, if_match, if_none_match)
+        .put_module(&name, &spec, if_match, if_none_match, &audit)
         .await?;
     let view = inventory
         .module(&name)
@@ -176,10 +178,11 @@ async fn delete_module(
     State(inventory): State<Arc<Inventory>>,
     Path(name): Path<String>,
     headers: HeaderMap,
+    audit: Audit,
 ) -> Result<StatusCode, Problem> {
     parse_name(&name)?;
     let if_match = precondition(&headers, IF_MATCH)?;
-    inventory.delete_module(&name, if_match).await?;
+    inventory.delete_module(&name, if_match, &audit).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -237,6 +240,7 @@ async fn get_intent(
 async fn put_intent(
     State(inventory): State<Arc<Inventory>>,
     Path((name, layer)): Path<(String, String)>,
+    audit: Audit,
     ApiJson(body): ApiJson<serde_json::Value>,
 ) -> Result<Response, Problem> {
     parse_name(&name)?;
@@ -271,17 +275,22 @@ async fn put_intent(
         }
     }
     .map_err(Problem::internal)?;
-    let revision = inventory.put_intent(&name, layer.as_str(), &value).await?;
+    let revision = inventory
+        .put_intent(&name, layer.as_str(), &value, &audit)
+        .await?;
     Ok(([(ETAG, etag(revision))], Json(value)).into_response())
 }
 
 async fn delete_intent(
     State(inventory): State<Arc<Inventory>>,
     Path((name, layer)): Path<(String, String)>,
+    audit: Audit,
 ) -> Result<StatusCode, Problem> {
     parse_name(&name)?;
     let layer = parse_layer(&layer)?;
-    inventory.delete_intent(&name, layer.as_str()).await?;
+    inventory
+        .delete_intent(&name, layer.as_str(), &audit)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -296,9 +305,10 @@ struct DrainView {
 async fn drain(
     State(inventory): State<Arc<Inventory>>,
     Path(id): Path<String>,
+    audit: Audit,
 ) -> Result<Json<DrainView>, Problem> {
     let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
-    let (admin_state, drain_blocked) = inventory.set_drain(&id, true).await?;
+    let (admin_state, drain_blocked) = inventory.set_drain(&id, true, &audit).await?;
     Ok(Json(DrainView {
         id: id.to_string(),
         admin_state,
@@ -309,9 +319,10 @@ async fn drain(
 async fn undrain(
     State(inventory): State<Arc<Inventory>>,
     Path(id): Path<String>,
+    audit: Audit,
 ) -> Result<Json<DrainView>, Problem> {
     let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
-    let (admin_state, drain_blocked) = inventory.set_drain(&id, false).await?;
+    let (admin_state, drain_blocked) = inventory.set_drain(&id, false, &audit).await?;
     Ok(Json(DrainView {
         id: id.to_string(),
         admin_state,
@@ -331,14 +342,15 @@ async fn alerts(State(inventory): State<Arc<Inventory>>) -> Result<Json<AlertLis
 }
 
 impl Inventory {
-    /// Create or replace a module under the preconditions given, then reconcile.
-    /// True if it was created.
+    /// Create or replace a module under the preconditions given, then reconcile,
+    /// with the request's audit entry. True if it was created.
     async fn put_module(
         &self,
         name: &str,
         spec: &ModuleSpec,
         if_match: Option<Precondition>,
         if_none_match: Option<Precondition>,
+        audit: &Audit,
     ) -> Result<bool, Problem> {
         let mut tx = self.pool.begin().await.map_err(Error::from)?;
         // The fleet lock first, as every fleet writer takes it: no lock cycles
@@ -402,6 +414,9 @@ impl Inventory {
             }
         };
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        audit::record_ok(&mut tx, SCHEMA, audit)
+            .await
+            .map_err(Error::from)?;
         tx.commit().await.map_err(Error::from)?;
         if report.changed() {
             self.signal.notify();
@@ -413,6 +428,7 @@ impl Inventory {
         &self,
         name: &str,
         if_match: Option<Precondition>,
+        audit: &Audit,
     ) -> Result<(), Problem> {
         let mut tx = self.pool.begin().await.map_err(Error::from)?;
         fleet::lock(&mut tx).await?;
@@ -438,6 +454,9 @@ impl Inventory {
             .await
             .map_err(Error::from)?;
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        audit::record_ok(&mut tx, SCHEMA, audit)
+            .await
+            .map_err(Error::from)?;
         tx.commit().await.map_err(Error::from)?;
         if report.changed() {
             self.signal.notify();
@@ -450,6 +469,7 @@ impl Inventory {
         name: &str,
         layer: &str,
         value: &serde_json::Value,
+        audit: &Audit,
     ) -> Result<i64, Problem> {
         let mut tx = self.pool.begin().await.map_err(Error::from)?;
         fleet::lock(&mut tx).await?;
@@ -474,6 +494,9 @@ impl Inventory {
         .await
         .map_err(Error::from)?;
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        audit::record_ok(&mut tx, SCHEMA, audit)
+            .await
+            .map_err(Error::from)?;
         tx.commit().await.map_err(Error::from)?;
         if report.changed() {
             self.signal.notify();
@@ -481,7 +504,7 @@ impl Inventory {
         Ok(revision)
     }
 
-    async fn delete_intent(&self, name: &str, layer: &str) -> Result<(), Problem> {
+    async fn delete_intent(&self, name: &str, layer: &str, audit: &Audit) -> Result<(), Problem> {
         let mut tx = self.pool.begin().await.map_err(Error::from)?;
         fleet::lock(&mut tx).await?;
         let gone: Option<String> = sqlx::query_scalar(
@@ -498,6 +521,9 @@ impl Inventory {
             )));
         }
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        audit::record_ok(&mut tx, SCHEMA, audit)
+            .await
+            .map_err(Error::from)?;
         tx.commit().await.map_err(Error::from)?;
         if report.changed() {
             self.signal.notify();
@@ -505,12 +531,14 @@ impl Inventory {
         Ok(())
     }
 
-    /// Start (`drain`) or end a node's drain, then reconcile. Returns the node's
-    /// administrative state and what blocks its drain.
+    /// Start (`drain`) or end a node's drain, then reconcile, with the request's
+    /// audit entry. Returns the node's administrative state and what blocks its
+    /// drain.
     pub async fn set_drain(
         &self,
         id: &NodeId,
         drain: bool,
+        audit: &Audit,
     ) -> Result<(String, Option<String>), Problem> {
         let mut tx = self.pool.begin().await.map_err(Error::from)?;
         fleet::lock(&mut tx).await?;
@@ -550,6 +578,9 @@ impl Inventory {
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(Error::from)?;
+        audit::record_ok(&mut tx, SCHEMA, audit)
+            .await
+            .map_err(Error::from)?;
         tx.commit().await.map_err(Error::from)?;
         if report.changed() {
             self.signal.notify();

@@ -20,6 +20,21 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tower::ServiceExt;
 
+/// What the controller's auth layer puts in every authenticated request.
+fn audit(method: &str, uri: &str) -> mesh_plumbing::audit::Audit {
+    let principal = mesh_plumbing::api::Principal {
+        id: uuid::Uuid::now_v7(),
+        name: "tester".into(),
+        role: mesh_plumbing::api::Role::Admin,
+    };
+    mesh_plumbing::audit::Audit::new(
+        principal,
+        format!("{method} {uri}"),
+        uri,
+        uuid::Uuid::now_v7(),
+    )
+}
+
 struct Fixture {
     env: TestEnv,
     pool: PgPool,
@@ -133,7 +148,8 @@ impl Fixture {
         let mut builder = Request::builder()
             .method(method)
             .uri(uri)
-            .header("content-type", "application/json");
+            .header("content-type", "application/json")
+            .extension(audit(method, uri));
         for (k, v) in headers {
             builder = builder.header(*k, *v);
         }

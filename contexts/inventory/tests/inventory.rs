@@ -16,6 +16,21 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tower::ServiceExt;
 
+/// What the controller's auth layer puts in every authenticated request.
+fn audit(method: &str, uri: &str) -> mesh_plumbing::audit::Audit {
+    let principal = mesh_plumbing::api::Principal {
+        id: uuid::Uuid::now_v7(),
+        name: "tester".into(),
+        role: mesh_plumbing::api::Role::Admin,
+    };
+    mesh_plumbing::audit::Audit::new(
+        principal,
+        format!("{method} {uri}"),
+        uri,
+        uuid::Uuid::now_v7(),
+    )
+}
+
 struct Fixture {
     env: TestEnv,
     pool: PgPool,
@@ -96,10 +111,11 @@ async fn handle(f: &Fixture, reports: &[Envelope<Report>]) {
     tx.commit().await.unwrap();
 }
 
-/// Record events in the outbox, oldest first: (event name, body).
+/// Node events in the outbox, oldest first: (event name, body).
 async fn events(f: &Fixture) -> Vec<(String, NodeLabelsChanged)> {
     let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(
-        "SELECT routing_key, payload FROM inventory.outbox WHERE exchange = 'record' ORDER BY id",
+        "SELECT routing_key, payload FROM inventory.outbox \
+         WHERE exchange = 'record' AND kind LIKE 'node.%' ORDER BY id",
     )
     .fetch_all(&f.pool)
     .await
@@ -132,6 +148,7 @@ async fn request(
                 .method(method)
                 .uri(uri)
                 .header("content-type", "application/json")
+                .extension(audit(method, uri))
                 .body(Body::from(body.to_owned()))
                 .unwrap(),
         )

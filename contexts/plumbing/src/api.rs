@@ -47,9 +47,9 @@ impl std::fmt::Display for Role {
     }
 }
 
-/// The authenticated operator of a request: the controller's auth layer puts it
-/// in the request's extensions, so a handler that records who did something
-/// takes `Extension<Principal>`. Holds no secret.
+/// The authenticated operator of a request. The controller's auth layer puts
+/// it in the request's [`Audit`](crate::audit::Audit), which a mutating handler
+/// takes (`audit.principal()`). Holds no secret.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal {
     /// The API token's id.

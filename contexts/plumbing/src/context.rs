@@ -60,6 +60,12 @@ impl OutboxSignal {
     }
 }
 
+/// Whether a context's database answers (`SELECT 1` on its pool): the
+/// controller's health check, which reads nothing of any context.
+pub async fn reachable(pool: &PgPool) -> bool {
+    sqlx::query("SELECT 1").execute(pool).await.is_ok()
+}
+
 /// A bounded context as the controller sees it. Each context owns one schema,
 /// named [`Context::SCHEMA`], reached through its own pool (its own role).
 ///

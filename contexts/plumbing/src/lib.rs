@@ -3,18 +3,20 @@
 //! outbox (declarations and record events written in the handler's transaction),
 //! the declared section's lifecycle ([`section`]: digest, generation, declare,
 //! catch up on hello and heartbeat, resync, and its table's one definition),
-//! the migrations runner, and problem+json API errors.
+//! the migrations runner, problem+json API errors, and the audit entry every
+//! operator mutation writes in its own transaction (`audit`).
 //!
 //! This crate knows PostgreSQL and axum, never AMQP: publishing what the outbox
 //! holds is the controller's relay. It knows no particular context.
 
 pub mod api;
 pub mod applied;
+pub mod audit;
 mod context;
 pub mod inbox;
 mod migrate;
 pub mod outbox;
 pub mod section;
 
-pub use context::{Context, HandlerError, OutboxSignal};
+pub use context::{Context, HandlerError, OutboxSignal, reachable};
 pub use migrate::{MigrateError, migrate};
