@@ -890,9 +890,9 @@ async fn audit_rows(f: &Fixture) -> Vec<(uuid::Uuid, String, String)> {
         .map(|(key, payload)| {
             assert_eq!(key, "config.operator.audit");
             let event = RecordEvent::decode(&payload).unwrap();
-            let entry = mesh_protocol::AuditEntry::from_event(&event)
-                .unwrap()
-                .unwrap();
+            let RecordKind::OperatorAudit { entry, .. } = event.kind else {
+                panic!("not an audit event: {}", event.routing_key());
+            };
             (entry.request_id, entry.outcome, entry.principal)
         })
         .collect()

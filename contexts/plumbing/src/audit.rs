@@ -21,7 +21,7 @@ use axum::extract::FromRequestParts;
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use chrono::Utc;
-use mesh_protocol::{AUDIT_EVENT, AuditEntry, RecordEvent};
+use mesh_protocol::{AuditEntry, RecordEvent, RecordKind};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
@@ -154,11 +154,10 @@ pub async fn record_ok(
     schema: &str,
     audit: &Audit,
 ) -> Result<(), sqlx::Error> {
-    let event = RecordEvent::new(
-        schema,
-        AUDIT_EVENT,
-        &audit.entry(Outcome::Ok, StatusCode::OK),
-    );
+    let event = RecordEvent::new(RecordKind::OperatorAudit {
+        context: schema.to_owned(),
+        entry: audit.entry(Outcome::Ok, StatusCode::OK),
+    });
     outbox::record(tx, schema, &event).await?;
     audit.0.recorded.store(true, Ordering::Release);
     Ok(())
@@ -173,11 +172,10 @@ pub async fn record_outcome(
     audit: &Audit,
     status: StatusCode,
 ) -> Result<(), sqlx::Error> {
-    let event = RecordEvent::new(
-        schema,
-        AUDIT_EVENT,
-        &audit.entry(Outcome::of(status), status),
-    );
+    let event = RecordEvent::new(RecordKind::OperatorAudit {
+        context: schema.to_owned(),
+        entry: audit.entry(Outcome::of(status), status),
+    });
     let mut tx = pool.begin().await?;
     outbox::record(&mut tx, schema, &event).await?;
     tx.commit().await
