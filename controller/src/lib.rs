@@ -13,6 +13,7 @@ pub mod app;
 pub mod auth;
 pub mod config;
 pub mod metrics;
+pub mod openapi;
 pub mod pipeline;
 pub mod relay;
 pub mod router;

@@ -132,8 +132,9 @@ impl Identity {
     /// `POST|GET /v1/tokens`, `DELETE /v1/tokens/{id}`, `GET /v1/audit`.
     /// Authentication is the controller's (it puts a [`Principal`] in the
     /// request's extensions); `POST /v1/join` is authenticated by its join token.
-    pub fn routes(self: Arc<Self>) -> axum::Router {
-        api::routes(self)
+    /// Each route carries its OpenAPI description (decision 0019).
+    pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
+        api::routes().with_state(self)
     }
 }
 
