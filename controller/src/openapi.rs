@@ -97,7 +97,9 @@ pub fn finish(mut doc: OpenApi) -> OpenApi {
                 .insert(ROLE_EXTENSION.to_owned(), serde_json::json!(role));
             let needs = match access {
                 Access::Open => "Needs no API token.".to_owned(),
-                Access::Role(r) => format!("Needs an API token with the `{r}` role or a larger one."),
+                Access::Role(r) => {
+                    format!("Needs an API token with the `{r}` role or a larger one.")
+                }
             };
             op.description = Some(match op.description.take() {
                 Some(d) if !d.is_empty() => format!("{d}\n\n{needs}"),
@@ -107,7 +109,10 @@ pub fn finish(mut doc: OpenApi) -> OpenApi {
             if let Access::Role(needed) = access {
                 op.security = Some(vec![SecurityRequirement::new(BEARER, Vec::<String>::new())]);
                 responses.entry("401".to_owned()).or_insert_with(|| {
-                    problem_response("No API token, or one not known or revoked (`WWW-Authenticate: Bearer`).").into()
+                    problem_response(
+                        "No API token, or one not known or revoked (`WWW-Authenticate: Bearer`).",
+                    )
+                    .into()
                 });
                 if needed > Role::Viewer {
                     responses.entry("403".to_owned()).or_insert_with(|| {

@@ -76,7 +76,12 @@ struct Answer {
 async fn call(router: &Router, method: Method, uri: &str) -> anyhow::Result<Answer> {
     let response = router
         .clone()
-        .oneshot(Request::builder().method(method).uri(uri).body(Body::empty())?)
+        .oneshot(
+            Request::builder()
+                .method(method)
+                .uri(uri)
+                .body(Body::empty())?,
+        )
         .await?;
     let header = |name: &str| {
         response
@@ -86,7 +91,8 @@ async fn call(router: &Router, method: Method, uri: &str) -> anyhow::Result<Answ
             .unwrap_or("")
             .to_owned()
     };
-    let (status, content_type, allow) = (response.status(), header("content-type"), header("allow"));
+    let (status, content_type, allow) =
+        (response.status(), header("content-type"), header("allow"));
     let bytes = axum::body::to_bytes(response.into_body(), 1 << 24).await?;
     Ok(Answer {
         status,
@@ -113,13 +119,7 @@ fn served_paths(router: &Router) -> BTreeSet<String> {
 fn concrete(pattern: &str) -> String {
     pattern
         .split('/')
-        .map(|seg| {
-            if seg.starts_with('{') {
-                "probe"
-            } else {
-                seg
-            }
-        })
+        .map(|seg| if seg.starts_with('{') { "probe" } else { seg })
         .collect::<Vec<_>>()
         .join("/")
 }
@@ -152,8 +152,7 @@ fn refs<'a>(value: &'a Value, out: &mut Vec<&'a str>) {
 }
 
 #[tokio::test]
-async fn every_served_route_is_in_the_document_with_its_role_and_problems() -> anyhow::Result<()>
-{
+async fn every_served_route_is_in_the_document_with_its_role_and_problems() -> anyhow::Result<()> {
     let f = fixture().await?;
     let doc = call(&f.router, Method::GET, DOCUMENT_PATH).await?;
     assert_eq!(doc.status, StatusCode::OK, "the document is open");
@@ -178,7 +177,10 @@ async fn every_served_route_is_in_the_document_with_its_role_and_problems() -> a
                     "405 of {method} {path} is not problem+json: {:?}",
                     answer.content_type
                 );
-                assert!(!answer.allow.is_empty(), "405 of {method} {path} has no Allow");
+                assert!(
+                    !answer.allow.is_empty(),
+                    "405 of {method} {path} has no Allow"
+                );
             } else if answer.status == StatusCode::NOT_FOUND
                 && answer.body["detail"] == "no such route"
             {
@@ -200,7 +202,9 @@ async fn every_served_route_is_in_the_document_with_its_role_and_problems() -> a
         "routes served (left) and routes in the document (right) differ"
     );
 
-    let schemas = doc["components"]["schemas"].as_object().context("schemas")?;
+    let schemas = doc["components"]["schemas"]
+        .as_object()
+        .context("schemas")?;
     assert!(schemas.contains_key("Problem"));
     assert_eq!(
         doc["components"]["securitySchemes"][BEARER]["scheme"], "bearer",
@@ -285,19 +289,33 @@ async fn wrong_methods_and_unknown_paths_answer_problem_json() -> anyhow::Result
     ] {
         let a = call(&f.router, method.clone(), uri).await?;
         assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {uri}");
-        assert!(a.content_type.starts_with(PROBLEM_JSON), "{method} {uri}: {}", a.content_type);
+        assert!(
+            a.content_type.starts_with(PROBLEM_JSON),
+            "{method} {uri}: {}",
+            a.content_type
+        );
         assert_eq!(a.body["status"], 405, "{method} {uri}: {}", a.body);
         assert!(
-            a.body["detail"].as_str().is_some_and(|d| d.contains(method.as_str())),
+            a.body["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains(method.as_str())),
             "{method} {uri}: the detail names the method: {}",
             a.body
         );
-        assert!(a.allow.contains(allow), "{method} {uri}: Allow {:?}", a.allow);
+        assert!(
+            a.allow.contains(allow),
+            "{method} {uri}: Allow {:?}",
+            a.allow
+        );
     }
     for uri in ["/v1/nope", "/", "/v1/nodes/a/b/c", "/v1/files/"] {
         let a = call(&f.router, Method::GET, uri).await?;
         assert_eq!(a.status, StatusCode::NOT_FOUND, "{uri}");
-        assert!(a.content_type.starts_with(PROBLEM_JSON), "{uri}: {}", a.content_type);
+        assert!(
+            a.content_type.starts_with(PROBLEM_JSON),
+            "{uri}: {}",
+            a.content_type
+        );
         assert_eq!(a.body["status"], 404, "{uri}");
     }
     f.env.teardown().await

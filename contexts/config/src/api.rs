@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
+use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::Json;
 use axum::response::{IntoResponse, Response};
 use mesh_plumbing::api::Problem;
 use mesh_plumbing::openapi::{BodyErrors, NotFound};

@@ -164,9 +164,7 @@ impl Inventory {
     /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`, `GET /v1/alerts`.
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes()
-            .merge(modules_api::routes())
-            .with_state(self)
+        api::routes().merge(modules_api::routes()).with_state(self)
     }
 }
 

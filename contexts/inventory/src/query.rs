@@ -242,7 +242,9 @@ pub struct AssignmentView {
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ModuleView {
     pub name: String,
+    /// Inlined: the spec's own schema refuses unknown fields, the view adds some.
     #[serde(flatten)]
+    #[schema(inline)]
     pub spec: ModuleSpec,
     /// Grows with every write; the ETag is `"<revision>"`.
     pub revision: i64,
