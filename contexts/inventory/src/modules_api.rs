@@ -195,8 +195,8 @@ async fn get_module(
     tag = "inventory",
     params(
         ("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"),
-        ("If-Match" = Option<String>, Header, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "`*` or the quoted revisions this write replaces"),
-        ("If-None-Match" = Option<String>, Header, pattern = r#"^\*$"#, description = "`*`: only create"),
+        ("If-Match" = Option<String>, Header, nullable = false, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "`*` or the quoted revisions this write replaces"),
+        ("If-None-Match" = Option<String>, Header, nullable = false, pattern = r#"^\*$"#, description = "`*`: only create"),
     ),
     request_body = ModuleSpec,
     responses(
@@ -238,7 +238,7 @@ async fn put_module(
     tag = "inventory",
     params(
         ("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"),
-        ("If-Match" = Option<String>, Header, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "Delete only if the module is at one of these quoted revisions"),
+        ("If-Match" = Option<String>, Header, nullable = false, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "Delete only if the module is at one of these quoted revisions"),
     ),
     responses(
         (status = 204, description = "Deleted"),
