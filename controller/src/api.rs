@@ -1,6 +1,7 @@
 //! The HTTP API: one interface in front of every context. Each route is served
 //! by the context that owns the resource; this module adds what belongs to no
-//! context: health, metrics, and views composed from several contexts.
+//! context: health, metrics, views composed from several contexts, and the
+//! OpenAPI document of them all (openapi.rs).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,14 +10,17 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use mesh_plumbing::api::Problem;
+use mesh_plumbing::openapi::{NotFound, Unprocessable};
 use mesh_protocol::{NodeId, Section};
 use prometheus_client::registry::Registry;
 use serde_json::json;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::auth;
+use crate::openapi;
 use crate::router::Contexts;
 
 #[derive(Clone)]
@@ -31,11 +35,27 @@ pub struct ApiState {
 }
 
 /// Every route, each context's behind the auth layer that knows the context
-/// (auth.rs: the role each route needs; audit events to that context's outbox).
+/// (auth.rs: the role each route needs; audit events to that context's outbox),
+/// and the OpenAPI document of them all at `/v1/openapi.json`: each route is
+/// registered with its description (`routes!`), so none is served undescribed.
+/// An unknown path answers 404 and a method a path does not serve 405, both
+/// problem+json.
 pub fn router(state: ApiState) -> Router {
+    let (router, document) = routes(state).split_for_parts();
+    let document = Document(Arc::new(
+        serde_json::to_vec(&openapi::finish(document)).unwrap_or_default(),
+    ));
+    router
+        .layer(Extension(document))
+        .fallback(|| async { Problem::not_found("no such route") })
+        .method_not_allowed_fallback(method_not_allowed)
+}
+
+/// The routes and their document, before the controller completes it.
+fn routes(state: ApiState) -> OpenApiRouter {
     let c = &state.contexts;
     let failpoint: Option<Arc<str>> = std::env::var(auth::API_FAILPOINT_ENV).ok().map(Into::into);
-    let guarded = |routes: Router, context: &'static str, pool: &sqlx::PgPool| {
+    let guarded = |routes: OpenApiRouter, context: &'static str, pool: &sqlx::PgPool| {
         routes.layer(axum::middleware::from_fn_with_state(
             auth::Guard {
                 identity: c.identity.clone(),
@@ -48,10 +68,11 @@ pub fn router(state: ApiState) -> Router {
             auth::guard,
         ))
     };
-    let own = Router::new()
-        .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
-        .route("/v1/nodes/{id}", get(node))
+    let own = OpenApiRouter::new()
+        .routes(routes!(healthz))
+        .routes(routes!(metrics))
+        .routes(routes!(node))
+        .routes(routes!(document))
         .with_state(state.clone());
     use mesh_plumbing::Context as _;
     guarded(own, mesh_identity::SCHEMA, c.identity.pool())
@@ -70,10 +91,54 @@ pub fn router(state: ApiState) -> Router {
             mesh_identity::SCHEMA,
             c.identity.pool(),
         ))
-        .fallback(|| async { Problem::not_found("no such route") })
+}
+
+/// The document, serialized once when the router is built.
+#[derive(Clone)]
+struct Document(Arc<Vec<u8>>);
+
+/// This API's OpenAPI document.
+#[utoipa::path(
+    get,
+    path = "/v1/openapi.json",
+    tag = "api",
+    responses((status = 200, description = "The OpenAPI 3.1 document of every route", body = Object))
+)]
+async fn document(Extension(Document(doc)): Extension<Document>) -> Response {
+    ([(CONTENT_TYPE, "application/json")], doc.to_vec()).into_response()
+}
+
+/// A method the path does not serve (axum adds the `Allow` header).
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Problem {
+    Problem::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "`{method}` is not served on `{}`; `Allow` lists what is",
+            uri.path().chars().take(200).collect::<String>()
+        ),
+    )
+}
+
+/// What `/healthz` answers.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+struct Health {
+    /// `ok` or `degraded`.
+    status: String,
+    /// `broker` and each context's database: `ok` or `down`.
+    checks: std::collections::BTreeMap<String, String>,
 }
 
 /// 200 when the broker connection is up and every context's database answers.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "api",
+    responses(
+        (status = 200, description = "Everything answers", body = Health),
+        (status = 503, description = "Something does not; `checks` says what", body = Health),
+    )
+)]
 async fn healthz(State(state): State<ApiState>) -> Response {
     let mut checks = serde_json::Map::new();
     let broker = state.broker_up.load(Ordering::Relaxed);
@@ -96,6 +161,13 @@ async fn healthz(State(state): State<ApiState>) -> Response {
         .into_response()
 }
 
+/// The controller's metrics, in the OpenMetrics text format.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "api",
+    responses((status = 200, description = "Every metric", body = String, content_type = "application/openmetrics-text"))
+)]
 async fn metrics(State(state): State<ApiState>) -> Response {
     let mut text = String::new();
     if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &state.registry) {
@@ -113,7 +185,7 @@ async fn metrics(State(state): State<ApiState>) -> Response {
 
 /// One section of a node: what its owning context declared, next to what the
 /// node reported it applied.
-#[derive(Debug, serde::Serialize)]
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 struct SectionView {
     /// Newest generation declared (none: nothing was ever declared).
     declared: Option<i64>,
@@ -125,15 +197,30 @@ struct SectionView {
     declared_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
-#[derive(Debug, serde::Serialize)]
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 struct NodeDetail {
     #[serde(flatten)]
     node: mesh_inventory::NodeView,
+    /// Each section (`config`, `inventory`), declared next to applied.
+    #[schema(value_type = std::collections::BTreeMap<String, SectionView>)]
     sections: std::collections::BTreeMap<&'static str, SectionView>,
 }
 
 /// A node as inventory knows it, with each section's declared generation from the
 /// context that owns the section, next to the generation the node applied.
+/// A node as inventory knows it, with each section's declared and applied
+/// generations.
+#[utoipa::path(
+    get,
+    path = "/v1/nodes/{id}",
+    tag = "inventory",
+    params(("id" = String, Path, description = "The node's id")),
+    responses(
+        (status = 200, description = "The node", body = NodeDetail),
+        NotFound,
+        Unprocessable,
+    )
+)]
 async fn node(
     State(state): State<ApiState>,
     Path(id): Path<String>,

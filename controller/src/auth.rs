@@ -2,8 +2,9 @@
 //! needs, and the audit entry of every operator mutation.
 //!
 //! The policy is one table, [`required`]: the route (method and pattern, as axum
-//! matched it) → [`Access`]. `/healthz`, `/metrics` are open; `POST /v1/join` is
-//! authenticated by its join token (identity checks it); tokens, node
+//! matched it) → [`Access`]. `/healthz`, `/metrics` and the OpenAPI document
+//! `/v1/openapi.json` (it describes routes, it shows no data) are open;
+//! `POST /v1/join` is authenticated by its join token (identity checks it); tokens, node
 //! revocation and the audit log need `admin`; any other read needs `viewer` and
 //! any other change `operator`. A missing or unknown token is 401, a role too
 //! small is 403, both problem+json.
@@ -59,7 +60,7 @@ pub enum Access {
 /// (`None` for no route, which answers 404).
 pub fn required(method: &Method, route: Option<&str>) -> Access {
     match (method, route) {
-        (_, Some("/healthz" | "/metrics")) => Access::Open,
+        (_, Some("/healthz" | "/metrics" | "/v1/openapi.json")) => Access::Open,
         (&Method::POST, Some("/v1/join")) => Access::Open,
         (_, Some("/v1/tokens" | "/v1/tokens/{id}" | "/v1/audit")) => Access::Role(Role::Admin),
         (&Method::DELETE, Some("/v1/nodes/{id}")) => Access::Role(Role::Admin),
@@ -246,6 +247,7 @@ mod tests {
         let cases = [
             (Method::GET, "/healthz", Open),
             (Method::GET, "/metrics", Open),
+            (Method::GET, "/v1/openapi.json", Open),
             (Method::POST, "/v1/join", Open),
             (Method::GET, "/v1/nodes", R(Role::Viewer)),
             (Method::GET, "/v1/nodes/{id}", R(Role::Viewer)),

@@ -15,6 +15,7 @@ pub mod auth;
 pub mod config;
 pub mod fence;
 pub mod metrics;
+pub mod openapi;
 pub mod pipeline;
 pub mod relay;
 pub mod router;

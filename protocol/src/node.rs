@@ -10,6 +10,7 @@ use crate::DecodeError;
 /// and ending with a letter or digit (a DNS label), so it never contains the `.`
 /// that separates routing-key words.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(transparent)]
 pub struct NodeId(String);
 

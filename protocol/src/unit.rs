@@ -10,6 +10,7 @@ use crate::DecodeError;
 
 /// What the agent does when a unit's process exits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum RestartPolicy {
     /// Restart whatever the exit status (with capped backoff).
@@ -23,6 +24,7 @@ pub enum RestartPolicy {
 
 /// Whether the unit should run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum DesiredState {
     #[default]

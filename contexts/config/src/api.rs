@@ -2,12 +2,12 @@
 
 use std::sync::Arc;
 
+use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::{Json, Router};
 use mesh_plumbing::api::Problem;
+use mesh_plumbing::openapi::{BodyErrors, NotFound};
 use mesh_protocol::{FileMode, Labels, NodeId};
 use serde::{Deserialize, Serialize};
 
@@ -15,27 +15,30 @@ use crate::query::{FileSpec, FileSummary, Target, validate_name};
 use crate::{Config, Error};
 use mesh_plumbing::api::ApiJson;
 use mesh_plumbing::audit::Audit;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-pub(crate) fn routes(config: Arc<Config>) -> Router {
-    Router::new()
-        .route("/v1/files", get(list_files))
-        .route(
-            "/v1/files/{name}",
-            get(get_file).put(put_file).delete(delete_file),
-        )
-        .with_state(config)
+/// The file routes, each with its OpenAPI description.
+pub(crate) fn routes() -> OpenApiRouter<Arc<Config>> {
+    OpenApiRouter::new()
+        .routes(routes!(list_files))
+        .routes(routes!(get_file, put_file, delete_file))
 }
 
 /// Body of `PUT /v1/files/{name}`: exactly one of `node` and `selector`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct FileBody {
+    /// Absolute path on the node.
     path: String,
+    /// The file's text.
     content: String,
     /// Octal string, e.g. `"0644"`.
     mode: String,
+    /// The node the file is for.
     #[serde(default)]
     node: Option<String>,
+    /// Every node whose labels contain all these pairs (`{}`: every node).
     #[serde(default)]
     selector: Option<Labels>,
 }
@@ -71,17 +74,35 @@ impl FileBody {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct FileList {
     files: Vec<FileSummary>,
 }
 
+/// Every declared file, without its content.
+#[utoipa::path(
+    get,
+    path = "/v1/files",
+    tag = "config",
+    responses((status = 200, description = "Every file", body = FileList))
+)]
 async fn list_files(State(config): State<Arc<Config>>) -> Result<Json<FileList>, Problem> {
     Ok(Json(FileList {
         files: config.files().await?,
     }))
 }
 
+/// One declared file, with its content.
+#[utoipa::path(
+    get,
+    path = "/v1/files/{name}",
+    tag = "config",
+    params(("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -")),
+    responses(
+        (status = 200, description = "The file", body = crate::FileView),
+        NotFound,
+    )
+)]
 async fn get_file(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,
@@ -92,6 +113,20 @@ async fn get_file(
     }
 }
 
+/// Declare a file (create or replace) for one node or every node a selector
+/// matches.
+#[utoipa::path(
+    put,
+    path = "/v1/files/{name}",
+    tag = "config",
+    params(("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -")),
+    request_body = FileBody,
+    responses(
+        (status = 200, description = "Replaced", body = crate::FileView),
+        (status = 201, description = "Created", body = crate::FileView),
+        BodyErrors,
+    )
+)]
 async fn put_file(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,
@@ -109,6 +144,17 @@ async fn put_file(
     Ok((status, Json(file)).into_response())
 }
 
+/// Remove a declared file from every node it was declared to.
+#[utoipa::path(
+    delete,
+    path = "/v1/files/{name}",
+    tag = "config",
+    params(("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -")),
+    responses(
+        (status = 204, description = "Removed"),
+        NotFound,
+    )
+)]
 async fn delete_file(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,

@@ -104,8 +104,9 @@ impl Config {
 
     /// The API routes this context serves: `GET /v1/files`,
     /// `GET|PUT|DELETE /v1/files/{name}`.
-    pub fn routes(self: Arc<Self>) -> axum::Router {
-        api::routes(self)
+    /// Each route carries its OpenAPI description (decision 0019).
+    pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
+        api::routes().with_state(self)
     }
 
     /// Reconcile every known node in one transaction and wake the relay if

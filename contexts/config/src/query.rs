@@ -65,7 +65,7 @@ pub fn validate_name(name: &str) -> Result<(), Error> {
 }
 
 /// A file as the API returns it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct FileView {
     pub name: String,
     pub path: String,
@@ -81,7 +81,7 @@ pub struct FileView {
 }
 
 /// A file in `GET /v1/files`: everything but the content.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct FileSummary {
     pub name: String,
     pub path: String,

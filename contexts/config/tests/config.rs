@@ -129,6 +129,8 @@ async fn request(
         .config
         .clone()
         .routes()
+        .split_for_parts()
+        .0
         .oneshot(
             Request::builder()
                 .method(method)

@@ -9,27 +9,53 @@ use std::time::Duration;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use axum::routing::{delete, get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
-use mesh_plumbing::api::{ApiJson, Problem, Role};
+use mesh_plumbing::api::{ApiJson, Principal, Problem, Role};
 use mesh_plumbing::audit::Audit;
+use mesh_plumbing::openapi::{
+    BadRequest, BodyErrors, Forbidden, NotFound, Unauthorized, Unavailable, Unprocessable,
+};
 use mesh_protocol::NodeId;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use utoipa::IntoParams;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 use crate::{AuditFilter, AuditPage, Error, Identity, JoinRequest, TokenView};
 
-pub(crate) fn routes(identity: Arc<Identity>) -> Router {
-    Router::new()
-        .route("/v1/join", post(join))
-        .route("/v1/nodes/{id}/join-tokens", post(create_join_token))
-        .route("/v1/nodes/{id}", delete(revoke_node))
-        .route("/v1/tokens", post(create_token).get(list_tokens))
-        .route("/v1/tokens/{id}", delete(revoke_token))
-        .route("/v1/audit", get(audit))
-        .with_state(identity)
+/// The identity routes, each with its OpenAPI description.
+pub(crate) fn routes() -> OpenApiRouter<Arc<Identity>> {
+    OpenApiRouter::new()
+        .routes(routes!(join))
+        .routes(routes!(create_join_token))
+        .routes(routes!(revoke_node))
+        .routes(routes!(create_token, list_tokens))
+        .routes(routes!(revoke_token))
+        .routes(routes!(audit))
+}
+
+/// Answer of `POST /v1/nodes/{id}/join-tokens` (the document's schema).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct JoinTokenCreated {
+    node: String,
+    /// Shown once; give it to the node's `mesh-agent join`.
+    token: String,
+    expires_at: DateTime<Utc>,
+}
+
+/// Answer of `POST /v1/join` (the document's schema).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct JoinAnswer {
+    node: String,
+    /// The node's own broker URL, with its password: shown once.
+    broker_url: String,
+    /// The key every declaration to the node is signed with (hex).
+    controller_key: String,
 }
 
 fn node_id(id: &str) -> Result<NodeId, Problem> {
@@ -41,13 +67,26 @@ fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, Problem> {
         .map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct JoinTokenBody {
     /// Validity in seconds (default 3600).
+    #[schema(minimum = 1)]
     ttl_secs: Option<u64>,
 }
 
+/// Create a join token for a node (the body is optional).
+#[utoipa::path(
+    post,
+    path = "/v1/nodes/{id}/join-tokens",
+    tag = "identity",
+    params(("id" = String, Path, description = "The node's id")),
+    request_body(content = Option<JoinTokenBody>, description = "Optional: the token's validity"),
+    responses(
+        (status = 201, description = "The token, shown once", body = JoinTokenCreated),
+        Unprocessable,
+    )
+)]
 async fn create_join_token(
     State(identity): State<Arc<Identity>>,
     audit: Audit,
@@ -75,6 +114,22 @@ async fn create_join_token(
     ))
 }
 
+/// Enrol a node with its join token: records its public key, creates its
+/// broker user, answers how to reach the broker. Authenticated by the join
+/// token, not by an API token.
+#[utoipa::path(
+    post,
+    path = "/v1/join",
+    tag = "identity",
+    request_body = JoinRequest,
+    responses(
+        (status = 201, description = "Enrolled", body = JoinAnswer),
+        BodyErrors,
+        Unauthorized,
+        Forbidden,
+        Unavailable,
+    )
+)]
 async fn join(
     State(identity): State<Arc<Identity>>,
     ApiJson(req): ApiJson<JoinRequest>,
@@ -90,6 +145,19 @@ async fn join(
     ))
 }
 
+/// Revoke a node: its identity, its broker user and connections.
+#[utoipa::path(
+    delete,
+    path = "/v1/nodes/{id}",
+    tag = "identity",
+    params(("id" = String, Path, description = "The node's id")),
+    responses(
+        (status = 200, description = "Revoked", body = crate::Revoked),
+        NotFound,
+        Unprocessable,
+        Unavailable,
+    )
+)]
 async fn revoke_node(
     State(identity): State<Arc<Identity>>,
     Path(id): Path<String>,
@@ -99,14 +167,16 @@ async fn revoke_node(
     Ok(Json(identity.revoke_node(&node, &audit).await?))
 }
 
-#[derive(Debug, Deserialize)]
+/// Body of `POST /v1/tokens`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct TokenBody {
+    /// 1 to 64 of A-Z a-z 0-9 . _ @ -
     name: String,
     role: Role,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
 struct CreatedToken {
     #[serde(flatten)]
     view: TokenView,
@@ -114,6 +184,17 @@ struct CreatedToken {
     token: String,
 }
 
+/// Create an API token.
+#[utoipa::path(
+    post,
+    path = "/v1/tokens",
+    tag = "identity",
+    request_body = TokenBody,
+    responses(
+        (status = 201, description = "The token; its secret is shown once", body = CreatedToken),
+        BodyErrors,
+    )
+)]
 async fn create_token(
     State(identity): State<Arc<Identity>>,
     audit: Audit,
@@ -129,20 +210,36 @@ async fn create_token(
     ))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 struct ListParams {
+    /// Return tokens whose id sorts after this one (the previous page's `next`).
     after: Option<Uuid>,
+    /// At most this many (the server caps it at its page size).
+    #[param(minimum = 1)]
     limit: Option<i64>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
 struct TokenList {
     tokens: Vec<TokenView>,
     #[serde(skip_serializing_if = "Option::is_none")]
     next: Option<Uuid>,
 }
 
+/// List API tokens (never their secrets), a page at a time.
+#[utoipa::path(
+    get,
+    path = "/v1/tokens",
+    tag = "identity",
+    params(ListParams),
+    responses(
+        (status = 200, description = "A page of tokens", body = TokenList),
+        BadRequest,
+        Unprocessable,
+    )
+)]
 async fn list_tokens(
     State(identity): State<Arc<Identity>>,
     params: Result<Query<ListParams>, QueryRejection>,
@@ -163,6 +260,17 @@ async fn list_tokens(
     Ok(Json(TokenList { tokens, next }))
 }
 
+/// Revoke an API token, for good.
+#[utoipa::path(
+    delete,
+    path = "/v1/tokens/{id}",
+    tag = "identity",
+    params(("id" = String, Path, description = "The token's id (a UUID)")),
+    responses(
+        (status = 200, description = "Revoked", body = TokenView),
+        NotFound,
+    )
+)]
 async fn revoke_token(
     State(identity): State<Arc<Identity>>,
     Path(id): Path<String>,
@@ -177,19 +285,39 @@ async fn revoke_token(
     Ok(Json(identity.revoke_token(id, &audit).await?))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 struct AuditParams {
+    /// The token name that acted.
     principal: Option<String>,
+    /// Exact action, e.g. `PUT /v1/files/{name}`.
     action: Option<String>,
+    /// Exact target path, e.g. `/v1/files/motd`.
     target: Option<String>,
+    /// `ok`, `denied` or `failed`.
     outcome: Option<String>,
     since: Option<DateTime<Utc>>,
     until: Option<DateTime<Utc>>,
+    /// Entries after this position (the previous page's `next`).
     after: Option<i64>,
+    /// At most this many (the server caps it at its page size).
+    #[param(minimum = 1)]
     limit: Option<i64>,
 }
 
+/// The audit log, oldest first, filtered and paged.
+#[utoipa::path(
+    get,
+    path = "/v1/audit",
+    tag = "identity",
+    params(AuditParams),
+    responses(
+        (status = 200, description = "A page of the audit log", body = AuditPage),
+        BadRequest,
+        Unprocessable,
+    )
+)]
 async fn audit(
     State(identity): State<Arc<Identity>>,
     params: Result<Query<AuditParams>, QueryRejection>,

@@ -39,7 +39,7 @@ pub(crate) async fn append(
 }
 
 /// One audit entry as `GET /v1/audit` returns it.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct AuditRow {
     /// Position in the log; pass the last one as `after` for the next page.
     pub seq: i64,
@@ -71,7 +71,7 @@ pub struct AuditFilter {
     pub limit: Option<i64>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct AuditPage {
     pub entries: Vec<AuditRow>,
     /// Pass as `after` for the next page; absent on the last page.

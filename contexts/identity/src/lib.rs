@@ -133,8 +133,9 @@ impl Identity {
     /// Authentication is the controller's (it puts a
     /// [`mesh_plumbing::audit::Audit`] naming the [`Principal`] in the request's
     /// extensions); `POST /v1/join` is authenticated by its join token.
-    pub fn routes(self: Arc<Self>) -> axum::Router {
-        api::routes(self)
+    /// Each route carries its OpenAPI description (decision 0019).
+    pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
+        api::routes().with_state(self)
     }
 }
 

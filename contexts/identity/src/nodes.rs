@@ -26,10 +26,13 @@ pub struct NewJoinToken {
 }
 
 /// What a node sends to join (`POST /v1/join`).
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JoinRequest {
+    /// The join token an operator created for this node.
+    #[schema(value_type = String)]
     pub token: Secret<String>,
+    /// The node's id.
     pub node: String,
     /// The node's Ed25519 public key, 64 hex digits. Its private key never
     /// leaves the node.
@@ -56,7 +59,7 @@ pub struct NodeIdentity {
 }
 
 /// The result of a revocation.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Revoked {
     pub node: String,
     pub revoked_at: DateTime<Utc>,

@@ -14,7 +14,7 @@ use crate::{Error, Identity, SCHEMA};
 pub const API_TOKEN_PREFIX: &str = "mesh_at_";
 
 /// A token as listed: never its secret.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct TokenView {
     pub id: Uuid,
     pub name: String,

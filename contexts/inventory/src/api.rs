@@ -3,12 +3,11 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::Router;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use axum::routing::{get, put};
 use mesh_plumbing::api::Problem;
+use mesh_plumbing::openapi::{BadRequest, BodyErrors, NotFound, Unprocessable};
 use mesh_protocol::{Labels, NodeId, validate_labels};
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
@@ -18,23 +17,29 @@ use crate::reports::{effective, emit};
 use crate::{Error, Inventory, SCHEMA};
 use mesh_plumbing::api::ApiJson;
 use mesh_plumbing::audit::{self, Audit};
+use utoipa::IntoParams;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-pub(crate) fn routes(inventory: Arc<Inventory>) -> Router {
-    Router::new()
-        .route("/v1/nodes", get(list_nodes))
-        .route("/v1/nodes/{id}/labels", put(put_labels))
-        .with_state(inventory)
+/// The node routes, each with its OpenAPI description.
+pub(crate) fn routes() -> OpenApiRouter<Arc<Inventory>> {
+    OpenApiRouter::new()
+        .routes(routes!(list_nodes))
+        .routes(routes!(put_labels))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 struct ListParams {
     /// Return nodes whose id sorts after this one (the previous page's `next`).
     after: Option<String>,
+    /// At most this many (the server caps it at its page size).
+    #[param(minimum = 1)]
     limit: Option<i64>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct NodeList {
     nodes: Vec<NodeSummary>,
     /// Pass as `after` to get the next page; absent on the last page.
@@ -42,6 +47,18 @@ struct NodeList {
     next: Option<String>,
 }
 
+/// List nodes, by id, a page at a time.
+#[utoipa::path(
+    get,
+    path = "/v1/nodes",
+    tag = "inventory",
+    params(ListParams),
+    responses(
+        (status = 200, description = "A page of nodes", body = NodeList),
+        BadRequest,
+        Unprocessable,
+    )
+)]
 async fn list_nodes(
     State(inventory): State<Arc<Inventory>>,
     params: Result<Query<ListParams>, QueryRejection>,
@@ -62,20 +79,35 @@ async fn list_nodes(
     Ok(Json(NodeList { nodes, next }))
 }
 
-#[derive(Debug, Deserialize)]
+/// Body of `PUT /v1/nodes/{id}/labels`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct LabelsBody {
+    /// The operator's labels; they replace the previous ones whole.
     labels: Labels,
 }
 
 /// Response of `PUT /v1/nodes/{id}/labels`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct LabelsResponse {
     id: String,
     labels: LabelsView,
     version: i64,
 }
 
+/// Replace a node's operator labels.
+#[utoipa::path(
+    put,
+    path = "/v1/nodes/{id}/labels",
+    tag = "inventory",
+    params(("id" = String, Path, description = "The node's id")),
+    request_body = LabelsBody,
+    responses(
+        (status = 200, description = "The node's labels now", body = LabelsResponse),
+        NotFound,
+        BodyErrors,
+    )
+)]
 async fn put_labels(
     State(inventory): State<Arc<Inventory>>,
     Path(id): Path<String>,

@@ -176,8 +176,9 @@ impl Inventory {
     /// `PUT /v1/nodes/{id}/labels`, `POST /v1/nodes/{id}/drain|undrain`,
     /// `GET /v1/modules`, `GET|PUT|DELETE /v1/modules/{name}`,
     /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`, `GET /v1/alerts`.
-    pub fn routes(self: Arc<Self>) -> axum::Router {
-        api::routes(self.clone()).merge(modules_api::routes(self))
+    /// Each route carries its OpenAPI description (decision 0019).
+    pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
+        api::routes().merge(modules_api::routes()).with_state(self)
     }
 }
 

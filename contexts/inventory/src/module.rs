@@ -11,7 +11,7 @@ use crate::Error;
 use crate::placement::{Bounds, Placement, Resources};
 
 /// How the unit of each replica runs.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UnitSpec {
     /// Executable: an absolute path, or a name looked up in the agent's PATH.
@@ -31,7 +31,7 @@ pub struct UnitSpec {
 }
 
 /// A module as `PUT /v1/modules/{name}` takes it and stores it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ModuleSpec {
     pub unit: UnitSpec,
@@ -144,7 +144,7 @@ pub fn unit_name(module: &str, placement: &Placement, replica: u32) -> String {
 pub type PolicyIntent = Bounds;
 
 /// Body of `PUT /v1/modules/{name}/intent/autoscaler`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AutoscalerIntent {
     pub replicas: u32,

@@ -10,39 +10,49 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::Router;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::header::{ETAG, IF_MATCH, IF_NONE_MATCH};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use mesh_plumbing::api::{ApiJson, Problem};
 use mesh_plumbing::audit::{self, Audit};
+use mesh_plumbing::openapi::{
+    BadRequest, BodyErrors, Conflict, NotFound, PreconditionFailed, PreconditionRequired,
+    Unprocessable,
+};
 use mesh_protocol::NodeId;
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
+use utoipa::IntoParams;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::fleet;
 use crate::module::{AutoscalerIntent, MAX_REPLICAS, ModuleSpec, PolicyIntent, validate_name};
+use crate::placement::Bounds;
 use crate::query::{AlertView, ModuleView};
 use crate::{Error, Inventory, SCHEMA};
 
-pub(crate) fn routes(inventory: Arc<Inventory>) -> Router {
-    Router::new()
-        .route("/v1/modules", get(list_modules))
-        .route(
-            "/v1/modules/{name}",
-            get(get_module).put(put_module).delete(delete_module),
-        )
-        .route(
-            "/v1/modules/{name}/intent/{layer}",
-            get(get_intent).put(put_intent).delete(delete_intent),
-        )
-        .route("/v1/nodes/{id}/drain", post(drain))
-        .route("/v1/nodes/{id}/undrain", post(undrain))
-        .route("/v1/alerts", get(alerts))
-        .with_state(inventory)
+/// The fleet routes, each with its OpenAPI description.
+pub(crate) fn routes() -> OpenApiRouter<Arc<Inventory>> {
+    OpenApiRouter::new()
+        .routes(routes!(list_modules))
+        .routes(routes!(get_module, put_module, delete_module))
+        .routes(routes!(get_intent, put_intent, delete_intent))
+        .routes(routes!(drain))
+        .routes(routes!(undrain))
+        .routes(routes!(alerts))
+}
+
+/// The value of an intent layer: [`Bounds`] for `policy`, [`AutoscalerIntent`]
+/// for `autoscaler` (the document's schema of the intent routes' bodies).
+#[derive(Serialize, utoipa::ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+enum IntentValue {
+    Policy(Bounds),
+    Autoscaler(AutoscalerIntent),
 }
 
 fn etag(revision: i64) -> HeaderValue {
@@ -99,20 +109,36 @@ fn with_etag(status: StatusCode, view: ModuleView) -> Response {
     (status, [(ETAG, tag)], Json(view)).into_response()
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 struct ListParams {
+    /// Return modules whose name sorts after this one (the previous page's `next`).
     after: Option<String>,
+    /// At most this many (the server caps it at its page size).
+    #[param(minimum = 1)]
     limit: Option<i64>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ModuleList {
     modules: Vec<ModuleView>,
     #[serde(skip_serializing_if = "Option::is_none")]
     next: Option<String>,
 }
 
+/// List modules, by name, a page at a time.
+#[utoipa::path(
+    get,
+    path = "/v1/modules",
+    tag = "inventory",
+    params(ListParams),
+    responses(
+        (status = 200, description = "A page of modules", body = ModuleList),
+        BadRequest,
+        Unprocessable,
+    )
+)]
 async fn list_modules(
     State(inventory): State<Arc<Inventory>>,
     params: Result<Query<ListParams>, QueryRejection>,
@@ -137,6 +163,18 @@ async fn list_modules(
     Ok(Json(ModuleList { modules, next }))
 }
 
+/// A module with its revision, intent layers and assignments.
+#[utoipa::path(
+    get,
+    path = "/v1/modules/{name}",
+    tag = "inventory",
+    params(("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>")),
+    responses(
+        (status = 200, description = "The module", body = ModuleView, headers(("ETag" = String, description = "`\"<revision>\"`: give it as `If-Match` to replace or delete this revision"))),
+        NotFound,
+        Unprocessable,
+    )
+)]
 async fn get_module(
     State(inventory): State<Arc<Inventory>>,
     Path(name): Path<String>,
@@ -149,6 +187,27 @@ async fn get_module(
     Ok(with_etag(StatusCode::OK, view))
 }
 
+/// Create or replace a module, then reconcile the fleet. Replacing needs
+/// `If-Match` (the ETag of the revision replaced, or `*`); `If-None-Match: *`
+/// only creates.
+#[utoipa::path(
+    put,
+    path = "/v1/modules/{name}",
+    tag = "inventory",
+    params(
+        ("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"),
+        ("If-Match" = Option<String>, Header, nullable = false, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "`*` or the quoted revisions this write replaces"),
+        ("If-None-Match" = Option<String>, Header, nullable = false, pattern = r#"^\*$"#, description = "`*`: only create"),
+    ),
+    request_body = ModuleSpec,
+    responses(
+        (status = 200, description = "Replaced", body = ModuleView, headers(("ETag" = String, description = "`\"<revision>\"`: give it as `If-Match` to replace or delete this revision"))),
+        (status = 201, description = "Created", body = ModuleView, headers(("ETag" = String, description = "`\"<revision>\"`: give it as `If-Match` to replace or delete this revision"))),
+        BodyErrors,
+        PreconditionFailed,
+        PreconditionRequired,
+    )
+)]
 async fn put_module(
     State(inventory): State<Arc<Inventory>>,
     Path(name): Path<String>,
@@ -174,6 +233,23 @@ async fn put_module(
     Ok(with_etag(status, view))
 }
 
+/// Delete a module (and its replicas, through reconcile).
+#[utoipa::path(
+    delete,
+    path = "/v1/modules/{name}",
+    tag = "inventory",
+    params(
+        ("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"),
+        ("If-Match" = Option<String>, Header, nullable = false, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "Delete only if the module is at one of these quoted revisions"),
+    ),
+    responses(
+        (status = 204, description = "Deleted"),
+        BadRequest,
+        NotFound,
+        PreconditionFailed,
+        Unprocessable,
+    )
+)]
 async fn delete_module(
     State(inventory): State<Arc<Inventory>>,
     Path(name): Path<String>,
@@ -217,6 +293,18 @@ impl Layer {
     }
 }
 
+/// One intent layer of a module.
+#[utoipa::path(
+    get,
+    path = "/v1/modules/{name}/intent/{layer}",
+    tag = "inventory",
+    params(("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"), ("layer" = String, Path, description = "`policy` or `autoscaler` (the `user` layer is the module's own replica count)")),
+    responses(
+        (status = 200, description = "The layer's value", body = IntentValue, headers(("ETag" = String, description = "`\"<revision>\"`: give it as `If-Match` to replace or delete this revision"))),
+        NotFound,
+        Unprocessable,
+    )
+)]
 async fn get_intent(
     State(inventory): State<Arc<Inventory>>,
     Path((name, layer)): Path<(String, String)>,
@@ -237,6 +325,19 @@ async fn get_intent(
     Ok(([(ETAG, etag(revision))], Json(value.0)).into_response())
 }
 
+/// Set one intent layer of a module, then reconcile the fleet.
+#[utoipa::path(
+    put,
+    path = "/v1/modules/{name}/intent/{layer}",
+    tag = "inventory",
+    params(("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"), ("layer" = String, Path, description = "`policy` or `autoscaler` (the `user` layer is the module's own replica count)")),
+    request_body = IntentValue,
+    responses(
+        (status = 200, description = "The layer's value now", body = IntentValue, headers(("ETag" = String, description = "`\"<revision>\"`: give it as `If-Match` to replace or delete this revision"))),
+        BodyErrors,
+        NotFound,
+    )
+)]
 async fn put_intent(
     State(inventory): State<Arc<Inventory>>,
     Path((name, layer)): Path<(String, String)>,
@@ -281,6 +382,18 @@ async fn put_intent(
     Ok(([(ETAG, etag(revision))], Json(value)).into_response())
 }
 
+/// Remove one intent layer of a module, then reconcile the fleet.
+#[utoipa::path(
+    delete,
+    path = "/v1/modules/{name}/intent/{layer}",
+    tag = "inventory",
+    params(("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"), ("layer" = String, Path, description = "`policy` or `autoscaler` (the `user` layer is the module's own replica count)")),
+    responses(
+        (status = 204, description = "Removed"),
+        NotFound,
+        Unprocessable,
+    )
+)]
 async fn delete_intent(
     State(inventory): State<Arc<Inventory>>,
     Path((name, layer)): Path<(String, String)>,
@@ -295,13 +408,25 @@ async fn delete_intent(
 }
 
 /// Answer of drain / undrain.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct DrainView {
     id: String,
     admin_state: String,
     drain_blocked: Option<String>,
 }
 
+/// Start draining a node: its replicas move elsewhere, nothing new lands on it.
+#[utoipa::path(
+    post,
+    path = "/v1/nodes/{id}/drain",
+    tag = "inventory",
+    params(("id" = String, Path, description = "The node's id")),
+    responses(
+        (status = 200, description = "The node's administrative state", body = DrainView),
+        NotFound,
+        Conflict,
+    )
+)]
 async fn drain(
     State(inventory): State<Arc<Inventory>>,
     Path(id): Path<String>,
@@ -316,6 +441,18 @@ async fn drain(
     }))
 }
 
+/// End a node's drain: it takes replicas again.
+#[utoipa::path(
+    post,
+    path = "/v1/nodes/{id}/undrain",
+    tag = "inventory",
+    params(("id" = String, Path, description = "The node's id")),
+    responses(
+        (status = 200, description = "The node's administrative state", body = DrainView),
+        NotFound,
+        Conflict,
+    )
+)]
 async fn undrain(
     State(inventory): State<Arc<Inventory>>,
     Path(id): Path<String>,
@@ -330,11 +467,18 @@ async fn undrain(
     }))
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct AlertList {
     alerts: Vec<AlertView>,
 }
 
+/// The open alerts.
+#[utoipa::path(
+    get,
+    path = "/v1/alerts",
+    tag = "inventory",
+    responses((status = 200, description = "Every open alert", body = AlertList))
+)]
 async fn alerts(State(inventory): State<Arc<Inventory>>) -> Result<Json<AlertList>, Problem> {
     Ok(Json(AlertList {
         alerts: inventory.alerts().await?,

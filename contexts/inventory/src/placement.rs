@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Resource requests of one replica, or what a node offers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Resources {
     /// Thousandths of a CPU (a node offers `cpus × 1000`). Default 0.
@@ -62,7 +62,7 @@ impl Resources {
 }
 
 /// Where a module runs: exactly one variant.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Placement {
     /// One replica pinned to one node. The only placement of a stateful module.
@@ -268,7 +268,7 @@ pub fn place(request: &Request<'_>, snapshot: &Snapshot) -> Result<Vec<String>, 
 }
 
 /// Policy bounds (the `policy` intent layer).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Bounds {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -278,7 +278,7 @@ pub struct Bounds {
 }
 
 /// The intent layers of a module's replica count, each with its own writer.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Intent {
     /// The operator's count (the module's `placement.match_labels.replicas`).
     pub user: Option<u32>,

@@ -13,7 +13,7 @@ use crate::reports::effective;
 use crate::{Error, Inventory};
 
 /// One node in `GET /v1/nodes`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct NodeSummary {
     pub id: String,
     pub hostname: String,
@@ -24,7 +24,7 @@ pub struct NodeSummary {
 }
 
 /// A node's labels, where they come from, and what they add up to.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct LabelsView {
     /// From the node's hello.
     pub reported: Labels,
@@ -46,7 +46,7 @@ impl LabelsView {
 }
 
 /// What a node has applied of one section.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct AppliedView {
     /// Newest generation applied successfully (0: none known).
     pub generation: i64,
@@ -59,7 +59,7 @@ pub struct AppliedView {
 }
 
 /// Everything inventory knows of one node.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct NodeView {
     pub id: String,
     pub hostname: String,
@@ -239,7 +239,7 @@ impl Inventory {
 }
 
 /// One assignment: a replica of a module on a node, and its unit as last reported.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct AssignmentView {
     pub module: String,
     pub replica: i32,
@@ -261,10 +261,12 @@ pub struct AssignmentView {
 }
 
 /// A module with its revision, intent layers, effective replicas and assignments.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ModuleView {
     pub name: String,
+    /// Inlined: the spec's own schema refuses unknown fields, the view adds some.
     #[serde(flatten)]
+    #[schema(inline)]
     pub spec: ModuleSpec,
     /// Grows with every write; the ETag is `"<revision>"`.
     pub revision: i64,
@@ -278,7 +280,7 @@ pub struct ModuleView {
 }
 
 /// An open alert.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct AlertView {
     pub key: String,
     /// `pinned_unreachable`, `placement_unsatisfied`, `replacement_paused`.

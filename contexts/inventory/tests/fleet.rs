@@ -158,6 +158,8 @@ impl Fixture {
             .inventory
             .clone()
             .routes()
+            .split_for_parts()
+            .0
             .oneshot(builder.body(Body::from(body)).unwrap())
             .await
             .unwrap();

@@ -143,6 +143,8 @@ async fn request(
         .inventory
         .clone()
         .routes()
+        .split_for_parts()
+        .0
         .oneshot(
             Request::builder()
                 .method(method)

@@ -13,7 +13,17 @@ use serde::de::DeserializeOwned;
 /// change the fleet (`operator`), manage tokens, revoke nodes and read the audit
 /// log (`admin`). Ordered: a role allows everything a lesser one does.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, serde::Deserialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    serde::Deserialize,
+    utoipa::ToSchema,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
@@ -59,16 +69,22 @@ pub struct Principal {
     pub role: Role,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// An error answer (RFC 9457, `application/problem+json`).
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Problem {
     #[serde(skip)]
     pub status: StatusCode,
+    /// Always `about:blank`: the status says what kind of problem it is.
     #[serde(rename = "type")]
     pub kind: &'static str,
+    /// The status's reason phrase, e.g. `Unprocessable Entity`.
     pub title: String,
+    /// The HTTP status code.
     #[serde(rename = "status")]
     pub status_code: u16,
+    /// What is wrong, for a person.
     pub detail: String,
+    /// The field (body path, path or query parameter, header) at fault, if one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
 }
