@@ -16,7 +16,6 @@ use anyhow::Context as _;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
-use mesh_bundle::testkit::TestEnv;
 use mesh_controller::api::{self, ApiState};
 use mesh_controller::auth::{self, Access};
 use mesh_controller::config::{Credentials, Settings};
@@ -24,6 +23,7 @@ use mesh_controller::openapi::{BEARER, DOCUMENT_PATH, ROLE_EXTENSION, role_name}
 use mesh_controller::router::Contexts;
 use mesh_plumbing::OutboxSignal;
 use mesh_plumbing::api::Role;
+use mesh_testkit::TestEnv;
 use serde_json::Value;
 use tower::ServiceExt;
 
@@ -53,11 +53,14 @@ async fn fixture() -> anyhow::Result<Fixture> {
     Contexts::migrate(&creds).await?;
     let signal = OutboxSignal::default();
     let contexts = Contexts::connect(&creds, &Settings::default(), signal.clone()).await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = mesh_controller::metrics::Metrics::new(&mut registry);
     let router = api::router(ApiState {
         contexts: Arc::new(contexts),
-        registry: Arc::new(prometheus_client::registry::Registry::default()),
+        registry: Arc::new(registry),
         broker_up: Arc::new(AtomicBool::new(true)),
         signal,
+        metrics,
     });
     Ok(Fixture {
         env,

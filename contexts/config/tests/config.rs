@@ -914,6 +914,8 @@ async fn send(
     f.config
         .clone()
         .routes()
+        .split_for_parts()
+        .0
         .oneshot(builder.body(Body::from(body.to_owned())).unwrap())
         .await
         .unwrap()

@@ -6,12 +6,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Json;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
-use mesh_plumbing::api::{ApiJson, Principal, Problem, Role};
+use mesh_plumbing::api::{ApiJson, Problem, Role};
 use mesh_plumbing::audit::Audit;
 use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, Forbidden, NotFound, Unauthorized, Unavailable, Unprocessable,

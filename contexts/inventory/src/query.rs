@@ -98,7 +98,7 @@ pub struct NodeView {
 }
 
 /// The envelope versions an agent speaks, oldest to newest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct ProtocolView {
     pub min: i32,
     pub max: i32,
