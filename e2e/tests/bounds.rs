@@ -63,8 +63,19 @@ fn doc_rows() -> anyhow::Result<Vec<Row>> {
         .nth(1)
         .ok_or_else(|| anyhow!("no section `Queues and their bounds` in {path}"))?;
     let section = section.split("\n## ").next().unwrap_or(section);
+    // The table of bounds: from its header to the first line that is not a row
+    // (the section also holds a table of queue arguments).
+    let table = section
+        .split("| queue | bound to |")
+        .nth(1)
+        .ok_or_else(|| anyhow!("no table `| queue | bound to |` in {path}"))?;
     let mut rows = Vec::new();
-    for line in section.lines().filter(|l| l.starts_with("| `")) {
+    for line in table
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .filter(|l| l.starts_with("| `"))
+    {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
         ensure!(cells.len() >= 6, "a row of fewer than 5 cells: {line}");
         let max_len = cells[3]
