@@ -763,7 +763,7 @@ pub async fn provision(
         )
         .await?;
     // The identity context's management account: the administrator tag is what
-    // RabbitMQ requires to create users and close connections (docs/decisions/0006);
+    // RabbitMQ requires to create users and close connections (docs/decisions/0008);
     // it gets no permission on any vhost, so it cannot publish or consume.
     rabbit
         .ensure_user(
