@@ -511,14 +511,25 @@ pub async fn ensure_database(
 /// Drops the database (terminating its sessions) and every context role of `names`.
 pub async fn drop_database_and_roles(admin: &AdminCredentials, names: &Names) -> Result<()> {
     let mut conn = connect_admin(admin, "postgres").await?;
-    exec(
-        &mut conn,
-        format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            quote_ident(&names.database)
-        ),
-    )
-    .await?;
+    // `WITH (FORCE)` ends the database's other sessions, but a role that is not
+    // a superuser may only end its own roles' sessions: a session of a context
+    // role that is still closing (a process killed a moment ago) makes it fail.
+    // Such sessions end by themselves; try again until a deadline.
+    let drop = format!(
+        "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+        quote_ident(&names.database)
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match exec(&mut conn, drop.clone()).await {
+            Ok(()) => break,
+            Err(e) if std::time::Instant::now() < deadline => {
+                tracing::debug!(error = %e, "database still in use; trying again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
     for ctx in CONTEXTS {
         exec(
             &mut conn,

@@ -287,7 +287,9 @@ async fn every_queue_is_bounded_as_the_protocol_doc_states() -> anyhow::Result<(
     .await?;
     wait_for(
         "the test policy to apply to every queue",
-        Duration::from_secs(30),
+        // The management API reports what the broker applied at its next
+        // statistics tick: every 30 s where bundle/up set it (decision 0011).
+        Duration::from_secs(90),
         || async {
             let qs = api
                 .get(&format!("queues/{}?columns=name,policy", api.vhost))

@@ -75,10 +75,14 @@ async fn unknown_fields_are_handled_and_counted_unknown_kinds_dead_lettered() ->
     // to be handled, so the applied report below finds its node (an applied
     // report of a node inventory does not know yet is not recorded; a real
     // agent's next heartbeat carries its applied generations again).
-    wait_for("the hello to be handled", Duration::from_secs(30), || async {
-        let (status, _) = mesh.get(&format!("/v1/nodes/{id}")).await?;
-        Ok((status == 200).then_some(()))
-    })
+    wait_for(
+        "the hello to be handled",
+        Duration::from_secs(30),
+        || async {
+            let (status, _) = mesh.get(&format!("/v1/nodes/{id}")).await?;
+            Ok((status == 200).then_some(()))
+        },
+    )
     .await?;
     // An applied report with an unknown field, then one of an unknown kind on
     // the same (existing) queue, then one naming another node.
