@@ -12,8 +12,8 @@ use mesh_protocol::{Labels, NodeId, validate_labels};
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
 
+use crate::nodes::{effective, emit};
 use crate::query::{LabelsView, NodeSummary};
-use crate::reports::{effective, emit};
 use crate::{Error, Inventory, SCHEMA};
 use mesh_plumbing::api::ApiJson;
 use mesh_plumbing::audit::{self, Audit};

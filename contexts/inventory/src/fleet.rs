@@ -18,11 +18,11 @@ use sqlx::PgConnection;
 use sqlx::types::Json;
 
 use crate::module::{ModuleSpec, unit_name};
+use crate::nodes::effective;
 use crate::placement::{
     Bounds, Intent, NodeFacts, PlacementError, Request, Resources, Snapshot, effective_replicas,
     place,
 };
-use crate::reports::effective;
 use crate::{Error, SECTIONS};
 
 /// Advisory lock of the fleet reconcile ("invf" in ASCII).

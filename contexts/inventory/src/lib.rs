@@ -26,6 +26,7 @@ mod error;
 mod fleet;
 pub mod module;
 mod modules_api;
+mod nodes;
 pub mod placement;
 mod protocol;
 mod query;

@@ -2,19 +2,12 @@
 //! then reconcile the fleet. The controller calls [`Inventory::sweep`] on a timer.
 
 use chrono::{DateTime, Utc};
-use mesh_plumbing::outbox;
-use mesh_protocol::{LivenessState, NodeId, NodeLiveness, RecordEvent};
+use mesh_protocol::{LivenessState, NodeId, NodeLiveness};
 use serde::Serialize;
-use sqlx::PgConnection;
 
 use crate::fleet::{self, Pass, ReconcileReport};
-use crate::{Error, Inventory, SCHEMA};
-
-/// Write `inventory.node.<state>` for a liveness transition to the outbox.
-pub(crate) async fn emit_liveness(tx: &mut PgConnection, body: NodeLiveness) -> Result<(), Error> {
-    outbox::record(tx, SCHEMA, &RecordEvent::new(body.into_kind())).await?;
-    Ok(())
-}
+use crate::nodes::emit_liveness;
+use crate::{Error, Inventory};
 
 /// What one sweep did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
