@@ -176,3 +176,21 @@ impl Inventory {
         Ok((view, version))
     }
 }
+
+/// The API layer's mapping of the context's errors to problem+json (domain
+/// methods return [`Error`]; only the routes speak HTTP).
+impl From<Error> for Problem {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::NodeNotFound(id) => Problem::not_found(format!("no node `{id}`")),
+            Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
+            other => Problem::internal(other),
+        }
+    }
+}
+
+impl axum::response::IntoResponse for Error {
+    fn into_response(self) -> axum::response::Response {
+        Problem::from(self).into_response()
+    }
+}

@@ -1,6 +1,4 @@
-use axum::response::{IntoResponse, Response};
 use mesh_plumbing::HandlerError;
-use mesh_plumbing::api::Problem;
 use mesh_protocol::DecodeError;
 use thiserror::Error;
 
@@ -51,21 +49,5 @@ impl From<Error> for HandlerError {
             Error::Section(e) => HandlerError::from(e),
             other => HandlerError::Permanent(other.to_string()),
         }
-    }
-}
-
-impl From<Error> for Problem {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::NodeNotFound(id) => Problem::not_found(format!("no node `{id}`")),
-            Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
-            other => Problem::internal(other),
-        }
-    }
-}
-
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        Problem::from(self).into_response()
     }
 }
