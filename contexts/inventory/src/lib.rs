@@ -21,7 +21,9 @@
 //! for a full grace period ([`Inventory::observe_from`]); placement is the pure
 //! function in [`placement`].
 
+mod alerts;
 mod api;
+mod drains;
 mod error;
 mod fleet;
 pub mod module;
