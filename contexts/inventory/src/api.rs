@@ -184,6 +184,14 @@ impl From<Error> for Problem {
         match e {
             Error::NodeNotFound(id) => Problem::not_found(format!("no node `{id}`")),
             Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
+            Error::NotFound(detail) => Problem::not_found(detail),
+            Error::PreconditionFailed(detail) => {
+                Problem::new(StatusCode::PRECONDITION_FAILED, detail)
+            }
+            Error::PreconditionRequired(detail) => {
+                Problem::new(StatusCode::PRECONDITION_REQUIRED, detail)
+            }
+            Error::Conflict(detail) => Problem::new(StatusCode::CONFLICT, detail),
             other => Problem::internal(other),
         }
     }

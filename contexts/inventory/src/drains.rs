@@ -5,11 +5,13 @@
 
 use std::collections::BTreeMap;
 
-use mesh_protocol::DesiredState;
+use mesh_plumbing::audit::{self, Audit};
+use mesh_protocol::{DesiredState, NodeId};
 use sqlx::PgConnection;
 
-use crate::Error;
+use crate::fleet;
 use crate::fleet::{Assignments, Module, NodeRow, RETIRING, ReconcileReport};
+use crate::{Error, Inventory, SCHEMA};
 
 /// Each draining node's verdict: what blocks it (none: nothing) and whether it
 /// is done.
@@ -96,4 +98,56 @@ pub(crate) async fn write(
         }
     }
     Ok(())
+}
+
+impl Inventory {
+    /// Start (`drain`) or end a node's drain, then reconcile, with the request's
+    /// audit entry. Returns the node's administrative state and what blocks its
+    /// drain.
+    pub async fn set_drain(
+        &self,
+        id: &NodeId,
+        drain: bool,
+        audit: &Audit,
+    ) -> Result<(String, Option<String>), Error> {
+        let mut tx = self.pool.begin().await?;
+        fleet::lock(&mut tx).await?;
+        let admin: Option<String> =
+            sqlx::query_scalar("SELECT admin_state FROM inventory.nodes WHERE id = $1 FOR UPDATE")
+                .bind(id.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some(admin) = admin else {
+            return Err(Error::NodeNotFound(id.to_string()));
+        };
+        if admin == "revoked" {
+            return Err(Error::Conflict(format!("node `{id}` is revoked")));
+        }
+        let next = match (drain, admin.as_str()) {
+            (true, "drained") => "drained",
+            (true, _) => "draining",
+            (false, _) => "active",
+        };
+        sqlx::query(
+            "UPDATE inventory.nodes SET admin_state = $2, \
+             drain_blocked = CASE WHEN $2 = 'draining' THEN drain_blocked ELSE NULL END WHERE id = $1",
+        )
+        .bind(id.as_str())
+        .bind(next)
+        .execute(&mut *tx)
+        .await
+        ?;
+        let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        let (admin, blocked): (String, Option<String>) =
+            sqlx::query_as("SELECT admin_state, drain_blocked FROM inventory.nodes WHERE id = $1")
+                .bind(id.as_str())
+                .fetch_one(&mut *tx)
+                .await?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
+        if report.changed() {
+            self.signal.notify();
+        }
+        Ok((admin, blocked))
+    }
 }

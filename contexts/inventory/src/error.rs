@@ -16,6 +16,18 @@ pub enum Error {
     Corrupt { node: String, reason: String },
     #[error(transparent)]
     Section(#[from] mesh_plumbing::section::SectionError),
+    /// Something other than a node that the request names does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// A write whose If-Match / If-None-Match does not hold.
+    #[error("{0}")]
+    PreconditionFailed(String),
+    /// A replace that did not say which revision it replaces.
+    #[error("{0}")]
+    PreconditionRequired(String),
+    /// A write the resource's state forbids (a revoked node).
+    #[error("{0}")]
+    Conflict(String),
 }
 
 impl Error {
@@ -26,6 +38,10 @@ impl Error {
             Error::Invalid { .. } => "invalid",
             Error::Corrupt { .. } => "corrupt",
             Error::Section(_) => "section",
+            Error::NotFound(_) => "not_found",
+            Error::PreconditionFailed(_) => "precondition_failed",
+            Error::PreconditionRequired(_) => "precondition_required",
+            Error::Conflict(_) => "conflict",
         }
     }
 }
