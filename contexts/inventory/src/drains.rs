@@ -9,8 +9,7 @@ use mesh_plumbing::audit::{self, Audit};
 use mesh_protocol::{DesiredState, NodeId};
 use sqlx::PgConnection;
 
-use crate::fleet;
-use crate::fleet::{Assignments, Module, NodeRow, RETIRING, ReconcileReport};
+use crate::state::{self, Assignments, Module, NodeRow, RETIRING, ReconcileReport};
 use crate::{Error, Inventory, SCHEMA};
 
 /// Each draining node's verdict: what blocks it (none: nothing) and whether it
@@ -111,7 +110,7 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<(String, Option<String>), Error> {
         let mut tx = self.pool.begin().await?;
-        fleet::lock(&mut tx).await?;
+        state::lock(&mut tx).await?;
         let admin: Option<String> =
             sqlx::query_scalar("SELECT admin_state FROM inventory.nodes WHERE id = $1 FOR UPDATE")
                 .bind(id.as_str())
@@ -137,7 +136,7 @@ impl Inventory {
         .execute(&mut *tx)
         .await
         ?;
-        let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
+        let report = self.reconcile_in(&mut tx).await?;
         let (admin, blocked): (String, Option<String>) =
             sqlx::query_as("SELECT admin_state, drain_blocked FROM inventory.nodes WHERE id = $1")
                 .bind(id.as_str())

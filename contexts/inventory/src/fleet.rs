@@ -12,8 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
 use mesh_plumbing::section::Items;
-use mesh_protocol::{DeclarationItems, Labels, NodeId};
-use serde::Serialize;
+use mesh_protocol::{DeclarationItems, NodeId};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
@@ -25,10 +24,10 @@ use crate::placement::{
     Bounds, Intent, NodeFacts, PlacementError, Request, Resources, Snapshot, effective_replicas,
     place,
 };
+use crate::state::{
+    ACTIVE, Assignment, Assignments, Module, NodeRow, RETIRING, ReconcileReport, lock,
+};
 use crate::{Error, SECTIONS};
-
-/// Advisory lock of the fleet reconcile ("invf" in ASCII).
-const LOCK_FLEET: i64 = 0x696e_7666;
 
 /// What a reconcile needs besides the database.
 #[derive(Debug, Clone)]
@@ -40,72 +39,11 @@ pub(crate) struct Pass {
     pub max_unreachable_share: f64,
 }
 
-/// What one reconcile did.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct ReconcileReport {
-    /// Replicas placed on a node (new, or replacing one).
-    pub placed: usize,
-    /// Assignments removed (scaled down, module deleted, replaced, surplus).
-    pub removed: usize,
-    /// Nodes a new inventory section generation was declared to.
-    pub declared: usize,
-    /// Nodes whose drain finished in this pass.
-    pub drained: Vec<String>,
-    /// Why placement is paused (none: it is not).
-    pub paused: Option<String>,
-}
-
-impl ReconcileReport {
-    pub fn changed(&self) -> bool {
-        self.placed > 0 || self.removed > 0 || self.declared > 0 || !self.drained.is_empty()
-    }
-}
-
-#[derive(sqlx::FromRow)]
-pub(crate) struct NodeRow {
-    pub(crate) id: String,
-    pub(crate) reported_labels: Json<Labels>,
-    pub(crate) operator_labels: Json<Labels>,
-    pub(crate) cpus: i64,
-    pub(crate) memory_bytes: i64,
-    pub(crate) state: String,
-    pub(crate) admin_state: String,
-    pub(crate) drain_blocked: Option<String>,
-}
-
 #[derive(sqlx::FromRow)]
 struct ModuleRow {
     name: String,
     spec: Json<ModuleSpec>,
     placement_error: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
-pub(crate) struct Assignment {
-    pub(crate) node: String,
-    pub(crate) name: String,
-    pub(crate) module: String,
-    pub(crate) replica: i32,
-    pub(crate) role: String,
-    pub(crate) placed_at: DateTime<Utc>,
-    pub(crate) unit_state: Option<String>,
-}
-
-const ACTIVE: &str = "active";
-pub(crate) const RETIRING: &str = "retiring";
-
-pub(crate) struct Module {
-    pub(crate) spec: ModuleSpec,
-    pub(crate) intent: Intent,
-    pub(crate) placement_error: Option<String>,
-}
-
-pub(crate) async fn lock(tx: &mut PgConnection) -> Result<(), Error> {
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(LOCK_FLEET)
-        .execute(&mut *tx)
-        .await?;
-    Ok(())
 }
 
 async fn load_modules(tx: &mut PgConnection) -> Result<BTreeMap<String, Module>, Error> {
@@ -215,9 +153,6 @@ pub(crate) async fn reconcile(
     alerts::sync(tx, alerts).await?;
     Ok(report)
 }
-
-/// The assignments of a pass, keyed (node, unit name).
-pub(crate) type Assignments = BTreeMap<(String, String), Assignment>;
 
 /// What a reconcile starts from: every node (by id), module and assignment.
 struct State {

@@ -33,6 +33,7 @@ pub mod placement;
 mod protocol;
 mod query;
 mod reports;
+mod state;
 mod sweep;
 mod units;
 
@@ -47,11 +48,11 @@ use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
-pub use fleet::ReconcileReport;
 pub use query::{
     AlertView, AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView,
     ProtocolView,
 };
+pub use state::ReconcileReport;
 pub use sweep::SweepReport;
 
 /// The schema (and record context name) this crate owns.

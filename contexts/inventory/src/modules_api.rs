@@ -495,7 +495,7 @@ impl Inventory {
         let mut tx = self.pool.begin().await?;
         // The fleet lock first, as every fleet writer takes it: no lock cycles
         // with the sweeper.
-        fleet::lock(&mut tx).await?;
+        crate::state::lock(&mut tx).await?;
         let current: Option<i64> =
             sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
                 .bind(name)
@@ -564,7 +564,7 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
-        fleet::lock(&mut tx).await?;
+        crate::state::lock(&mut tx).await?;
         let current: Option<i64> =
             sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
                 .bind(name)
@@ -601,7 +601,7 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<i64, Error> {
         let mut tx = self.pool.begin().await?;
-        fleet::lock(&mut tx).await?;
+        crate::state::lock(&mut tx).await?;
         let exists: Option<String> =
             sqlx::query_scalar("SELECT name FROM inventory.modules WHERE name = $1 FOR UPDATE")
                 .bind(name)
@@ -632,7 +632,7 @@ impl Inventory {
 
     async fn delete_intent(&self, name: &str, layer: &str, audit: &Audit) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
-        fleet::lock(&mut tx).await?;
+        crate::state::lock(&mut tx).await?;
         let gone: Option<String> = sqlx::query_scalar(
             "DELETE FROM inventory.intents WHERE module = $1 AND layer = $2 RETURNING module",
         )
