@@ -13,6 +13,7 @@ pub mod api;
 pub mod app;
 pub mod auth;
 pub mod config;
+pub mod contexts;
 pub mod fence;
 pub mod metrics;
 pub mod openapi;

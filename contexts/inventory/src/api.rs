@@ -12,8 +12,8 @@ use mesh_protocol::{Labels, NodeId, validate_labels};
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
 
+use crate::nodes::{effective, emit};
 use crate::query::{LabelsView, NodeSummary};
-use crate::reports::{effective, emit};
 use crate::{Error, Inventory, SCHEMA};
 use mesh_plumbing::api::ApiJson;
 use mesh_plumbing::audit::{self, Audit};
@@ -174,5 +174,31 @@ impl Inventory {
             self.signal.notify();
         }
         Ok((view, version))
+    }
+}
+
+/// The API layer's mapping of the context's errors to problem+json (domain
+/// methods return [`Error`]; only the routes speak HTTP).
+impl From<Error> for Problem {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::NodeNotFound(id) => Problem::not_found(format!("no node `{id}`")),
+            Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
+            Error::NotFound(detail) => Problem::not_found(detail),
+            Error::PreconditionFailed(detail) => {
+                Problem::new(StatusCode::PRECONDITION_FAILED, detail)
+            }
+            Error::PreconditionRequired(detail) => {
+                Problem::new(StatusCode::PRECONDITION_REQUIRED, detail)
+            }
+            Error::Conflict(detail) => Problem::new(StatusCode::CONFLICT, detail),
+            other => Problem::internal(other),
+        }
+    }
+}
+
+impl axum::response::IntoResponse for Error {
+    fn into_response(self) -> axum::response::Response {
+        Problem::from(self).into_response()
     }
 }

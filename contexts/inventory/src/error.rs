@@ -1,6 +1,4 @@
-use axum::response::{IntoResponse, Response};
 use mesh_plumbing::HandlerError;
-use mesh_plumbing::api::Problem;
 use mesh_protocol::DecodeError;
 use thiserror::Error;
 
@@ -18,6 +16,18 @@ pub enum Error {
     Corrupt { node: String, reason: String },
     #[error(transparent)]
     Section(#[from] mesh_plumbing::section::SectionError),
+    /// Something other than a node that the request names does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// A write whose If-Match / If-None-Match does not hold.
+    #[error("{0}")]
+    PreconditionFailed(String),
+    /// A replace that did not say which revision it replaces.
+    #[error("{0}")]
+    PreconditionRequired(String),
+    /// A write the resource's state forbids (a revoked node).
+    #[error("{0}")]
+    Conflict(String),
 }
 
 impl Error {
@@ -28,6 +38,10 @@ impl Error {
             Error::Invalid { .. } => "invalid",
             Error::Corrupt { .. } => "corrupt",
             Error::Section(_) => "section",
+            Error::NotFound(_) => "not_found",
+            Error::PreconditionFailed(_) => "precondition_failed",
+            Error::PreconditionRequired(_) => "precondition_required",
+            Error::Conflict(_) => "conflict",
         }
     }
 }
@@ -51,21 +65,5 @@ impl From<Error> for HandlerError {
             Error::Section(e) => HandlerError::from(e),
             other => HandlerError::Permanent(other.to_string()),
         }
-    }
-}
-
-impl From<Error> for Problem {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::NodeNotFound(id) => Problem::not_found(format!("no node `{id}`")),
-            Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
-            other => Problem::internal(other),
-        }
-    }
-}
-
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        Problem::from(self).into_response()
     }
 }

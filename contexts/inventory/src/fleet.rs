@@ -12,21 +12,22 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
 use mesh_plumbing::section::Items;
-use mesh_protocol::{DeclarationItems, DesiredState, Labels, NodeId};
-use serde::Serialize;
+use mesh_protocol::{DeclarationItems, NodeId};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
+use crate::alerts::{self, Alert};
+use crate::drains;
 use crate::module::{ModuleSpec, unit_name};
+use crate::nodes::effective;
 use crate::placement::{
     Bounds, Intent, NodeFacts, PlacementError, Request, Resources, Snapshot, effective_replicas,
     place,
 };
-use crate::reports::effective;
+use crate::state::{
+    ACTIVE, Assignment, Assignments, Module, NodeRow, RETIRING, ReconcileReport, lock,
+};
 use crate::{Error, SECTIONS};
-
-/// Advisory lock of the fleet reconcile ("invf" in ASCII).
-const LOCK_FLEET: i64 = 0x696e_7666;
 
 /// What a reconcile needs besides the database.
 #[derive(Debug, Clone)]
@@ -38,80 +39,11 @@ pub(crate) struct Pass {
     pub max_unreachable_share: f64,
 }
 
-/// What one reconcile did.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct ReconcileReport {
-    /// Replicas placed on a node (new, or replacing one).
-    pub placed: usize,
-    /// Assignments removed (scaled down, module deleted, replaced, surplus).
-    pub removed: usize,
-    /// Nodes a new inventory section generation was declared to.
-    pub declared: usize,
-    /// Nodes whose drain finished in this pass.
-    pub drained: Vec<String>,
-    /// Why placement is paused (none: it is not).
-    pub paused: Option<String>,
-}
-
-impl ReconcileReport {
-    pub fn changed(&self) -> bool {
-        self.placed > 0 || self.removed > 0 || self.declared > 0 || !self.drained.is_empty()
-    }
-}
-
-#[derive(sqlx::FromRow)]
-struct NodeRow {
-    id: String,
-    reported_labels: Json<Labels>,
-    operator_labels: Json<Labels>,
-    cpus: i64,
-    memory_bytes: i64,
-    state: String,
-    admin_state: String,
-    drain_blocked: Option<String>,
-}
-
 #[derive(sqlx::FromRow)]
 struct ModuleRow {
     name: String,
     spec: Json<ModuleSpec>,
     placement_error: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
-struct Assignment {
-    node: String,
-    name: String,
-    module: String,
-    replica: i32,
-    role: String,
-    placed_at: DateTime<Utc>,
-    unit_state: Option<String>,
-}
-
-const ACTIVE: &str = "active";
-const RETIRING: &str = "retiring";
-
-struct Module {
-    spec: ModuleSpec,
-    intent: Intent,
-    placement_error: Option<String>,
-}
-
-/// One alert as the reconcile wants it open.
-struct Alert {
-    kind: &'static str,
-    node: Option<String>,
-    module: Option<String>,
-    message: String,
-}
-
-pub(crate) async fn lock(tx: &mut PgConnection) -> Result<(), Error> {
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(LOCK_FLEET)
-        .execute(&mut *tx)
-        .await?;
-    Ok(())
 }
 
 async fn load_modules(tx: &mut PgConnection) -> Result<BTreeMap<String, Module>, Error> {
@@ -176,12 +108,66 @@ fn replica_u32(a: &Assignment) -> u32 {
     u32::try_from(a.replica).unwrap_or(0)
 }
 
-/// Reconcile the whole fleet inside `tx` (which it locks).
+/// Reconcile the whole fleet inside `tx` (which it locks), in phases: load
+/// the state, drop surplus copies, retire replaced ones (make-before-break),
+/// judge authority, place each module, judge drains, then write placement
+/// errors, drains, assignments, sections and alerts (nodes before assignments
+/// before sections: every writer locks in that order).
 pub(crate) async fn reconcile(
     tx: &mut PgConnection,
     pass: &Pass,
 ) -> Result<ReconcileReport, Error> {
     lock(tx).await?;
+    let State {
+        nodes,
+        mut modules,
+        before,
+    } = load(tx).await?;
+    let mut report = ReconcileReport::default();
+    let mut alerts: BTreeMap<String, Alert> = BTreeMap::new();
+    // The assignments after this pass, keyed (node, unit name).
+    let mut after: Assignments = before
+        .iter()
+        .filter(|a| modules.contains_key(&a.module))
+        .map(|a| ((a.node.clone(), a.name.clone()), a.clone()))
+        .collect();
+    drop_surplus(&mut after);
+    retire_replaced(&mut after, &nodes);
+    let not_authoritative = authority(&nodes, pass, &mut alerts, &mut report);
+    place_modules(
+        &nodes,
+        &mut modules,
+        &mut after,
+        not_authoritative.as_ref(),
+        pass,
+        &mut alerts,
+    );
+    let drains = drains::judge(&nodes, &modules, &after, not_authoritative.as_ref());
+    write_placement_errors(tx, &modules).await?;
+    drains::write(tx, &nodes, drains, &mut report).await?;
+    write_assignments(tx, &before, &after, &mut report).await?;
+    // Sections of every node that holds or held units.
+    let mut touched: BTreeSet<String> = before.iter().map(|a| a.node.clone()).collect();
+    touched.extend(after.keys().map(|(node, _)| node.clone()));
+    report.declared = declare(tx, &touched, &after, &modules).await?;
+    alerts::sync(tx, alerts).await?;
+    Ok(report)
+}
+
+/// What a reconcile starts from: every node (by id), module and assignment.
+struct State {
+    nodes: BTreeMap<String, NodeRow>,
+    modules: BTreeMap<String, Module>,
+    before: Vec<Assignment>,
+}
+
+/// Whether node `id` is known and alive.
+pub(crate) fn reachable(nodes: &BTreeMap<String, NodeRow>, id: &str) -> bool {
+    nodes.get(id).is_some_and(|n| n.state == "alive")
+}
+
+/// Load the snapshot a pass works on (inside the fleet lock).
+async fn load(tx: &mut PgConnection) -> Result<State, Error> {
     let nodes: Vec<NodeRow> = sqlx::query_as(
         // A refused node (its agent speaks no protocol version this controller
         // does) is not schedulable, like one that is not active.
@@ -192,26 +178,23 @@ pub(crate) async fn reconcile(
     .fetch_all(&mut *tx)
     .await?;
     let nodes: BTreeMap<String, NodeRow> = nodes.into_iter().map(|n| (n.id.clone(), n)).collect();
-    let mut modules = load_modules(tx).await?;
+    let modules = load_modules(tx).await?;
     let before: Vec<Assignment> = sqlx::query_as(
         "SELECT node, name, module, replica, role, placed_at, unit_state FROM inventory.assignments \
          ORDER BY node, name",
     )
     .fetch_all(&mut *tx)
     .await?;
-    let reachable = |id: &str| nodes.get(id).is_some_and(|n| n.state == "alive");
+    Ok(State {
+        nodes,
+        modules,
+        before,
+    })
+}
 
-    let mut report = ReconcileReport::default();
-    let mut alerts: BTreeMap<String, Alert> = BTreeMap::new();
-    // The assignments after this pass, keyed (node, unit name).
-    let mut after: BTreeMap<(String, String), Assignment> = before
-        .iter()
-        .filter(|a| modules.contains_key(&a.module))
-        .map(|a| ((a.node.clone(), a.name.clone()), a.clone()))
-        .collect();
-
-    // Surplus: two active copies of one replica (a node came back after its
-    // replica was placed elsewhere). The newest placement wins; ties by node id.
+/// Surplus: two active copies of one replica (a node came back after its
+/// replica was placed elsewhere). The newest placement wins; ties by node id.
+fn drop_surplus(after: &mut Assignments) {
     let mut newest: BTreeMap<(String, i32), (DateTime<Utc>, String)> = BTreeMap::new();
     for a in after.values().filter(|a| a.role == ACTIVE) {
         let key = (a.module.clone(), a.replica);
@@ -230,9 +213,11 @@ pub(crate) async fn reconcile(
                 .get(&(a.module.clone(), a.replica))
                 .is_none_or(|(_, node)| *node == a.node)
     });
+}
 
-    // Make-before-break: a retiring copy goes once its replacement runs, or at
-    // once if its node is unreachable (it cannot be told) or nothing replaces it.
+/// Make-before-break: a retiring copy goes once its replacement runs, or at
+/// once if its node is unreachable (it cannot be told) or nothing replaces it.
+fn retire_replaced(after: &mut Assignments, nodes: &BTreeMap<String, NodeRow>) {
     let running: BTreeSet<(String, i32)> = after
         .values()
         .filter(|a| a.role == ACTIVE && a.unit_state.as_deref() == Some("running"))
@@ -245,12 +230,21 @@ pub(crate) async fn reconcile(
         .collect();
     after.retain(|_, a| {
         a.role != RETIRING
-            || (reachable(&a.node)
+            || (reachable(nodes, &a.node)
                 && replaced.contains(&(a.module.clone(), a.replica))
                 && !running.contains(&(a.module.clone(), a.replica)))
     });
+}
 
-    // Authority: observed long enough, and not too many unreachable at once.
+/// Authority: observed long enough, and not too many unreachable at once.
+/// Returns why placement must not move anything (none: it may), and raises the
+/// `replacement_paused` alert.
+fn authority(
+    nodes: &BTreeMap<String, NodeRow>,
+    pass: &Pass,
+    alerts: &mut BTreeMap<String, Alert>,
+    report: &mut ReconcileReport,
+) -> Option<String> {
     let counted: Vec<&NodeRow> = nodes
         .values()
         .filter(|n| n.admin_state != "revoked")
@@ -281,7 +275,20 @@ pub(crate) async fn reconcile(
             not_authoritative = Some(reason);
         }
     }
+    not_authoritative
+}
 
+/// Place each module's replicas (pure: `after`, the modules' placement errors
+/// and the alerts change, nothing is written). A moved replica's old copy is
+/// retired if its node can be told, dropped if not.
+fn place_modules(
+    nodes: &BTreeMap<String, NodeRow>,
+    modules: &mut BTreeMap<String, Module>,
+    after: &mut Assignments,
+    not_authoritative: Option<&String>,
+    pass: &Pass,
+    alerts: &mut BTreeMap<String, Alert>,
+) {
     // What every node already holds, by module.
     let mut used: BTreeMap<String, Resources> = BTreeMap::new();
     for a in after.values() {
@@ -315,7 +322,7 @@ pub(crate) async fn reconcile(
                     acc
                 });
         let snapshot = Snapshot {
-            not_authoritative: not_authoritative.clone(),
+            not_authoritative: not_authoritative.cloned(),
             nodes: nodes
                 .values()
                 .map(|n| NodeFacts {
@@ -359,7 +366,7 @@ pub(crate) async fn reconcile(
                     if let Some(old) = old
                         && let Some(a) = after.get_mut(&(old.clone(), unit.clone()))
                     {
-                        if reachable(&old) {
+                        if reachable(nodes, &old) {
                             a.role = RETIRING.into();
                         } else {
                             after.remove(&(old, unit.clone()));
@@ -402,7 +409,7 @@ pub(crate) async fn reconcile(
         // A pinned module on an unreachable node is never moved: say so.
         if m.spec.placement.is_pinned() {
             for (_, node) in &current {
-                if !reachable(node) {
+                if !reachable(nodes, node) {
                     let what = if m.spec.stateful {
                         "stateful module"
                     } else {
@@ -424,55 +431,14 @@ pub(crate) async fn reconcile(
             }
         }
     }
+}
 
-    // Drains: finished when nothing that must run is left on the node.
-    let mut drains: BTreeMap<String, (Option<String>, bool)> = BTreeMap::new();
-    for n in nodes.values().filter(|n| n.admin_state == "draining") {
-        let mut reasons = Vec::new();
-        let mut left = false;
-        for a in after.values().filter(|a| a.node == n.id) {
-            let Some(m) = modules.get(&a.module) else {
-                continue;
-            };
-            if a.role == RETIRING {
-                left = true;
-                reasons.push(format!(
-                    "`{}` waits for its replacement to run elsewhere",
-                    a.name
-                ));
-            } else if m.spec.placement.is_pinned() {
-                if m.spec.desired == DesiredState::Running {
-                    left = true;
-                    let what = if m.spec.stateful {
-                        "stateful and pinned"
-                    } else {
-                        "pinned"
-                    };
-                    reasons.push(format!(
-                        "module `{}` is {what} to this node: move it (change its exact_node) or stop it \
-                         (desired stopped, or delete it) to let the drain finish",
-                        a.module
-                    ));
-                }
-            } else {
-                left = true;
-                reasons.push(format!(
-                    "`{}` cannot be moved yet: {}",
-                    a.name,
-                    m.placement_error
-                        .clone()
-                        .or_else(|| not_authoritative.clone())
-                        .unwrap_or_else(|| "no eligible node".into())
-                ));
-            }
-        }
-        let reason = (!reasons.is_empty()).then(|| reasons.join("; "));
-        drains.insert(n.id.clone(), (reason, !left));
-    }
-
-    // Module placement errors and node drains (nodes before assignments before
-    // sections: every writer locks in that order).
-    for (name, m) in &modules {
+/// Write each module's placement error where it changed.
+async fn write_placement_errors(
+    tx: &mut PgConnection,
+    modules: &BTreeMap<String, Module>,
+) -> Result<(), Error> {
+    for (name, m) in modules {
         sqlx::query(
             "UPDATE inventory.modules SET placement_error = $2 WHERE name = $1 \
              AND placement_error IS DISTINCT FROM $2",
@@ -482,26 +448,17 @@ pub(crate) async fn reconcile(
         .execute(&mut *tx)
         .await?;
     }
-    for (id, (reason, done)) in drains {
-        let was = nodes.get(&id).and_then(|n| n.drain_blocked.clone());
-        if done {
-            sqlx::query(
-                "UPDATE inventory.nodes SET admin_state = 'drained', drain_blocked = NULL WHERE id = $1",
-            )
-            .bind(&id)
-            .execute(&mut *tx)
-            .await?;
-            report.drained.push(id);
-        } else if was != reason {
-            sqlx::query("UPDATE inventory.nodes SET drain_blocked = $2 WHERE id = $1")
-                .bind(&id)
-                .bind(&reason)
-                .execute(&mut *tx)
-                .await?;
-        }
-    }
+    Ok(())
+}
 
-    // Write the assignments that changed.
+/// Write the assignments that changed (deleted, updated, inserted), counting
+/// what was placed and removed.
+async fn write_assignments(
+    tx: &mut PgConnection,
+    before: &[Assignment],
+    after: &Assignments,
+    report: &mut ReconcileReport,
+) -> Result<(), Error> {
     let before_map: BTreeMap<(String, String), &Assignment> = before
         .iter()
         .map(|a| ((a.node.clone(), a.name.clone()), a))
@@ -524,7 +481,7 @@ pub(crate) async fn reconcile(
         .execute(&mut *tx)
         .await?;
     }
-    for (key, a) in &after {
+    for (key, a) in after {
         match before_map.get(key) {
             Some(b) if *b == a => {}
             Some(b) => {
@@ -558,17 +515,9 @@ pub(crate) async fn reconcile(
             }
         }
     }
-
-    // Sections of every node that holds or held units.
-    let mut touched: BTreeSet<String> = before.iter().map(|a| a.node.clone()).collect();
-    touched.extend(after.keys().map(|(node, _)| node.clone()));
-    report.declared = declare(tx, &touched, &after, &modules).await?;
-
-    sync_alerts(tx, alerts).await?;
-    Ok(report)
+    Ok(())
 }
 
-/// The inventory section of `node`: one unit per assignment it holds.
 fn units_of(
     node: &str,
     assignments: &BTreeMap<(String, String), Assignment>,
@@ -640,29 +589,4 @@ pub(crate) async fn desired_sections(tx: &mut PgConnection) -> Result<Vec<(NodeI
         desired.push((node_id(&node)?, items));
     }
     Ok(desired)
-}
-
-/// Make the open alerts exactly `alerts`: new ones raised, gone ones cleared,
-/// the rest keep when they were raised.
-async fn sync_alerts(tx: &mut PgConnection, alerts: BTreeMap<String, Alert>) -> Result<(), Error> {
-    let keys: Vec<&str> = alerts.keys().map(String::as_str).collect();
-    sqlx::query("DELETE FROM inventory.alerts WHERE NOT (key = ANY($1))")
-        .bind(&keys)
-        .execute(&mut *tx)
-        .await?;
-    for (key, a) in &alerts {
-        sqlx::query(
-            "INSERT INTO inventory.alerts AS a (key, kind, node, module, message) VALUES ($1, $2, $3, $4, $5) \
-             ON CONFLICT (key) DO UPDATE SET message = excluded.message, node = excluded.node, \
-             updated_at = CASE WHEN a.message = excluded.message THEN a.updated_at ELSE now() END",
-        )
-        .bind(key)
-        .bind(a.kind)
-        .bind(&a.node)
-        .bind(&a.module)
-        .bind(&a.message)
-        .execute(&mut *tx)
-        .await?;
-    }
-    Ok(())
 }

@@ -21,15 +21,19 @@
 //! for a full grace period ([`Inventory::observe_from`]); placement is the pure
 //! function in [`placement`].
 
+mod alerts;
 mod api;
+mod drains;
 mod error;
 mod fleet;
 pub mod module;
 mod modules_api;
+mod nodes;
 pub mod placement;
 mod protocol;
 mod query;
 mod reports;
+mod state;
 mod sweep;
 mod units;
 
@@ -44,11 +48,11 @@ use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
-pub use fleet::ReconcileReport;
 pub use query::{
     AlertView, AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView,
     ProtocolView,
 };
+pub use state::ReconcileReport;
 pub use sweep::SweepReport;
 
 /// The schema (and record context name) this crate owns.

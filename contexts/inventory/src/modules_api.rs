@@ -96,10 +96,6 @@ fn precondition(
     Ok(Some(Precondition::Revisions(revisions)))
 }
 
-fn precondition_failed(detail: impl Into<String>) -> Problem {
-    Problem::new(StatusCode::PRECONDITION_FAILED, detail)
-}
-
 fn parse_name(name: &str) -> Result<(), Problem> {
     validate_name(name).map_err(Problem::from)
 }
@@ -495,20 +491,19 @@ impl Inventory {
         if_match: Option<Precondition>,
         if_none_match: Option<Precondition>,
         audit: &Audit,
-    ) -> Result<bool, Problem> {
-        let mut tx = self.pool.begin().await.map_err(Error::from)?;
+    ) -> Result<bool, Error> {
+        let mut tx = self.pool.begin().await?;
         // The fleet lock first, as every fleet writer takes it: no lock cycles
         // with the sweeper.
-        fleet::lock(&mut tx).await?;
+        crate::state::lock(&mut tx).await?;
         let current: Option<i64> =
             sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
                 .bind(name)
                 .fetch_optional(&mut *tx)
-                .await
-                .map_err(Error::from)?;
+                .await?;
         let created = match (current, if_match, if_none_match) {
             (None, Some(_), _) => {
-                return Err(precondition_failed(format!(
+                return Err(Error::PreconditionFailed(format!(
                     "If-Match given, but there is no module `{name}`"
                 )));
             }
@@ -517,23 +512,19 @@ impl Inventory {
                     .bind(name)
                     .bind(SqlJson(spec))
                     .execute(&mut *tx)
-                    .await
-                    .map_err(Error::from)?;
+                    .await?;
                 true
             }
             (Some(rev), _, Some(_)) => {
-                return Err(precondition_failed(format!(
+                return Err(Error::PreconditionFailed(format!(
                     "If-None-Match given, but module `{name}` exists (revision {rev})"
                 )));
             }
             (Some(rev), None, None) => {
-                return Err(Problem::new(
-                    StatusCode::PRECONDITION_REQUIRED,
-                    format!(
-                        "module `{name}` exists (revision {rev}): say which revision you replace with \
+                return Err(Error::PreconditionRequired(format!(
+                    "module `{name}` exists (revision {rev}): say which revision you replace with \
                          If-Match: \"{rev}\" (or If-Match: * to replace whatever is there)"
-                    ),
-                ));
+                )));
             }
             (Some(rev), Some(p), None) => {
                 let ok = match p {
@@ -541,7 +532,7 @@ impl Inventory {
                     Precondition::Revisions(r) => r.contains(&rev),
                 };
                 if !ok {
-                    return Err(precondition_failed(format!(
+                    return Err(Error::PreconditionFailed(format!(
                         "module `{name}` is at revision {rev}: re-read it and apply your change again"
                     )));
                 }
@@ -553,15 +544,13 @@ impl Inventory {
                 .bind(SqlJson(spec))
                 .execute(&mut *tx)
                 .await
-                .map_err(Error::from)?;
+                ?;
                 false
             }
         };
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
-        audit::record_ok(&mut tx, SCHEMA, audit)
-            .await
-            .map_err(Error::from)?;
-        tx.commit().await.map_err(Error::from)?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
         if report.changed() {
             self.signal.notify();
         }
@@ -573,35 +562,31 @@ impl Inventory {
         name: &str,
         if_match: Option<Precondition>,
         audit: &Audit,
-    ) -> Result<(), Problem> {
-        let mut tx = self.pool.begin().await.map_err(Error::from)?;
-        fleet::lock(&mut tx).await?;
+    ) -> Result<(), Error> {
+        let mut tx = self.pool.begin().await?;
+        crate::state::lock(&mut tx).await?;
         let current: Option<i64> =
             sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
                 .bind(name)
                 .fetch_optional(&mut *tx)
-                .await
-                .map_err(Error::from)?;
+                .await?;
         let Some(rev) = current else {
-            return Err(Problem::not_found(format!("no module `{name}`")));
+            return Err(Error::NotFound(format!("no module `{name}`")));
         };
         if let Some(Precondition::Revisions(r)) = if_match
             && !r.contains(&rev)
         {
-            return Err(precondition_failed(format!(
+            return Err(Error::PreconditionFailed(format!(
                 "module `{name}` is at revision {rev}"
             )));
         }
         sqlx::query("DELETE FROM inventory.modules WHERE name = $1")
             .bind(name)
             .execute(&mut *tx)
-            .await
-            .map_err(Error::from)?;
+            .await?;
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
-        audit::record_ok(&mut tx, SCHEMA, audit)
-            .await
-            .map_err(Error::from)?;
-        tx.commit().await.map_err(Error::from)?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
         if report.changed() {
             self.signal.notify();
         }
@@ -614,17 +599,16 @@ impl Inventory {
         layer: &str,
         value: &serde_json::Value,
         audit: &Audit,
-    ) -> Result<i64, Problem> {
-        let mut tx = self.pool.begin().await.map_err(Error::from)?;
-        fleet::lock(&mut tx).await?;
+    ) -> Result<i64, Error> {
+        let mut tx = self.pool.begin().await?;
+        crate::state::lock(&mut tx).await?;
         let exists: Option<String> =
             sqlx::query_scalar("SELECT name FROM inventory.modules WHERE name = $1 FOR UPDATE")
                 .bind(name)
                 .fetch_optional(&mut *tx)
-                .await
-                .map_err(Error::from)?;
+                .await?;
         if exists.is_none() {
-            return Err(Problem::not_found(format!("no module `{name}`")));
+            return Err(Error::NotFound(format!("no module `{name}`")));
         }
         let revision: i64 = sqlx::query_scalar(
             "INSERT INTO inventory.intents AS i (module, layer, value) VALUES ($1, $2, $3) \
@@ -636,99 +620,37 @@ impl Inventory {
         .bind(SqlJson(value))
         .fetch_one(&mut *tx)
         .await
-        .map_err(Error::from)?;
+        ?;
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
-        audit::record_ok(&mut tx, SCHEMA, audit)
-            .await
-            .map_err(Error::from)?;
-        tx.commit().await.map_err(Error::from)?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
         if report.changed() {
             self.signal.notify();
         }
         Ok(revision)
     }
 
-    async fn delete_intent(&self, name: &str, layer: &str, audit: &Audit) -> Result<(), Problem> {
-        let mut tx = self.pool.begin().await.map_err(Error::from)?;
-        fleet::lock(&mut tx).await?;
+    async fn delete_intent(&self, name: &str, layer: &str, audit: &Audit) -> Result<(), Error> {
+        let mut tx = self.pool.begin().await?;
+        crate::state::lock(&mut tx).await?;
         let gone: Option<String> = sqlx::query_scalar(
             "DELETE FROM inventory.intents WHERE module = $1 AND layer = $2 RETURNING module",
         )
         .bind(name)
         .bind(layer)
         .fetch_optional(&mut *tx)
-        .await
-        .map_err(Error::from)?;
+        .await?;
         if gone.is_none() {
-            return Err(Problem::not_found(format!(
+            return Err(Error::NotFound(format!(
                 "module `{name}` has no {layer} intent"
             )));
         }
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
-        audit::record_ok(&mut tx, SCHEMA, audit)
-            .await
-            .map_err(Error::from)?;
-        tx.commit().await.map_err(Error::from)?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
         if report.changed() {
             self.signal.notify();
         }
         Ok(())
-    }
-
-    /// Start (`drain`) or end a node's drain, then reconcile, with the request's
-    /// audit entry. Returns the node's administrative state and what blocks its
-    /// drain.
-    pub async fn set_drain(
-        &self,
-        id: &NodeId,
-        drain: bool,
-        audit: &Audit,
-    ) -> Result<(String, Option<String>), Problem> {
-        let mut tx = self.pool.begin().await.map_err(Error::from)?;
-        fleet::lock(&mut tx).await?;
-        let admin: Option<String> =
-            sqlx::query_scalar("SELECT admin_state FROM inventory.nodes WHERE id = $1 FOR UPDATE")
-                .bind(id.as_str())
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(Error::from)?;
-        let Some(admin) = admin else {
-            return Err(Error::NodeNotFound(id.to_string()).into());
-        };
-        if admin == "revoked" {
-            return Err(Problem::new(
-                StatusCode::CONFLICT,
-                format!("node `{id}` is revoked"),
-            ));
-        }
-        let next = match (drain, admin.as_str()) {
-            (true, "drained") => "drained",
-            (true, _) => "draining",
-            (false, _) => "active",
-        };
-        sqlx::query(
-            "UPDATE inventory.nodes SET admin_state = $2, \
-             drain_blocked = CASE WHEN $2 = 'draining' THEN drain_blocked ELSE NULL END WHERE id = $1",
-        )
-        .bind(id.as_str())
-        .bind(next)
-        .execute(&mut *tx)
-        .await
-        .map_err(Error::from)?;
-        let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
-        let (admin, blocked): (String, Option<String>) =
-            sqlx::query_as("SELECT admin_state, drain_blocked FROM inventory.nodes WHERE id = $1")
-                .bind(id.as_str())
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(Error::from)?;
-        audit::record_ok(&mut tx, SCHEMA, audit)
-            .await
-            .map_err(Error::from)?;
-        tx.commit().await.map_err(Error::from)?;
-        if report.changed() {
-            self.signal.notify();
-        }
-        Ok((admin, blocked))
     }
 }

@@ -10,7 +10,7 @@ use sqlx::PgConnection;
 use sqlx::types::Json;
 
 use crate::Error;
-use crate::reports::{effective, emit, to_i64};
+use crate::nodes::{effective, emit, to_i64};
 
 /// Record a refused hello: the node's facts (a node first heard of now gets
 /// its row, so that `GET /v1/nodes/{id}` says why), its range and the reason.

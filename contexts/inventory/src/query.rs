@@ -8,8 +8,8 @@ use serde::Serialize;
 use sqlx::types::Json;
 
 use crate::module::{AutoscalerIntent, ModuleSpec};
+use crate::nodes::effective;
 use crate::placement::{Intent, effective_replicas};
-use crate::reports::effective;
 use crate::{Error, Inventory};
 
 /// One node in `GET /v1/nodes`.

@@ -8,17 +8,16 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use mesh_plumbing::applied;
-use mesh_plumbing::outbox;
 use mesh_plumbing::section::Resend;
 use mesh_protocol::{
-    Applied, DeclarationItems, Envelope, Hello, Labels, LivenessState, NodeId, NodeLabelsChanged,
-    NodeLiveness, ProtocolRange, RecordEvent, RecordKind, Report, Section,
+    Applied, DeclarationItems, Envelope, Hello, Labels, LivenessState, NodeId, NodeLiveness,
+    ProtocolRange, RecordKind, Report, Section,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use crate::sweep::emit_liveness;
-use crate::{Error, InventorySettings, SCHEMA, SECTIONS};
+use crate::nodes::{effective, emit, emit_liveness, to_i64};
+use crate::{Error, InventorySettings, SECTIONS};
 
 pub(crate) async fn handle(
     tx: &mut PgConnection,
@@ -79,38 +78,9 @@ async fn revived(
     .await
 }
 
-/// Effective labels: reported, overridden key by key by the operator's.
-pub(crate) fn effective(reported: &Labels, operator: &Labels) -> Labels {
-    let mut labels = reported.clone();
-    labels.extend(operator.iter().map(|(k, v)| (k.clone(), v.clone())));
-    labels
-}
-
-pub(crate) fn to_i64(n: u64) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
-}
-
 /// A node's clock may run ahead; never record a "last seen" in the future.
 fn clamp(sent_at: DateTime<Utc>) -> DateTime<Utc> {
     sent_at.min(Utc::now())
-}
-
-/// Write `inventory.node.joined` or `.updated` (`event`) with the node's
-/// effective labels to the outbox.
-pub(crate) async fn emit(
-    tx: &mut PgConnection,
-    event: fn(NodeLabelsChanged) -> RecordKind,
-    node: &NodeId,
-    labels: Labels,
-    version: i64,
-) -> Result<(), Error> {
-    let body = NodeLabelsChanged {
-        node: node.clone(),
-        labels,
-        version,
-    };
-    outbox::record(tx, SCHEMA, &RecordEvent::new(event(body))).await?;
-    Ok(())
 }
 
 async fn hello(

@@ -2,19 +2,15 @@
 //! then reconcile the fleet. The controller calls [`Inventory::sweep`] on a timer.
 
 use chrono::{DateTime, Utc};
-use mesh_plumbing::outbox;
-use mesh_protocol::{LivenessState, NodeId, NodeLiveness, RecordEvent};
+use mesh_protocol::{LivenessState, NodeId, NodeLiveness};
 use serde::Serialize;
 use sqlx::PgConnection;
 
-use crate::fleet::{self, Pass, ReconcileReport};
-use crate::{Error, Inventory, SCHEMA};
-
-/// Write `inventory.node.<state>` for a liveness transition to the outbox.
-pub(crate) async fn emit_liveness(tx: &mut PgConnection, body: NodeLiveness) -> Result<(), Error> {
-    outbox::record(tx, SCHEMA, &RecordEvent::new(body.into_kind())).await?;
-    Ok(())
-}
+use crate::fleet::{self, Pass};
+use crate::nodes::emit_liveness;
+use crate::state;
+use crate::state::ReconcileReport;
+use crate::{Error, Inventory};
 
 /// What one sweep did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -49,7 +45,7 @@ impl Inventory {
     pub async fn sweep(&self, now: DateTime<Utc>) -> Result<SweepReport, Error> {
         let pass = self.pass(now);
         let mut tx = self.pool.begin().await?;
-        fleet::lock(&mut tx).await?;
+        state::lock(&mut tx).await?;
         let mut report = SweepReport {
             not_judged: pass.not_observed.clone(),
             ..SweepReport::default()
@@ -94,6 +90,15 @@ impl Inventory {
             self.signal.notify();
         }
         Ok(report)
+    }
+
+    /// Reconcile the fleet inside `tx` (which it locks), at the controller's
+    /// now: what a write does in its own transaction before it commits.
+    pub(crate) async fn reconcile_in(
+        &self,
+        tx: &mut PgConnection,
+    ) -> Result<ReconcileReport, Error> {
+        fleet::reconcile(tx, &self.pass(Utc::now())).await
     }
 
     /// Reconcile the fleet now (what the API does after a write), and wake the

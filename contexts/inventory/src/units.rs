@@ -9,7 +9,7 @@ use mesh_protocol::{Envelope, Report, UnitState, Units};
 use sqlx::PgConnection;
 
 use crate::Error;
-use crate::reports::to_i64;
+use crate::nodes::to_i64;
 
 pub(crate) fn state_str(s: UnitState) -> &'static str {
     match s {

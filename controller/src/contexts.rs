@@ -1,0 +1,165 @@
+//! The contexts the controller runs and how they are built: one pool per
+//! context (its own role), their settings from the controller's, their
+//! migrations, and what the relay, the API and the resync timer need of them
+//! (schemas, pools, record subscriptions, section resync). Routing messages to
+//! them is [`crate::router`].
+
+use std::sync::Arc;
+
+use mesh_config::Config;
+use mesh_identity::Identity;
+use mesh_inventory::Inventory;
+use mesh_plumbing::section::{self, Declared};
+use mesh_plumbing::{Context, OutboxSignal};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::config::{ConfigError, Credentials, Settings};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ContextsError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("connecting to the {context} database: {source}")]
+    Connect {
+        context: &'static str,
+        source: sqlx::Error,
+    },
+    #[error(transparent)]
+    Migrate(#[from] mesh_plumbing::MigrateError),
+}
+
+/// Every context the controller runs, each with its own pool (its own role).
+pub struct Contexts {
+    pub inventory: Arc<Inventory>,
+    pub config: Arc<Config>,
+    pub identity: Arc<Identity>,
+}
+
+async fn pool(
+    creds: &Credentials,
+    context: &'static str,
+    size: u32,
+) -> Result<PgPool, ContextsError> {
+    let url = creds.database(context)?;
+    PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(std::time::Duration::from_secs(5))
+        .connect_lazy(url.expose())
+        .map_err(|source| ContextsError::Connect { context, source })
+}
+
+impl Contexts {
+    /// Apply every context's migrations, each as its own role into its own schema.
+    pub async fn migrate(
+        creds: &Credentials,
+    ) -> Result<Vec<(&'static str, Vec<String>)>, ContextsError> {
+        Ok(vec![
+            (
+                Inventory::SCHEMA,
+                mesh_inventory::migrate(creds.database(Inventory::SCHEMA)?.expose()).await?,
+            ),
+            (
+                Config::SCHEMA,
+                mesh_config::migrate(creds.database(Config::SCHEMA)?.expose()).await?,
+            ),
+            (
+                Identity::SCHEMA,
+                mesh_identity::migrate(creds.database(Identity::SCHEMA)?.expose()).await?,
+            ),
+        ])
+    }
+
+    pub async fn connect(
+        creds: &Credentials,
+        settings: &Settings,
+        signal: OutboxSignal,
+    ) -> Result<Contexts, ContextsError> {
+        let inventory = Inventory::new(
+            pool(creds, Inventory::SCHEMA, settings.pool_size).await?,
+            signal.clone(),
+            mesh_inventory::InventorySettings {
+                grace: settings.grace(),
+                max_unreachable_share: settings.max_unreachable_share,
+                controller_node: settings
+                    .controller_node
+                    .as_deref()
+                    .map(mesh_protocol::NodeId::parse)
+                    .transpose()
+                    .map_err(|e| ConfigError::Invalid {
+                        field: "controller_node",
+                        message: e.to_string(),
+                    })?,
+                resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
+                ..mesh_inventory::InventorySettings::default()
+            },
+        );
+        let config_settings = mesh_config::ConfigSettings {
+            resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
+        };
+        let config = Config::new(
+            pool(creds, Config::SCHEMA, settings.pool_size).await?,
+            signal.clone(),
+            config_settings,
+        );
+        let identity = Identity::new(
+            pool(creds, Identity::SCHEMA, settings.pool_size).await?,
+            signal,
+            mesh_identity::IdentitySettings::new(creds.signer()?.public_key_hex()),
+            Arc::new(crate::accounts::RabbitAccounts::from_credentials(creds)?),
+        );
+        Ok(Contexts {
+            inventory: Arc::new(inventory),
+            config: Arc::new(config),
+            identity: Arc::new(identity),
+        })
+    }
+
+    /// Every context's schema and pool, for the outbox relay and housekeeping.
+    pub fn schemas(&self) -> Vec<(&'static str, &PgPool)> {
+        vec![
+            (Inventory::SCHEMA, self.inventory.pool()),
+            (Config::SCHEMA, self.config.pool()),
+            (Identity::SCHEMA, self.identity.pool()),
+        ]
+    }
+
+    /// The pool of the context named `schema` (the auth layer writes audit
+    /// events to the outbox of the context that served the request).
+    pub fn pool_of(&self, schema: &str) -> Option<&PgPool> {
+        self.schemas()
+            .into_iter()
+            .find(|(s, _)| *s == schema)
+            .map(|(_, p)| p)
+    }
+
+    /// Record routing-key patterns per context, for declaring record queues.
+    pub fn record_subscriptions(&self) -> Vec<(&'static str, &'static [&'static str])> {
+        vec![
+            (Inventory::SCHEMA, self.inventory.subscriptions()),
+            (Config::SCHEMA, self.config.subscriptions()),
+            (Identity::SCHEMA, self.identity.subscriptions()),
+        ]
+    }
+
+    /// Recompute every node's section of every context that declares one and
+    /// declare what differs from what is stored (`section::resync`): the
+    /// periodic repair of anything missed. One context's failure does not stop
+    /// the others'.
+    pub async fn resync_sections(&self) -> Vec<(&'static str, Result<Declared, String>)> {
+        vec![
+            (
+                Inventory::SCHEMA,
+                section::resync(&*self.inventory)
+                    .await
+                    .map_err(|e| e.to_string()),
+            ),
+            (
+                Config::SCHEMA,
+                section::resync(&*self.config)
+                    .await
+                    .map_err(|e| e.to_string()),
+            ),
+        ]
+    }
+}
