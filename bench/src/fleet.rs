@@ -276,7 +276,14 @@ impl Fleet {
 
     fn heartbeat(&self, node: &NodeId, applied: AppliedGenerations) -> Wire {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let env = Envelope::new(node.clone(), seq, Report::Heartbeat(Heartbeat { applied }));
+        let env = Envelope::new(
+            node.clone(),
+            seq,
+            Report::Heartbeat(Heartbeat {
+                interval_ms: None,
+                applied,
+            }),
+        );
         (
             format!("{node}.heartbeat"),
             env.encode(),
@@ -322,7 +329,15 @@ pub(crate) fn sample_payload() -> Vec<u8> {
     let node = NodeId::parse("t00000000-n1234").unwrap_or_else(|_| unreachable!("valid id"));
     let mut applied = AppliedGenerations::new();
     applied.insert(Section::Config, 3);
-    Envelope::new(node, 42, Report::Heartbeat(Heartbeat { applied })).encode()
+    Envelope::new(
+        node,
+        42,
+        Report::Heartbeat(Heartbeat {
+            interval_ms: None,
+            applied,
+        }),
+    )
+    .encode()
 }
 
 /// A fresh durable queue `q` for a baseline: a confirm channel to publish on
@@ -455,6 +470,7 @@ async fn baseline_pipeline(
             node.clone(),
             i as u64,
             Report::Heartbeat(Heartbeat {
+                interval_ms: None,
                 applied: [(Section::Config, 3)].into(),
             }),
         );
@@ -842,6 +858,7 @@ async fn probe_latencies(
             // What the node applied, as its steady heartbeats say: a probe
             // reporting nothing would look behind and be re-sent its sections.
             Report::Heartbeat(Heartbeat {
+                interval_ms: None,
                 applied: applied.get(node).cloned().unwrap_or_default(),
             }),
         );

@@ -215,6 +215,7 @@ async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result
                     node.clone(),
                     seq,
                     Report::Heartbeat(Heartbeat {
+                        interval_ms: None,
                         applied: Default::default(),
                     }),
                 );

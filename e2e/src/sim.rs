@@ -71,7 +71,10 @@ impl SimNode {
         Envelope::new(
             self.creds.node.clone(),
             seq,
-            Report::Heartbeat(Heartbeat { applied }),
+            Report::Heartbeat(Heartbeat {
+                interval_ms: None,
+                applied,
+            }),
         )
     }
 

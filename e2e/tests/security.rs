@@ -323,6 +323,7 @@ async fn publish_declaration(
         section: Section::Config,
         generation,
         items: DeclarationItems {
+            heartbeat: None,
             files: vec![FileItem {
                 path: "/forged".into(),
                 content: format!("forged {generation}"),
@@ -371,6 +372,7 @@ async fn declarations_without_the_controllers_signature_are_not_applied() -> any
             section: Section::Config,
             generation: 102,
             items: DeclarationItems {
+                heartbeat: None,
                 files: vec![FileItem {
                     path: "/forged".into(),
                     content: "forged 102".into(),

@@ -687,6 +687,7 @@ impl Agent {
 
     fn push_heartbeat(&mut self) {
         let out = self.envelope(Report::Heartbeat(Heartbeat {
+            interval_ms: None,
             applied: self.store.applied_generations(),
         }));
         self.push(out);

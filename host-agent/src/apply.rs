@@ -383,6 +383,7 @@ mod tests {
             section: Section::Config,
             generation,
             items: DeclarationItems {
+                heartbeat: None,
                 files,
                 ..Default::default()
             },

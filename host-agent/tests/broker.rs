@@ -89,6 +89,7 @@ async fn declare(
         section: Section::Config,
         generation,
         items: DeclarationItems {
+            heartbeat: None,
             files,
             ..Default::default()
         },
@@ -691,6 +692,7 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
         section: Section::Inventory,
         generation,
         items: DeclarationItems {
+            heartbeat: None,
             files: vec![file("/srv/svc/app.conf", "port=8080\n", 0o644)],
             units,
         },
@@ -1094,6 +1096,7 @@ async fn an_unknown_section_is_reported_unsupported_and_nothing_else_stops() -> 
                 section: Section::Config,
                 generation: 1,
                 items: DeclarationItems {
+                    heartbeat: None,
                     files: vec![file("/etc/mesh-test/skew", "ok\n", 0o644)],
                     ..Default::default()
                 },

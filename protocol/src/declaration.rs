@@ -171,6 +171,45 @@ pub struct DeclarationItems {
     /// digest of a files-only section is what it always was.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub units: Vec<crate::UnitItem>,
+    /// How often the node must beat and how long the controller waits before
+    /// judging it unreachable (the inventory section, when the fleet's budget
+    /// stretches the interval past its floor; absent: the agent's own interval).
+    /// An agent older than plans ignores it and is judged by its own interval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat: Option<HeartbeatPlan>,
+}
+
+/// The heartbeat interval and grace the controller asks of a node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HeartbeatPlan {
+    pub interval_ms: u64,
+    pub grace_ms: u64,
+}
+
+impl HeartbeatPlan {
+    pub fn validate(&self, field: &str) -> Result<(), DecodeError> {
+        if !crate::HEARTBEAT_INTERVAL_MS.contains(&self.interval_ms) {
+            return Err(DecodeError::invalid(
+                format!("{field}.interval_ms"),
+                format!(
+                    "{} is outside {}..={}",
+                    self.interval_ms,
+                    crate::HEARTBEAT_INTERVAL_MS.start(),
+                    crate::HEARTBEAT_INTERVAL_MS.end()
+                ),
+            ));
+        }
+        if self.grace_ms < self.interval_ms {
+            return Err(DecodeError::invalid(
+                format!("{field}.grace_ms"),
+                format!(
+                    "{} is shorter than the interval ({})",
+                    self.grace_ms, self.interval_ms
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl DeclarationItems {
@@ -186,6 +225,9 @@ impl DeclarationItems {
                 "body.items.units",
                 format!("more than {MAX_ITEMS} units"),
             ));
+        }
+        if let Some(plan) = &self.heartbeat {
+            plan.validate("body.items.heartbeat")?;
         }
         let mut names = BTreeSet::new();
         for (i, u) in self.units.iter().enumerate() {

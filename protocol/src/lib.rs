@@ -24,8 +24,8 @@ pub mod topology;
 mod unit;
 
 pub use declaration::{
-    Declaration, DeclarationItems, FileItem, FileMode, Section, digest_items, validate_path,
-    validate_section_name,
+    Declaration, DeclarationItems, FileItem, FileMode, HeartbeatPlan, Section, digest_items,
+    validate_path, validate_section_name,
 };
 pub use envelope::Body;
 pub use envelope::{Envelope, PROTOCOL_VERSION, ProtocolRange, RawEnvelope, UnknownFields};
@@ -36,8 +36,8 @@ pub use record::{
     RECORD_EVENTS, RecordEvent, RecordKind,
 };
 pub use report::{
-    Applied, AppliedGenerations, Heartbeat, Hello, ItemOutcome, MAX_ERROR_CHARS, Outcome, Report,
-    ReportKind,
+    Applied, AppliedGenerations, HEARTBEAT_INTERVAL_MS, Heartbeat, Hello, ItemOutcome,
+    MAX_ERROR_CHARS, Outcome, Report, ReportKind,
 };
 pub use secret::{Secret, new_token, redact_url, token_sha256_hex};
 pub use signing::{DeclarationSigner, PublicKey, SignatureError};

@@ -130,7 +130,7 @@ impl Report {
     fn validate(&self) -> Result<(), DecodeError> {
         match self {
             Report::Hello(h) => h.validate(),
-            Report::Heartbeat(_) => Ok(()),
+            Report::Heartbeat(h) => h.validate(),
             Report::Applied(a) => a.validate(),
             Report::Units(u) => {
                 if u.units.len() > crate::MAX_ITEMS {
@@ -204,11 +204,46 @@ impl Hello {
     }
 }
 
-/// Sent on an interval: cheap, idempotent, carries the applied generations.
+/// Sent on an interval: liveness only. Published transient and without waiting
+/// for a confirm (the next one follows; decision 0023). It carries the node's
+/// applied generations, the digest of what it applied (one number per section,
+/// smaller than any hash of them), so the controller can tell a node in step
+/// from one that needs its durable path, and the interval it beats at.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Heartbeat {
     #[serde(deserialize_with = "lenient_generations")]
     pub applied: AppliedGenerations,
+    /// The interval the agent beats at now, in milliseconds. Absent: an agent
+    /// older than heartbeat plans, which beats at its configured interval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval_ms: Option<u64>,
+}
+
+/// Shortest and longest heartbeat interval a heartbeat may name, in ms.
+pub const HEARTBEAT_INTERVAL_MS: std::ops::RangeInclusive<u64> = 1_000..=3_600_000;
+
+impl Heartbeat {
+    /// A heartbeat of an agent that does not say its interval.
+    pub fn new(applied: AppliedGenerations) -> Self {
+        Heartbeat {
+            applied,
+            interval_ms: None,
+        }
+    }
+
+    fn validate(&self) -> Result<(), DecodeError> {
+        match self.interval_ms {
+            Some(ms) if !HEARTBEAT_INTERVAL_MS.contains(&ms) => Err(DecodeError::invalid(
+                "body.interval_ms",
+                format!(
+                    "{ms} is outside {}..={}",
+                    HEARTBEAT_INTERVAL_MS.start(),
+                    HEARTBEAT_INTERVAL_MS.end()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

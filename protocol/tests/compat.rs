@@ -219,6 +219,7 @@ fn write_corpus() {
             protocol: None,
         }),
         Report::Heartbeat(Heartbeat {
+            interval_ms: None,
             applied: applied.clone(),
         }),
         Report::Applied(Applied {
@@ -276,6 +277,7 @@ fn write_corpus() {
             section,
             generation: 4,
             items: DeclarationItems {
+                heartbeat: None,
                 files: vec![FileItem {
                     path: format!("/etc/mesh/{section}.conf"),
                     content: "key = \"value\"\n".into(),

@@ -89,6 +89,7 @@ fn valid_envelopes() -> Vec<Value> {
             protocol: None,
         }),
         Report::Heartbeat(Heartbeat {
+            interval_ms: None,
             applied: applied.clone(),
         }),
         Report::Applied(Applied {
@@ -108,6 +109,7 @@ fn valid_envelopes() -> Vec<Value> {
         section: Section::Config,
         generation: 4,
         items: DeclarationItems {
+            heartbeat: None,
             files: vec![FileItem {
                 path: "/etc/motd".into(),
                 content: "hi".into(),

@@ -178,6 +178,7 @@ fn heartbeat(node: &NodeId, config_applied: u64) -> Envelope<Report> {
         node.clone(),
         2,
         Report::Heartbeat(Heartbeat {
+            interval_ms: None,
             applied: [(Section::Config, config_applied)].into_iter().collect(),
         }),
     )
@@ -421,6 +422,7 @@ async fn behind_nodes_are_sent_their_section_again() {
 
 fn items(files: &[(&str, &str)]) -> Items {
     Items::new(DeclarationItems {
+        heartbeat: None,
         files: files
             .iter()
             .map(|(path, content)| FileItem {

@@ -111,6 +111,7 @@ impl Fixture {
             NodeId::parse(id).unwrap(),
             2,
             Report::Heartbeat(Heartbeat {
+                interval_ms: None,
                 applied: Default::default(),
             }),
         );

@@ -98,6 +98,7 @@ fn heartbeat(
         node.clone(),
         seq,
         Report::Heartbeat(Heartbeat {
+            interval_ms: None,
             applied: applied.iter().copied().collect(),
         }),
     );
