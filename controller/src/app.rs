@@ -89,6 +89,11 @@ async fn run_fenced(
     let signal = OutboxSignal::default();
     let signer = Arc::new(creds.signer()?);
     let contexts = Arc::new(Contexts::connect(&creds, &settings, signal.clone()).await?);
+    // Before the first report: what was declared to each node (heartbeats in
+    // step stay in memory) and the fleet's heartbeat interval.
+    let known = contexts.load_in_step().await.map_err(ContextsError::from)?;
+    contexts.inventory.choose_heartbeat().await.map_err(ContextsError::from)?;
+    tracing::info!(nodes = known, heartbeat = ?contexts.inventory.heartbeat(), "liveness ready");
     if let Some(hash) = &creds.bootstrap_admin_token_sha256 {
         match contexts.identity.ensure_bootstrap_admin(hash).await {
             Ok(true) => tracing::info!("first admin API token (bootstrap-admin) registered"),
@@ -143,6 +148,13 @@ async fn run_fenced(
     tasks.spawn(async move {
         sweeper(sweeper_contexts, sweep_interval, sweeper_shutdown).await;
         ("sweeper", Ok(()))
+    });
+    let writer_shutdown = shutdown.clone();
+    let writer_contexts = contexts.clone();
+    let write_interval = settings.liveness_write();
+    tasks.spawn(async move {
+        liveness_writer(writer_contexts, write_interval, writer_shutdown).await;
+        ("liveness", Ok(()))
     });
     let resync_shutdown = shutdown.clone();
     let resync_contexts = contexts.clone();
@@ -219,6 +231,24 @@ async fn sweeper(contexts: Arc<Contexts>, interval: Duration, shutdown: Cancella
                 }
             }
             Err(e) => tracing::warn!(error = %e, "sweeping the fleet failed; retrying next round"),
+        }
+    }
+}
+
+/// Write the fleet's last heartbeats, kept in memory, every `interval`, and
+/// once more at shutdown (decision 0023).
+async fn liveness_writer(contexts: Arc<Contexts>, interval: Duration, shutdown: CancellationToken) {
+    loop {
+        let stop = tokio::select! {
+            _ = shutdown.cancelled() => true,
+            _ = tokio::time::sleep(interval) => false,
+        };
+        match contexts.inventory.write_liveness().await {
+            Ok(n) => tracing::trace!(nodes = n, "liveness written"),
+            Err(e) => tracing::warn!(error = %e, "writing liveness failed; kept for the next write"),
+        }
+        if stop {
+            return;
         }
     }
 }

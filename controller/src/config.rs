@@ -66,9 +66,21 @@ pub struct Settings {
     /// How long graceful shutdown may take before tasks are abandoned, in
     /// seconds. Default 10.
     pub shutdown_deadline_secs: u64,
-    /// The interval agents publish heartbeats at, in milliseconds (the agents'
-    /// own `heartbeat_interval`; keep the two equal). Default 10000.
+    /// The shortest heartbeat interval, in milliseconds: what agents beat at
+    /// (their own `heartbeat_interval`; keep the two equal) while the fleet
+    /// fits `heartbeat_budget_per_sec`. Default 10000.
     pub heartbeat_interval_ms: u64,
+    /// Heartbeats per second the whole fleet may cost. While nodes ÷ the
+    /// floor interval stays within it, nodes beat at the floor; past it, the
+    /// interval and the grace stretch together (in steps of 5 s) and every
+    /// node's inventory section declares the new interval; `GET /v1/nodes`
+    /// says what detection time that gives. Default 1000 (10,000 nodes at 10 s).
+    pub heartbeat_budget_per_sec: f64,
+    /// How often the fleet's last heartbeats, kept in memory, are written to
+    /// the database, in milliseconds (a node whose state changes is written at
+    /// once). The API's `last_seen` lags a heartbeat by at most this (plus
+    /// the write itself). Default 5000.
+    pub liveness_write_ms: u64,
     /// Heartbeat intervals a node may miss before it is judged unreachable: the
     /// grace is `heartbeat_interval_ms × grace_intervals`. After the controller
     /// starts (or its broker session returns), no node is judged for one grace.
@@ -109,6 +121,8 @@ impl Default for Settings {
             reconnect_max_ms: 10_000,
             shutdown_deadline_secs: 10,
             heartbeat_interval_ms: 10_000,
+            heartbeat_budget_per_sec: 1000.0,
+            liveness_write_ms: 5000,
             grace_intervals: 3,
             max_unreachable_share: 0.3,
             controller_node: None,
@@ -162,6 +176,18 @@ impl Settings {
                 message: e.to_string(),
             })?;
         }
+        if !(self.heartbeat_budget_per_sec.is_finite() && self.heartbeat_budget_per_sec > 0.0) {
+            return Err(ConfigError::Invalid {
+                field: "heartbeat_budget_per_sec",
+                message: "must be a positive number of heartbeats per second".into(),
+            });
+        }
+        if self.liveness_write_ms == 0 {
+            return Err(ConfigError::Invalid {
+                field: "liveness_write_ms",
+                message: "must be at least 1".into(),
+            });
+        }
         if self.heartbeat_interval_ms == 0 || self.grace_intervals == 0 {
             return Err(ConfigError::Invalid {
                 field: "grace_intervals",
@@ -183,6 +209,10 @@ impl Settings {
     pub fn grace(&self) -> Duration {
         Duration::from_millis(self.heartbeat_interval_ms)
             .saturating_mul(self.grace_intervals.max(1))
+    }
+
+    pub fn liveness_write(&self) -> Duration {
+        Duration::from_millis(self.liveness_write_ms.max(1))
     }
 
     pub fn sweep_interval(&self) -> Duration {

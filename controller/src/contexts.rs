@@ -10,7 +10,7 @@ use mesh_config::Config;
 use mesh_identity::Identity;
 use mesh_inventory::Inventory;
 use mesh_plumbing::section::{self, Declared};
-use mesh_plumbing::{Context, OutboxSignal};
+use mesh_plumbing::{Context, InStep, OutboxSignal};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -27,6 +27,10 @@ pub enum ContextsError {
     },
     #[error(transparent)]
     Migrate(#[from] mesh_plumbing::MigrateError),
+    #[error("loading what was declared to each node: {0}")]
+    Sections(#[from] section::SectionError),
+    #[error("inventory: {0}")]
+    Inventory(#[from] mesh_inventory::Error),
 }
 
 /// Every context the controller runs, each with its own pool (its own role).
@@ -34,6 +38,9 @@ pub struct Contexts {
     pub inventory: Arc<Inventory>,
     pub config: Arc<Config>,
     pub identity: Arc<Identity>,
+    /// What was declared to each node: heartbeats in step with it stay in
+    /// memory (filled by [`Contexts::load_in_step`], raised by the relay).
+    pub in_step: Arc<InStep>,
 }
 
 async fn pool(
@@ -91,6 +98,10 @@ impl Contexts {
                         message: e.to_string(),
                     })?,
                 resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
+                heartbeat_floor: std::time::Duration::from_millis(settings.heartbeat_interval_ms),
+                heartbeat_budget: settings.heartbeat_budget_per_sec,
+                liveness_write: settings.liveness_write(),
+                sweep_interval: settings.sweep_interval(),
                 ..mesh_inventory::InventorySettings::default()
             },
         );
@@ -112,7 +123,27 @@ impl Contexts {
             inventory: Arc::new(inventory),
             config: Arc::new(config),
             identity: Arc::new(identity),
+            in_step: Arc::new(InStep::new()),
         })
+    }
+
+    /// Fill the in-step index from every context's section table (before
+    /// consuming reports; the relay raises it from then on).
+    pub async fn load_in_step(&self) -> Result<usize, section::SectionError> {
+        use mesh_plumbing::section::SectionOwner;
+        for (section, rows) in [
+            (
+                Inventory::SECTIONS.section,
+                Inventory::SECTIONS.generations(self.inventory.pool()).await?,
+            ),
+            (
+                Config::SECTIONS.section,
+                Config::SECTIONS.generations(self.config.pool()).await?,
+            ),
+        ] {
+            self.in_step.load(section, rows);
+        }
+        Ok(self.in_step.len())
     }
 
     /// Every context's schema and pool, for the outbox relay and housekeeping.

@@ -24,7 +24,7 @@ use lapin::{BasicProperties, Connection};
 use mesh_plumbing::OutboxSignal;
 use mesh_plumbing::outbox::{self, OutboxRow};
 use mesh_protocol::topology::{DECLARATIONS_EXCHANGE, SIGNATURE_HEADER};
-use mesh_protocol::{DeclarationSigner, NodeId};
+use mesh_protocol::{DeclarationSigner, NodeId, Section};
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -71,10 +71,21 @@ fn properties(row: &OutboxRow, signer: &DeclarationSigner) -> BasicProperties {
 struct Round {
     schema: &'static str,
     pool: PgPool,
-    published: Vec<(i64, Option<NodeId>, bool, lapin::PublisherConfirm)>,
+    published: Vec<Published>,
 }
 
 /// What the broker made of a round.
+/// One row published in a round, awaiting its confirm.
+struct Published {
+    id: i64,
+    node: Option<NodeId>,
+    declaration: bool,
+    /// A declaration's section and generation (raise the in-step index once
+    /// confirmed).
+    declared: Option<(Section, u64)>,
+    confirm: lapin::PublisherConfirm,
+}
+
 struct Settled {
     /// Some publish was refused or returned: its row waits for a later round.
     refused: bool,
@@ -194,7 +205,15 @@ impl Relay {
                     properties(row, &self.signer),
                 )
                 .await?;
-            published.push((row.id, node, declaration, confirm));
+            // What a published declaration raises in the in-step index.
+            let declared = declaration.then(|| peek_declaration(&row.payload)).flatten();
+            published.push(Published {
+                id: row.id,
+                node,
+                declaration,
+                declared,
+                confirm,
+            });
         }
         let round = Round {
             schema,
@@ -213,9 +232,23 @@ impl Relay {
         } = round;
         let total = published.len();
         let mut sent = Vec::with_capacity(total);
-        for (id, node, declaration, confirm) in published {
+        for Published {
+            id,
+            node,
+            declaration,
+            declared,
+            confirm,
+        } in published
+        {
             match confirm.await? {
-                Confirmation::Ack(None) | Confirmation::NotRequested => sent.push(id),
+                Confirmation::Ack(None) | Confirmation::NotRequested => {
+                    if let (Some(node), Some((section, generation))) = (&node, declared) {
+                        self.contexts
+                            .in_step
+                            .declared(node.as_str(), section, generation);
+                    }
+                    sent.push(id);
+                }
                 Confirmation::Ack(Some(_returned)) => match node {
                     // The node's queue is gone: declare it again next round.
                     Some(node) if declaration => self.declaration_queues.forget(&node),
@@ -248,4 +281,21 @@ impl Relay {
             refused: sent.len() < total,
         })
     }
+}
+
+/// The section and generation of a declaration envelope (none when it does
+/// not read as one: the relay publishes it all the same, and the in-step index
+/// is not raised, so that node's heartbeats take the durable path).
+fn peek_declaration(payload: &[u8]) -> Option<(Section, u64)> {
+    #[derive(serde::Deserialize)]
+    struct Peek {
+        body: PeekBody,
+    }
+    #[derive(serde::Deserialize)]
+    struct PeekBody {
+        section: String,
+        generation: u64,
+    }
+    let peek: Peek = serde_json::from_slice(payload).ok()?;
+    Some((Section::parse(&peek.body.section)?, peek.body.generation))
 }

@@ -29,16 +29,25 @@ impl Contexts {
                 )
                 .await
             }
-            // heartbeat: liveness (inventory); every context re-sends its section
-            // to a node behind (mesh_plumbing::section).
+            // heartbeat: liveness, in memory (inventory, written in batches);
+            // only a heartbeat out of step with what was declared to its node,
+            // or of a node not known alive, takes the durable path, where
+            // inventory writes it at once and every context catches the node
+            // up on its section (mesh_plumbing::section; decision 0023).
             // Idempotent by nature (last_seen only grows), so no inbox row per
             // heartbeat: that would double the cost of the hottest path.
             ReportKind::Heartbeat => {
+                let durable = self.inventory.heard(batch, &self.in_step);
+                if durable.is_empty() {
+                    return Ok(());
+                }
                 both(
-                    run(&*self.inventory, batch, false),
-                    run(&*self.config, batch, false),
+                    run(&*self.inventory, &durable, false),
+                    run(&*self.config, &durable, false),
                 )
-                .await
+                .await?;
+                self.inventory.written_alive(&durable);
+                Ok(())
             }
             // units: what runs where (inventory owns assignments and units).
             ReportKind::Units => run(&*self.inventory, batch, true).await,

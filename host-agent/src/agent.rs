@@ -24,7 +24,8 @@ use mesh_protocol::topology::{
     REPORTS_EXCHANGE, SIGNATURE_HEADER, declaration_queue, report_routing_key,
 };
 use mesh_protocol::{
-    Applied, Declaration, DecodeError, Envelope, Heartbeat, ItemOutcome, MAX_REPORT_BYTES, NodeId,
+    Applied, Declaration, DecodeError, Envelope, Heartbeat, HeartbeatPlan, ItemOutcome,
+    MAX_REPORT_BYTES, NodeId,
     Outcome, ProtocolRange, Report, ReportKind, Section, Units,
 };
 use rand::Rng;
@@ -91,6 +92,10 @@ pub(crate) struct Agent {
     /// Runs the inventory section's units; outlives broker sessions.
     units: Supervisor,
     reporter: Reporter,
+    /// The heartbeat plan the controller declared (none: beat at the
+    /// configured interval); `retime` is set when it changed.
+    plan: Option<HeartbeatPlan>,
+    retime: bool,
 }
 
 impl Agent {
@@ -116,7 +121,10 @@ impl Agent {
         }
         metrics.set_buffered(buffer.len());
         let reporter = units.reporter();
+        let plan = crate::plan::load(&config.state_dir);
         Agent {
+            plan,
+            retime: false,
             config,
             creds,
             store,
@@ -137,7 +145,10 @@ impl Agent {
 
     async fn serve(&mut self, shutdown: Shutdown<'_>) {
         let mut shutdown = shutdown;
-        let interval = self.config.heartbeat_interval;
+        let interval = self.interval();
+        if let Some(plan) = self.plan {
+            info!(interval_ms = plan.interval_ms, "beating at the interval the controller declared");
+        }
         let first = rand::rng().random_range(Duration::ZERO..=interval);
         let mut heartbeat = tokio::time::interval_at(Instant::now() + first, interval);
         heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -148,7 +159,10 @@ impl Agent {
             let url = self.creds.broker_url.expose().clone();
             let props = ConnectionProperties::default()
                 .with_connection_name(format!("mesh-agent {}", self.creds.node).into());
-            let connect = tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&url, props));
+            let connect = tokio::time::timeout(
+                CONNECT_TIMEOUT,
+                connect(&url, self.config.amqp_heartbeat, props),
+            );
             tokio::pin!(connect);
             let attempt = loop {
                 tokio::select! {
@@ -156,7 +170,7 @@ impl Agent {
                         info!("shutdown while disconnected; {} reports left unsent", self.buffer.len());
                         return;
                     }
-                    _ = heartbeat.tick() => self.push_heartbeat(),
+                    _ = heartbeat.tick() => self.missed_heartbeat(),
                     r = &mut connect => break r,
                 }
             };
@@ -215,7 +229,7 @@ impl Agent {
                     info!("shutdown while disconnected; {} reports left unsent", self.buffer.len());
                     return false;
                 }
-                _ = heartbeat.tick() => self.push_heartbeat(),
+                _ = heartbeat.tick() => self.missed_heartbeat(),
                 () = sleep_until(until) => return true,
             }
         }
@@ -305,7 +319,7 @@ impl Agent {
                 }
                 () = self.reporter.due() => self.push_units(),
                 _ = heartbeat.tick() => {
-                    self.push_heartbeat();
+                    self.beat(&publisher).await;
                     if !conn.status().connected() {
                         return SessionEnd::Lost("connection is no longer open".into());
                     }
@@ -346,7 +360,13 @@ impl Agent {
                 }
                 delivery = next_delivery(&mut consumer), if consumer.is_some() => match delivery {
                     Some(Ok(d)) => {
-                        if let Err(e) = self.handle_delivery(d).await {
+                        let handled = self.handle_delivery(d).await;
+                        if std::mem::take(&mut self.retime) {
+                            let interval = self.interval();
+                            *heartbeat = tokio::time::interval_at(Instant::now() + interval, interval);
+                            heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+                        }
+                        if let Err(e) = handled {
                             if !conn.status().connected() {
                                 return SessionEnd::Lost(e);
                             }
@@ -583,6 +603,7 @@ impl Agent {
             }
         };
         let decl = env.body;
+        let plan = (decl.section == Section::Inventory).then_some(decl.items.heartbeat);
         let prev = self.store.section(decl.section);
         let applier = self.applier.clone();
         let section = decl.section;
@@ -619,6 +640,9 @@ impl Agent {
             info!(%section, generation, files = report.items.len(), "declaration applied");
         } else {
             warn!(%section, generation, outcome = label, error = report.error.as_deref().unwrap_or(""), "declaration not applied");
+        }
+        if let (Some(plan), Outcome::Applied, false) = (plan, report.outcome, report.stale) {
+            self.set_plan(plan);
         }
         if let Some(state) = report.state {
             let units = (section == Section::Inventory).then(|| state.units.clone());
@@ -685,12 +709,62 @@ impl Agent {
         self.push(out);
     }
 
-    fn push_heartbeat(&mut self) {
+    /// The interval to beat at: the declared plan's, else the configured one.
+    fn interval(&self) -> Duration {
+        self.plan.map_or(self.config.heartbeat_interval, |p| {
+            Duration::from_millis(p.interval_ms)
+        })
+    }
+
+    /// Keep the plan an applied inventory section declared (none: back to the
+    /// configured interval), and beat at it from now on.
+    fn set_plan(&mut self, plan: Option<HeartbeatPlan>) {
+        if plan == self.plan {
+            return;
+        }
+        if let Err(e) = crate::plan::save(&self.config.state_dir, plan) {
+            error!(error = %e, "cannot keep the heartbeat plan; it holds until the agent restarts");
+        }
+        self.plan = plan;
+        self.retime = true;
+        info!(interval_ms = self.interval().as_millis() as u64, "heartbeat interval changed");
+    }
+
+    /// A heartbeat while disconnected: nothing to send it on, and liveness
+    /// has no use for an old one (heartbeats are never buffered).
+    fn missed_heartbeat(&self) {
+        debug!("heartbeat skipped: not connected");
+    }
+
+    /// Publish one heartbeat: transient (delivery mode 1), its confirm not
+    /// awaited; the next one follows (decision 0023).
+    async fn beat(&mut self, ch: &Channel) {
+        let interval_ms = u64::try_from(self.interval().as_millis()).unwrap_or(u64::MAX);
         let out = self.envelope(Report::Heartbeat(Heartbeat {
-            interval_ms: None,
+            interval_ms: Some(interval_ms),
             applied: self.store.applied_generations(),
         }));
-        self.push(out);
+        let props = BasicProperties::default()
+            .with_message_id(out.id.to_string().into())
+            .with_type(out.kind.as_str().into())
+            .with_user_id(self.creds.node.as_str().into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(1);
+        let key = report_routing_key(&self.creds.node, ReportKind::Heartbeat);
+        match ch
+            .basic_publish(
+                REPORTS_EXCHANGE.into(),
+                key.into(),
+                BasicPublishOptions::default(),
+                &out.payload,
+                props,
+            )
+            .await
+        {
+            // The confirm comes (the channel is in confirm mode) and is not awaited.
+            Ok(_confirm) => self.metrics.report_published(out.kind.as_str()),
+            Err(e) => debug!(error = %e, "heartbeat not published"),
+        }
     }
 
     /// Keep an applied report: in the store (so a restart does not lose it) and in
@@ -781,6 +855,22 @@ fn truncate(s: &str, max_chars: usize) -> String {
     } else {
         s.chars().take(max_chars).collect::<String>() + "…"
     }
+}
+
+/// Connect to `url`, asking for an AMQP heartbeat of `heartbeat` unless the
+/// URL names one.
+async fn connect(
+    url: &str,
+    heartbeat: Duration,
+    props: ConnectionProperties,
+) -> Result<Connection, lapin::Error> {
+    let mut uri: lapin::uri::AMQPUri = url
+        .parse()
+        .map_err(|e: String| lapin::Error::from(std::io::Error::other(e)))?;
+    if uri.query.heartbeat.is_none() {
+        uri.query.heartbeat = Some(u16::try_from(heartbeat.as_secs()).unwrap_or(u16::MAX));
+    }
+    Connection::connect_uri(uri, props).await
 }
 
 async fn open_publisher(conn: &Connection) -> Result<Channel, lapin::Error> {

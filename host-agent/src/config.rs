@@ -57,11 +57,21 @@ pub struct Config {
     /// Seconds, or a string such as `"10s"` / `"500ms"`. Default 10 s.
     #[serde(deserialize_with = "de_duration")]
     pub heartbeat_interval: Duration,
+    /// The AMQP heartbeat the agent asks the broker for: how long a silent
+    /// connection lives before either side gives it up (a `heartbeat` in the
+    /// broker URL wins). Heartbeat reports flow every `heartbeat_interval`, so
+    /// these frames are only sent on a connection with nothing else to say;
+    /// each one costs the broker on every idle connection of the fleet
+    /// (docs/benchmarks.md, real connections). Seconds or a string such as
+    /// `"60s"`; whole seconds, 1 to 65535. Default 60 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub amqp_heartbeat: Duration,
     /// Most reports kept while they cannot be published (disconnected, or not yet
-    /// confirmed by the broker). When full, the oldest heartbeat is dropped first
-    /// (a newer one supersedes it), then the oldest hello (one is sent on every
-    /// connect anyway); `applied` reports are dropped only if nothing else is left,
-    /// and the next heartbeat still carries the applied generations. Default 10000.
+    /// confirmed by the broker): hellos, units and `applied` reports (heartbeats
+    /// are never kept: a missed one is skipped, the next follows). When full,
+    /// the oldest hello is dropped first (one is sent on every connect anyway);
+    /// `applied` reports are dropped only if nothing else is left, and the next
+    /// heartbeat still carries the applied generations. Default 10000.
     pub report_buffer: usize,
     /// Smallest delay before reconnecting to the broker (and before retrying a
     /// refused publish or a missing declaration queue). Default 0.5 s.
@@ -99,6 +109,7 @@ impl Default for Config {
             root: PathBuf::from("/"),
             labels: BTreeMap::new(),
             heartbeat_interval: Duration::from_secs(10),
+            amqp_heartbeat: Duration::from_secs(60),
             report_buffer: 10_000,
             reconnect_min: Duration::from_millis(500),
             reconnect_max: Duration::from_secs(30),
@@ -142,6 +153,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "heartbeat_interval",
                 "must be at least 10ms",
+            ));
+        }
+        if !(1..=65535).contains(&self.amqp_heartbeat.as_secs()) {
+            return Err(ConfigError::invalid(
+                "amqp_heartbeat",
+                "must be 1 to 65535 whole seconds",
             ));
         }
         if self.report_buffer == 0 {

@@ -40,6 +40,7 @@ pub mod credentials;
 pub mod facts;
 pub mod join;
 pub mod metrics;
+pub mod plan;
 pub mod store;
 pub mod units;
 

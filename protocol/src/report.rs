@@ -220,7 +220,7 @@ pub struct Heartbeat {
 }
 
 /// Shortest and longest heartbeat interval a heartbeat may name, in ms.
-pub const HEARTBEAT_INTERVAL_MS: std::ops::RangeInclusive<u64> = 1_000..=3_600_000;
+pub const HEARTBEAT_INTERVAL_MS: std::ops::RangeInclusive<u64> = 10..=3_600_000;
 
 impl Heartbeat {
     /// A heartbeat of an agent that does not say its interval.

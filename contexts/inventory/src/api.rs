@@ -45,6 +45,9 @@ struct NodeList {
     /// Pass as `after` to get the next page; absent on the last page.
     #[serde(skip_serializing_if = "Option::is_none")]
     next: Option<String>,
+    /// The fleet's heartbeat interval and grace now, and the detection time
+    /// they give (the budget stretches them as the fleet grows).
+    heartbeat: crate::HeartbeatView,
 }
 
 /// List nodes, by id, a page at a time.
@@ -76,7 +79,11 @@ async fn list_nodes(
     } else {
         None
     };
-    Ok(Json(NodeList { nodes, next }))
+    Ok(Json(NodeList {
+        nodes,
+        next,
+        heartbeat: inventory.heartbeat(),
+    }))
 }
 
 /// Body of `PUT /v1/nodes/{id}/labels`.

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
 use mesh_plumbing::section::Items;
-use mesh_protocol::{DeclarationItems, NodeId};
+use mesh_protocol::{DeclarationItems, HeartbeatPlan, NodeId};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
@@ -37,6 +37,8 @@ pub(crate) struct Pass {
     pub not_observed: Option<String>,
     pub controller_node: Option<String>,
     pub max_unreachable_share: f64,
+    /// The heartbeat plan every node's inventory section carries (none: the floor).
+    pub plan: Option<HeartbeatPlan>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -149,7 +151,7 @@ pub(crate) async fn reconcile(
     // Sections of every node that holds or held units.
     let mut touched: BTreeSet<String> = before.iter().map(|a| a.node.clone()).collect();
     touched.extend(after.keys().map(|(node, _)| node.clone()));
-    report.declared = declare(tx, &touched, &after, &modules).await?;
+    report.declared = declare(tx, &touched, &after, &modules, pass.plan).await?;
     alerts::sync(tx, alerts).await?;
     Ok(report)
 }
@@ -522,8 +524,12 @@ fn units_of(
     node: &str,
     assignments: &BTreeMap<(String, String), Assignment>,
     modules: &BTreeMap<String, Module>,
+    plan: Option<HeartbeatPlan>,
 ) -> DeclarationItems {
-    let mut items = DeclarationItems::default();
+    let mut items = DeclarationItems {
+        heartbeat: plan,
+        ..DeclarationItems::default()
+    };
     let held = assignments
         .range((node.to_owned(), String::new())..)
         .take_while(|((n, _), _)| n == node);
@@ -549,10 +555,11 @@ async fn declare(
     touched: &BTreeSet<String>,
     after: &BTreeMap<(String, String), Assignment>,
     modules: &BTreeMap<String, Module>,
+    plan: Option<HeartbeatPlan>,
 ) -> Result<usize, Error> {
     let mut desired = Vec::with_capacity(touched.len());
     for node in touched {
-        let items = Items::new(units_of(node, after, modules))?;
+        let items = Items::new(units_of(node, after, modules, plan))?;
         desired.push((node_id(node)?, items));
     }
     Ok(SECTIONS.declare(tx, desired).await?.declared)
@@ -561,7 +568,10 @@ async fn declare(
 /// The inventory section every node should hold now, from the assignments as
 /// they stand (no placement): what the periodic resync compares with what is
 /// stored. Takes the fleet reconcile's lock.
-pub(crate) async fn desired_sections(tx: &mut PgConnection) -> Result<Vec<(NodeId, Items)>, Error> {
+pub(crate) async fn desired_sections(
+    tx: &mut PgConnection,
+    plan: Option<HeartbeatPlan>,
+) -> Result<Vec<(NodeId, Items)>, Error> {
     lock(tx).await?;
     let modules = load_modules(tx).await?;
     let assignments: Vec<Assignment> = sqlx::query_as(
@@ -580,8 +590,8 @@ pub(crate) async fn desired_sections(tx: &mut PgConnection) -> Result<Vec<(NodeI
     let none = Items::new(DeclarationItems::default())?;
     let mut desired = Vec::with_capacity(nodes.len());
     for node in nodes {
-        let units = units_of(&node, &assignments, &modules);
-        let items = if units.units.is_empty() {
+        let units = units_of(&node, &assignments, &modules, plan);
+        let items = if units.units.is_empty() && units.heartbeat.is_none() {
             none.clone()
         } else {
             Items::new(units)?

@@ -26,6 +26,7 @@ mod api;
 mod drains;
 mod error;
 mod fleet;
+mod liveness;
 pub mod module;
 mod modules_api;
 mod nodes;
@@ -48,6 +49,7 @@ use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
+pub use liveness::HeartbeatView;
 pub use query::{
     AlertView, AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView,
     ProtocolView,
@@ -98,6 +100,18 @@ pub struct InventorySettings {
     /// the section again at most once per this interval (the section component's
     /// catch-up). Default 30 s.
     pub resend_after: Duration,
+    /// The shortest heartbeat interval: what nodes beat at while the fleet fits
+    /// the budget. `grace` is the grace at this interval. Default 10 s.
+    pub heartbeat_floor: Duration,
+    /// Heartbeats per second the whole fleet may cost; past it the interval
+    /// and the grace stretch together. Default 1000 (10,000 nodes at 10 s).
+    pub heartbeat_budget: f64,
+    /// How often last_seen is written for the fleet from memory (and the
+    /// longest the API's last_seen lags). Default 5 s.
+    pub liveness_write: Duration,
+    /// How often the sweeper runs (part of the detection time the API shows).
+    /// Default 2 s.
+    pub sweep_interval: Duration,
 }
 
 impl Default for InventorySettings {
@@ -108,6 +122,10 @@ impl Default for InventorySettings {
             max_unreachable_share: 0.3,
             controller_node: None,
             resend_after: Duration::from_secs(30),
+            heartbeat_floor: Duration::from_secs(10),
+            heartbeat_budget: 1000.0,
+            liveness_write: Duration::from_secs(5),
+            sweep_interval: Duration::from_secs(2),
         }
     }
 }
@@ -120,6 +138,8 @@ pub struct Inventory {
     /// Since when the controller has been consuming reports without a break
     /// (none: it is not). Liveness is judged only after a full grace of it.
     observing_since: Mutex<Option<DateTime<Utc>>>,
+    /// Last heard times not yet written, and the fleet's heartbeat interval.
+    liveness: liveness::Liveness,
 }
 
 impl Inventory {
@@ -129,6 +149,7 @@ impl Inventory {
         Inventory {
             pool,
             signal,
+            liveness: liveness::Liveness::new(settings.heartbeat_floor),
             settings,
             observing_since: Mutex::new(None),
         }
@@ -158,15 +179,15 @@ impl Inventory {
             .observing_since
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        let grace =
-            chrono::Duration::from_std(self.settings.grace).unwrap_or(chrono::Duration::MAX);
+        let grace = self.grace();
+        let grace_secs = grace.as_secs();
+        let grace = chrono::Duration::from_std(grace).unwrap_or(chrono::Duration::MAX);
         match since {
             None => Some(
                 "the controller is not receiving reports (broker session down or starting)".into(),
             ),
             Some(since) if now.signed_duration_since(since) < grace => Some(format!(
-                "the controller has observed reports only since {since}, less than the grace ({} s)",
-                self.settings.grace.as_secs()
+                "the controller has observed reports only since {since}, less than the grace ({grace_secs} s)"
             )),
             Some(_) => None,
         }
@@ -198,7 +219,7 @@ impl SectionOwner for Inventory {
     }
 
     async fn desired(&self, tx: &mut PgConnection) -> Result<Vec<(NodeId, Items)>, Error> {
-        fleet::desired_sections(tx).await
+        fleet::desired_sections(tx, self.declared_plan()).await
     }
 }
 

@@ -55,7 +55,7 @@ pub(crate) async fn handle(
 }
 
 /// A node heard again after it was judged unreachable: say so on the record.
-async fn revived(
+pub(crate) async fn revived(
     tx: &mut PgConnection,
     node: &str,
     heard_at: DateTime<Utc>,
@@ -208,17 +208,20 @@ async fn heartbeat_batch(
     if heartbeats.is_empty() {
         return Ok(());
     }
-    let mut seen: BTreeMap<&str, (DateTime<Utc>, i64, i64)> = BTreeMap::new();
+    // Per node: newest sent_at, highest seq and inventory generation, interval.
+    type Seen = (DateTime<Utc>, i64, i64, Option<i64>);
+    let mut seen: BTreeMap<&str, Seen> = BTreeMap::new();
     let mut generations: BTreeMap<(&str, &str), i64> = BTreeMap::new();
     for env in heartbeats {
         let entry = seen
             .entry(env.node.as_str())
-            .or_insert((DateTime::<Utc>::MIN_UTC, 0, 0));
+            .or_insert((DateTime::<Utc>::MIN_UTC, 0, 0, None));
         entry.0 = entry.0.max(clamp(env.sent_at));
         entry.1 = entry.1.max(to_i64(env.seq));
         if let Report::Heartbeat(hb) = &env.body {
             let inventory = hb.applied.get(&Section::Inventory).copied().unwrap_or(0);
             entry.2 = entry.2.max(to_i64(inventory));
+            entry.3 = hb.interval_ms.map(to_i64).or(entry.3);
             for (section, generation) in &hb.applied {
                 let g = generations
                     .entry((env.node.as_str(), section.as_str()))
@@ -231,11 +234,13 @@ async fn heartbeat_batch(
     let mut times = Vec::with_capacity(seen.len());
     let mut seqs = Vec::with_capacity(seen.len());
     let mut inventory = Vec::with_capacity(seen.len());
-    for (id, (at, seq, applied)) in seen {
+    let mut beats = Vec::with_capacity(seen.len());
+    for (id, (at, seq, applied, beat)) in seen {
         ids.push(id);
         times.push(at);
         seqs.push(seq);
         inventory.push(applied);
+        beats.push(beat);
     }
     let (mut g_nodes, mut g_sections, mut g_generations) = (
         Vec::with_capacity(generations.len()),
@@ -260,13 +265,13 @@ async fn heartbeat_batch(
         Option<Json<DeclarationItems>>,
     );
     let sql = format!(
-        "WITH u AS (SELECT * FROM UNNEST($1::text[], $2::timestamptz[], $3::bigint[], $4::bigint[]) \
-                    AS u(id, sent_at, seq, inventory)), \
+        "WITH u AS (SELECT * FROM UNNEST($1::text[], $2::timestamptz[], $3::bigint[], $4::bigint[], \
+                    $10::bigint[]) AS u(id, sent_at, seq, inventory, beat_ms)), \
          prev AS (SELECT n.id, n.state, n.heard_at FROM inventory.nodes n JOIN u ON u.id = n.id \
                   ORDER BY n.id FOR UPDATE OF n), \
          seen AS (UPDATE inventory.nodes AS n SET last_seen = greatest(n.last_seen, u.sent_at), \
                   last_seq = greatest(n.last_seq, u.seq), state = 'alive', unreachable_since = NULL, \
-                  heard_at = greatest(n.heard_at, $5) \
+                  heard_at = greatest(n.heard_at, $5), beat_ms = coalesce(u.beat_ms, n.beat_ms) \
                   FROM u, prev WHERE n.id = u.id AND prev.id = n.id \
                   RETURNING n.id, prev.state, prev.heard_at), \
          applied AS (INSERT INTO inventory.applied AS a (node, section, generation) \
@@ -292,6 +297,7 @@ async fn heartbeat_batch(
         .bind(&g_sections)
         .bind(&g_generations)
         .bind(resend_after.as_secs_f64())
+        .bind(&beats)
         .fetch_all(&mut *tx)
         .await?;
     let mut resend = Vec::new();

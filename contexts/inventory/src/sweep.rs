@@ -33,6 +33,7 @@ impl Inventory {
                 .as_ref()
                 .map(|n| n.as_str().to_owned()),
             max_unreachable_share: self.settings.max_unreachable_share,
+            plan: self.declared_plan(),
         }
     }
 
@@ -42,27 +43,38 @@ impl Inventory {
     /// reports for a full grace: after a controller or broker outage what it last
     /// heard is stale for every node, and judging on it would mark the whole fleet
     /// unreachable.
+    ///
+    /// First it writes what was heard since the last liveness write (judging
+    /// only on written times), and chooses the fleet's heartbeat interval from
+    /// the budget; when that changed, every node's inventory section is
+    /// declared again with the new plan. A node is judged by the fleet's grace,
+    /// or by its own interval times the grace's intervals when it beats slower
+    /// (an agent that keeps its own interval).
     pub async fn sweep(&self, now: DateTime<Utc>) -> Result<SweepReport, Error> {
-        let pass = self.pass(now);
+        self.write_liveness().await?;
         let mut tx = self.pool.begin().await?;
         state::lock(&mut tx).await?;
+        let replan = self.choose_interval(&mut tx).await?;
+        let pass = self.pass(now);
         let mut report = SweepReport {
             not_judged: pass.not_observed.clone(),
             ..SweepReport::default()
         };
         if pass.not_observed.is_none() {
-            let grace =
-                chrono::Duration::from_std(self.settings.grace).unwrap_or(chrono::Duration::MAX);
-            let cutoff = now
-                .checked_sub_signed(grace)
-                .unwrap_or(DateTime::<Utc>::MIN_UTC);
+            let grace_ms = i64::try_from(self.grace().as_millis()).unwrap_or(i64::MAX);
+            // The grace counted in the node's own intervals.
+            let per_interval = self.settings.grace.as_secs_f64()
+                / self.settings.heartbeat_floor.as_secs_f64().max(0.001);
             let judged: Vec<(String, DateTime<Utc>)> = sqlx::query_as(
                 "UPDATE inventory.nodes SET state = 'unreachable', unreachable_since = $1 \
-                 WHERE state = 'alive' AND admin_state <> 'revoked' AND heard_at < $2 \
+                 WHERE state = 'alive' AND admin_state <> 'revoked' \
+                   AND heard_at < $1 - make_interval(secs => greatest($2::bigint, \
+                       (coalesce(beat_ms, 0) * $3::float8)::bigint) / 1000.0) \
                  RETURNING id, heard_at",
             )
             .bind(now)
-            .bind(cutoff)
+            .bind(grace_ms)
+            .bind(per_interval)
             .fetch_all(&mut *tx)
             .await?;
             for (id, heard_at) in judged {
@@ -85,7 +97,13 @@ impl Inventory {
             }
         }
         report.reconcile = fleet::reconcile(&mut tx, &pass).await?;
+        if replan {
+            let desired = fleet::desired_sections(&mut tx, pass.plan).await?;
+            let declared = crate::SECTIONS.declare(&mut tx, desired).await?;
+            report.reconcile.declared += declared.declared;
+        }
         tx.commit().await?;
+        self.judged_unreachable(&report.unreachable);
         if !report.unreachable.is_empty() || report.reconcile.changed() {
             self.signal.notify();
         }

@@ -13,6 +13,7 @@ pub mod api;
 pub mod applied;
 pub mod audit;
 mod context;
+pub mod in_step;
 pub mod inbox;
 mod migrate;
 pub mod openapi;
@@ -20,4 +21,5 @@ pub mod outbox;
 pub mod section;
 
 pub use context::{Context, HandlerError, OutboxSignal, reachable};
+pub use in_step::InStep;
 pub use migrate::{MigrateError, migrate};

@@ -163,9 +163,9 @@ impl Items {
         &self.digest
     }
 
-    /// No files and no units.
+    /// No files, no units and no heartbeat plan.
     pub fn is_empty(&self) -> bool {
-        self.items.files.is_empty() && self.items.units.is_empty()
+        self.items.files.is_empty() && self.items.units.is_empty() && self.items.heartbeat.is_none()
     }
 
     /// Why an agent would refuse these items (too many, too large); none: it
@@ -478,6 +478,13 @@ impl Sections {
             }
         }
         self.catch_up(tx, reported, Some(resend_after)).await
+    }
+
+    /// Every node's stored generation: what the in-memory [`crate::InStep`]
+    /// index starts from.
+    pub async fn generations(&self, pool: &PgPool) -> Result<Vec<(String, i64)>, SectionError> {
+        let sql = format!("SELECT node, generation FROM {}.sections", self.schema);
+        Ok(sqlx::query_as(AssertSqlSafe(sql)).fetch_all(pool).await?)
     }
 
     /// The section stored for `node`, if any.
