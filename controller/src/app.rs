@@ -92,7 +92,11 @@ async fn run_fenced(
     // Before the first report: what was declared to each node (heartbeats in
     // step stay in memory) and the fleet's heartbeat interval.
     let known = contexts.load_in_step().await.map_err(ContextsError::from)?;
-    contexts.inventory.choose_heartbeat().await.map_err(ContextsError::from)?;
+    contexts
+        .inventory
+        .choose_heartbeat()
+        .await
+        .map_err(ContextsError::from)?;
     tracing::info!(nodes = known, heartbeat = ?contexts.inventory.heartbeat(), "liveness ready");
     if let Some(hash) = &creds.bootstrap_admin_token_sha256 {
         match contexts.identity.ensure_bootstrap_admin(hash).await {
@@ -245,7 +249,9 @@ async fn liveness_writer(contexts: Arc<Contexts>, interval: Duration, shutdown: 
         };
         match contexts.inventory.write_liveness().await {
             Ok(n) => tracing::trace!(nodes = n, "liveness written"),
-            Err(e) => tracing::warn!(error = %e, "writing liveness failed; kept for the next write"),
+            Err(e) => {
+                tracing::warn!(error = %e, "writing liveness failed; kept for the next write")
+            }
         }
         if stop {
             return;

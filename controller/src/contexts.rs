@@ -134,7 +134,9 @@ impl Contexts {
         for (section, rows) in [
             (
                 Inventory::SECTIONS.section,
-                Inventory::SECTIONS.generations(self.inventory.pool()).await?,
+                Inventory::SECTIONS
+                    .generations(self.inventory.pool())
+                    .await?,
             ),
             (
                 Config::SECTIONS.section,

@@ -206,7 +206,9 @@ impl Relay {
                 )
                 .await?;
             // What a published declaration raises in the in-step index.
-            let declared = declaration.then(|| peek_declaration(&row.payload)).flatten();
+            let declared = declaration
+                .then(|| peek_declaration(&row.payload))
+                .flatten();
             published.push(Published {
                 id: row.id,
                 node,
@@ -245,7 +247,7 @@ impl Relay {
                     if let (Some(node), Some((section, generation))) = (&node, declared) {
                         self.contexts
                             .in_step
-                            .declared(node.as_str(), section, generation);
+                            .declared(node.as_str(), section, generation, id);
                     }
                     sent.push(id);
                 }

@@ -186,10 +186,10 @@ impl AgentHandle {
 
 /// Liveness settings of the test controller: agents beat every second (the
 /// harness starts them with `--heartbeat-interval 1`), a node is unreachable after
-/// [`GRACE`], and the sweeper runs four times a second, so failure tests take
+/// [`GRACE`], the sweeper runs four times a second and last_seen is written from
+/// memory four times a second (production: every 5 s), so failure tests take
 /// seconds.
-pub const FLEET_SETTINGS: &str =
-    "heartbeat_interval_ms = 1000\ngrace_intervals = 3\nsweep_interval_ms = 250\n";
+pub const FLEET_SETTINGS: &str = "heartbeat_interval_ms = 1000\ngrace_intervals = 3\nsweep_interval_ms = 250\nliveness_write_ms = 250\n";
 
 /// The grace those settings give.
 pub const GRACE: Duration = Duration::from_secs(3);
@@ -204,6 +204,9 @@ pub struct Mesh {
     api_port: u16,
     controller: Option<Proc>,
     pub agents: BTreeMap<String, AgentHandle>,
+    /// Agent settings (TOML) every agent started from now on reads with
+    /// `--config` (flags still override them). Default: none.
+    pub agent_toml: Option<String>,
     http: reqwest::Client,
 }
 
@@ -237,6 +240,7 @@ impl Mesh {
             api_port,
             controller: None,
             agents: BTreeMap::new(),
+            agent_toml: None,
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(10))
                 .build()?,
@@ -354,6 +358,11 @@ impl Mesh {
             .stderr(log2);
         for (k, v) in &agent.labels {
             cmd.arg("--label").arg(format!("{k}={v}"));
+        }
+        if let Some(toml) = &self.agent_toml {
+            let path = agent.state_dir.join("agent.toml");
+            std::fs::write(&path, toml)?;
+            cmd.arg("--config").arg(path);
         }
         agent.proc = Some(Proc(cmd.spawn().context("spawning mesh-agent")?));
         Ok(())

@@ -399,3 +399,116 @@ async fn a_database_restart_keeps_the_controller_fenced() -> anyhow::Result<()> 
     );
     mesh.teardown().await
 }
+
+/// Heartbeats are transient (decision 0023): a broker restart loses the ones
+/// queued, and no heartbeat flows while it is down. That is harmless only
+/// because no node is judged on them: the controller judges nobody until a
+/// full grace after its broker session is back. Here the broker stays down
+/// longer than the grace, under a fleet running a module; afterwards no node
+/// was ever unreachable (sampled throughout, and no `inventory.node.unreachable`
+/// event on the record) and no replica moved.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "restarts RabbitMQ: run alone (bundle/test does)"]
+async fn a_broker_restart_under_a_fleet_marks_no_node_unreachable_and_moves_no_replica()
+-> anyhow::Result<()> {
+    const GRACE: Duration = Duration::from_secs(6);
+    let mut mesh = Mesh::prepare().await?;
+    // A grace of 6 s (heartbeats every second); agents reconnect within a
+    // second of the broker's return, so each is heard well inside the grace
+    // that follows it.
+    let path = mesh.dir.path().join("controller.toml");
+    let toml =
+        std::fs::read_to_string(&path)?.replace("grace_intervals = 3", "grace_intervals = 6");
+    std::fs::write(&path, toml)?;
+    mesh.agent_toml = Some("reconnect_max = \"1s\"\n".into());
+    mesh.start_controller(&[]).await?;
+    let mut agents = Vec::new();
+    for i in 0..5 {
+        agents.push(mesh.add_agent(&format!("f{i}"), &[("role", "web")]).await?);
+    }
+    let spec = json!({
+        "unit": {"command": "sleep", "args": ["1000"]},
+        "placement": {"match_labels": {"labels": {"role": "web"}, "replicas": 3}}
+    });
+    let (status, _, body) = mesh
+        .request(reqwest::Method::PUT, "/v1/modules/steady", &[], Some(&spec))
+        .await?;
+    anyhow::ensure!(status == 201, "PUT module: {status} {body}");
+    let placed = || async {
+        let (status, view) = mesh.get("/v1/modules/steady").await?;
+        anyhow::ensure!(status == 200, "GET module: {status} {view}");
+        let mut running: Vec<(u64, String)> = view["assignments"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .filter(|a| a["role"] == "active" && a["unit_state"] == "running")
+            .map(|a| {
+                (
+                    a["replica"].as_u64().unwrap_or(0),
+                    a["node"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect();
+        running.sort();
+        Ok(running)
+    };
+    let before = wait_for("3 running replicas", Duration::from_secs(60), || async {
+        let running = placed().await?;
+        Ok((running.len() == 3).then_some(running))
+    })
+    .await?;
+
+    let unreachable_now = || {
+        scalar(
+            &mesh.env,
+            "inventory",
+            "SELECT count(*) FROM inventory.nodes WHERE state <> 'alive'",
+        )
+    };
+    let down = GRACE + Duration::from_secs(4);
+    let restart = restart_broker(down);
+    let watch = async {
+        // Sampled every 100 ms while the broker is down and restarting.
+        let mut worst = 0;
+        let deadline = tokio::time::Instant::now() + down + Duration::from_secs(3);
+        while tokio::time::Instant::now() < deadline {
+            worst = worst.max(unreachable_now().await?);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::Ok(worst)
+    };
+    let (up, worst) = tokio::join!(restart, watch);
+    let up = up?;
+    let mut worst = worst?;
+    // Then for two graces after the broker is back: past the first judgement.
+    while up.elapsed() < GRACE * 2 {
+        worst = worst.max(unreachable_now().await?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(worst, 0, "a node was judged unreachable across the restart");
+    let events = scalar(
+        &mesh.env,
+        "inventory",
+        "SELECT count(*) FROM inventory.outbox WHERE routing_key = 'inventory.node.unreachable'",
+    )
+    .await?;
+    assert_eq!(events, 0, "an unreachable event was recorded");
+    // Every node was heard after the broker came back.
+    wait_for(
+        "every node heard after the restart",
+        Duration::from_secs(30),
+        || async {
+            let stale = scalar(
+                &mesh.env,
+                "inventory",
+                "SELECT count(*) FROM inventory.nodes WHERE heard_at < now() - interval '3 seconds'",
+            )
+            .await?;
+            Ok((stale == 0).then_some(()))
+        },
+    )
+    .await?;
+    assert_eq!(placed().await?, before, "a replica moved");
+    mesh.teardown().await
+}

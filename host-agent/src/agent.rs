@@ -25,8 +25,7 @@ use mesh_protocol::topology::{
 };
 use mesh_protocol::{
     Applied, Declaration, DecodeError, Envelope, Heartbeat, HeartbeatPlan, ItemOutcome,
-    MAX_REPORT_BYTES, NodeId,
-    Outcome, ProtocolRange, Report, ReportKind, Section, Units,
+    MAX_REPORT_BYTES, NodeId, Outcome, ProtocolRange, Report, ReportKind, Section, Units,
 };
 use rand::Rng;
 use tokio::time::{Instant, Interval, MissedTickBehavior, sleep_until};
@@ -147,7 +146,10 @@ impl Agent {
         let mut shutdown = shutdown;
         let interval = self.interval();
         if let Some(plan) = self.plan {
-            info!(interval_ms = plan.interval_ms, "beating at the interval the controller declared");
+            info!(
+                interval_ms = plan.interval_ms,
+                "beating at the interval the controller declared"
+            );
         }
         let first = rand::rng().random_range(Duration::ZERO..=interval);
         let mut heartbeat = tokio::time::interval_at(Instant::now() + first, interval);
@@ -727,7 +729,10 @@ impl Agent {
         }
         self.plan = plan;
         self.retime = true;
-        info!(interval_ms = self.interval().as_millis() as u64, "heartbeat interval changed");
+        info!(
+            interval_ms = self.interval().as_millis() as u64,
+            "heartbeat interval changed"
+        );
     }
 
     /// A heartbeat while disconnected: nothing to send it on, and liveness

@@ -188,10 +188,11 @@ impl Inventory {
     /// Count the fleet and choose its interval. True when it changed (every
     /// node's inventory section must then be declared again).
     pub(crate) async fn choose_interval(&self, tx: &mut PgConnection) -> Result<bool, Error> {
-        let nodes: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM inventory.nodes WHERE admin_state <> 'revoked'")
-                .fetch_one(&mut *tx)
-                .await?;
+        let nodes: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM inventory.nodes WHERE admin_state <> 'revoked'",
+        )
+        .fetch_one(&mut *tx)
+        .await?;
         let nodes = u64::try_from(nodes).unwrap_or(0);
         let next = next_interval(
             self.liveness.interval_ms(),
@@ -365,6 +366,10 @@ mod tests {
         // 15 s chosen for 10,500 nodes; shrinking to 10,000 is not enough room.
         assert_eq!(next_interval(15_000, 10_000, FLOOR, 1000.0), 15_000);
         assert_eq!(next_interval(15_000, 9_000, FLOOR, 1000.0), 10_000);
-        assert_eq!(next_interval(10_000, 10_001, FLOOR, 1000.0), 15_000, "up at once");
+        assert_eq!(
+            next_interval(10_000, 10_001, FLOOR, 1000.0),
+            15_000,
+            "up at once"
+        );
     }
 }

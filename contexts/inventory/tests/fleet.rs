@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chrono::Utc;
 use mesh_inventory::{Inventory, InventorySettings};
-use mesh_plumbing::{Context, OutboxSignal};
+use mesh_plumbing::{Context, InStep, OutboxSignal};
 use mesh_protocol::{
     Declaration, Envelope, Heartbeat, Hello, Labels, NodeId, Report, Section, UnitState,
     UnitStatus, Units,
@@ -104,6 +104,37 @@ impl Fixture {
         );
         self.handle(&[env]).await;
         id
+    }
+
+    /// A heartbeat as an agent of today sends it: with its interval.
+    fn beat(&self, id: &str, seq: u64, interval_ms: Option<u64>) -> Envelope<Report> {
+        Envelope::new(
+            NodeId::parse(id).unwrap(),
+            seq,
+            Report::Heartbeat(Heartbeat {
+                interval_ms,
+                applied: Default::default(),
+            }),
+        )
+    }
+
+    /// A batch of heartbeats as the controller's router takes them: in memory
+    /// where it can, the durable path for the rest. Returns how many took it.
+    async fn route(&self, beats: &[Envelope<Report>], in_step: &InStep) -> usize {
+        let durable = self.inventory.heard(beats, in_step);
+        if !durable.is_empty() {
+            self.handle(&durable).await;
+            self.inventory.written_alive(&durable);
+        }
+        durable.len()
+    }
+
+    async fn last_seq(&self, id: &str) -> (i64, Option<i64>) {
+        sqlx::query_as("SELECT last_seq, beat_ms FROM inventory.nodes WHERE id = $1")
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
     }
 
     async fn heartbeat(&self, id: &str) {
@@ -736,5 +767,164 @@ async fn resync_repairs_a_units_section_changed_or_lost_behind_its_back() {
     assert_eq!(resync().await.unwrap().declared, 0, "repaired");
     // The assignments were not touched: resync declares, it does not place.
     assert_eq!(f.placed("web").await.len(), 2);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn heartbeats_in_step_stay_in_memory_until_the_liveness_write() {
+    let f = setup().await;
+    let a = f.hello("a", &[]).await;
+    let in_step = InStep::new();
+    // First heard since start: the durable path writes it at once.
+    assert_eq!(f.route(&[f.beat(&a, 10, Some(10_000))], &in_step).await, 1);
+    assert_eq!(f.last_seq(&a).await, (10, Some(10_000)));
+    // Known alive and in step: memory only, until the write.
+    assert_eq!(f.route(&[f.beat(&a, 11, Some(15_000))], &in_step).await, 0);
+    assert_eq!(f.last_seq(&a).await, (10, Some(10_000)));
+    assert_eq!(f.inventory.write_liveness().await.unwrap(), 1);
+    assert_eq!(f.last_seq(&a).await, (11, Some(15_000)));
+    assert_eq!(
+        f.inventory.write_liveness().await.unwrap(),
+        0,
+        "nothing new"
+    );
+    // Out of step (config declared generation 2, the node applied none): durable.
+    in_step.declared(&a, Section::Config, 2, 1);
+    assert_eq!(f.route(&[f.beat(&a, 12, None)], &in_step).await, 1);
+    assert_eq!(
+        f.last_seq(&a).await,
+        (12, Some(15_000)),
+        "no interval said: kept"
+    );
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_node_judged_unreachable_is_revived_at_once_and_written_beats_revive_too() {
+    let f = setup().await;
+    let a = f.hello("a", &[]).await;
+    let b = f.hello("b", &[]).await;
+    let in_step = InStep::new();
+    f.route(&[f.beat(&a, 2, None), f.beat(&b, 2, None)], &in_step)
+        .await;
+    f.observed();
+    f.silence(&a).await;
+    f.silence(&b).await;
+    // b's beat is in memory when the sweep comes: the sweep writes it first.
+    assert_eq!(f.route(&[f.beat(&b, 3, None)], &in_step).await, 0);
+    assert_eq!(f.sweep().await.unreachable, vec![a.clone()]);
+    // a's next heartbeat is a state change: the durable path, an event at once.
+    assert_eq!(f.route(&[f.beat(&a, 3, None)], &in_step).await, 1);
+    assert_eq!(f.events("node.alive").await, vec![a.clone()]);
+    // A beat kept in memory for a node judged meanwhile revives it when written.
+    assert_eq!(f.route(&[f.beat(&b, 4, None)], &in_step).await, 0);
+    sqlx::query("UPDATE inventory.nodes SET state = 'unreachable' WHERE id = $1")
+        .bind(&b)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    f.inventory.write_liveness().await.unwrap();
+    assert_eq!(f.events("node.alive").await, vec![a.clone(), b.clone()]);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_node_beating_slower_than_the_fleet_is_judged_by_its_own_interval() {
+    let f = setup().await;
+    // Grace 5 s at a 10 s floor: half an interval. A node that says it beats
+    // every 60 s gets half of that, 30 s; one that says nothing, the fleet's.
+    let slow = f.hello("slow", &[]).await;
+    let quiet = f.hello("quiet", &[]).await;
+    let in_step = InStep::new();
+    f.route(
+        &[f.beat(&slow, 2, Some(60_000)), f.beat(&quiet, 2, None)],
+        &in_step,
+    )
+    .await;
+    f.observed();
+    sqlx::query("UPDATE inventory.nodes SET heard_at = now() - interval '20 seconds'")
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    assert_eq!(f.sweep().await.unreachable, vec![quiet.clone()]);
+    sqlx::query(
+        "UPDATE inventory.nodes SET heard_at = now() - interval '31 seconds' WHERE id = $1",
+    )
+    .bind(&slow)
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(f.sweep().await.unreachable, vec![slow.clone()]);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn past_the_budget_the_interval_and_grace_stretch_and_every_node_is_told() {
+    let env = TestEnv::new().await.unwrap();
+    let url = env.database_url("inventory");
+    mesh_inventory::migrate(&url).await.unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    // 3 nodes at 0.2 heartbeats/s need 15 s; the floor is 10 s, its grace 30 s.
+    let inventory = Inventory::new(
+        pool.clone(),
+        OutboxSignal::default(),
+        InventorySettings {
+            heartbeat_budget: 0.2,
+            ..InventorySettings::default()
+        },
+    );
+    let f = Fixture {
+        env,
+        pool,
+        inventory: Arc::new(inventory),
+    };
+    let a = f.hello("a", &[]).await;
+    let b = f.hello("b", &[]).await;
+    let view = |f: &Fixture| f.inventory.heartbeat();
+    f.sweep().await;
+    assert_eq!(view(&f).interval_ms, 10_000, "two nodes fit the budget");
+    let declared: i64 = sqlx::query_scalar("SELECT count(*) FROM inventory.sections")
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    assert_eq!(declared, 0, "at the floor nothing is declared");
+    let c = f.hello("c", &[]).await;
+    f.sweep().await;
+    let v = view(&f);
+    assert_eq!((v.interval_ms, v.grace_ms, v.nodes), (15_000, 45_000, 3));
+    assert_eq!(v.detection_ms, 47_000, "grace plus one sweep");
+    let plans: Vec<(String, Value)> =
+        sqlx::query_as("SELECT node, items->'heartbeat' FROM inventory.sections ORDER BY node")
+            .fetch_all(&f.pool)
+            .await
+            .unwrap();
+    let want = json!({"interval_ms": 15_000, "grace_ms": 45_000});
+    assert_eq!(
+        plans,
+        vec![(a, want.clone()), (b, want.clone()), (c.clone(), want)]
+    );
+    // The API says the same.
+    let (_, _, body) = f.request("GET", "/v1/nodes", &[], None).await;
+    assert_eq!(body["heartbeat"]["interval_ms"], 15_000);
+    assert_eq!(body["heartbeat"]["detection_ms"], 47_000);
+    // One node revoked: two fit with room to spare, back to the floor, and
+    // the plan leaves every section.
+    sqlx::query("UPDATE inventory.nodes SET admin_state = 'revoked' WHERE id = $1")
+        .bind(&c)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    f.sweep().await;
+    assert_eq!(view(&f).interval_ms, 10_000);
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM inventory.sections WHERE items ? 'heartbeat'")
+            .fetch_one(&f.pool)
+            .await
+            .unwrap();
+    assert_eq!(left, 0);
     f.env.teardown().await.unwrap();
 }

@@ -371,7 +371,11 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
         .unwrap();
     }
     let applied = mesh_inventory::migrate(&url).await.unwrap();
-    assert_eq!(applied, ["V5__sections", "V6__protocol"], "{applied:?}");
+    assert_eq!(
+        applied,
+        ["V5__sections", "V6__protocol", "V7__heartbeat_interval"],
+        "{applied:?}"
+    );
     let kept: Vec<(String, i64, String, DateTime<Utc>)> = sqlx::query_as(
         "SELECT node, generation, digest, declared_at FROM inventory.sections ORDER BY node",
     )

@@ -10,19 +10,25 @@
 //!
 //! Filled at start from each context's `<schema>.sections`
 //! ([`crate::section::Sections::generations`]) and raised by the relay as it
-//! publishes each declaration, so it can only be ahead of what a node could
-//! have applied, never behind: a stale entry sends a heartbeat down the
-//! durable path once more, never skips one that needed it.
+//! publishes each declaration (the newest outbox row wins, whatever its
+//! generation). A wrong entry can only send heartbeats down the durable path,
+//! where each context compares them with what it stored: it never hides a
+//! node that is behind, since the entry of a declaration is raised only once
+//! the broker confirmed it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::RwLock;
 
 use mesh_protocol::{AppliedGenerations, Section};
 
+/// A declared generation and the outbox row that carried it (0: loaded at
+/// start), which orders declarations confirmed out of order.
+type Entry = (u64, i64);
+
 /// Declared generations per node and section.
 #[derive(Debug, Default)]
 pub struct InStep {
-    declared: RwLock<HashMap<String, AppliedGenerations>>,
+    declared: RwLock<HashMap<String, BTreeMap<Section, Entry>>>,
 }
 
 impl InStep {
@@ -30,25 +36,30 @@ impl InStep {
         InStep::default()
     }
 
-    /// Record that `generation` of `section` was declared to `node` (never
-    /// lowers what is there).
-    pub fn declared(&self, node: &str, section: Section, generation: u64) {
+    /// Record that `generation` of `section` was declared to `node` by the
+    /// outbox row `row` (ids grow with each row a context writes). A row older
+    /// than the one recorded is ignored; a newer one wins even with a lower
+    /// generation (a section re-created after its row was lost starts again).
+    pub fn declared(&self, node: &str, section: Section, generation: u64, row: i64) {
         let mut map = self.declared.write().unwrap_or_else(|e| e.into_inner());
-        let entry = map.entry(node.to_owned()).or_default();
-        let g = entry.entry(section).or_insert(0);
-        *g = (*g).max(generation);
+        let entry = map
+            .entry(node.to_owned())
+            .or_default()
+            .entry(section)
+            .or_insert((0, i64::MIN));
+        if row >= entry.1 {
+            *entry = (generation, row);
+        }
     }
 
     /// Load what a context's section table holds: `(node, generation)` rows.
     pub fn load(&self, section: Section, rows: impl IntoIterator<Item = (String, i64)>) {
         let mut map = self.declared.write().unwrap_or_else(|e| e.into_inner());
         for (node, generation) in rows {
-            let g = map
-                .entry(node)
+            let generation = u64::try_from(generation).unwrap_or(0);
+            map.entry(node)
                 .or_default()
-                .entry(section)
-                .or_insert(0);
-            *g = (*g).max(u64::try_from(generation).unwrap_or(0));
+                .insert(section, (generation, 0));
         }
     }
 
@@ -56,15 +67,13 @@ impl InStep {
     /// (a section declared nothing and reported 0 or absent counts as equal).
     pub fn in_step(&self, node: &str, applied: &AppliedGenerations) -> bool {
         let map = self.declared.read().unwrap_or_else(|e| e.into_inner());
-        let none = AppliedGenerations::new();
+        let none = BTreeMap::new();
         let declared = map.get(node).unwrap_or(&none);
-        let reported_match = applied
-            .iter()
-            .all(|(s, g)| declared.get(s).copied().unwrap_or(0) == *g);
-        let declared_match = declared
-            .iter()
-            .all(|(s, g)| applied.get(s).copied().unwrap_or(0) == *g);
-        reported_match && declared_match
+        let generation = |s: &Section| declared.get(s).map_or(0, |e| e.0);
+        applied.iter().all(|(s, g)| generation(s) == *g)
+            && declared
+                .iter()
+                .all(|(s, e)| applied.get(s).copied().unwrap_or(0) == e.0)
     }
 
     /// Nodes known (those with at least one declared section).
@@ -91,19 +100,42 @@ mod tests {
     #[test]
     fn in_step_only_when_every_section_matches() {
         let idx = InStep::new();
-        assert!(idx.in_step("n1", &gens(&[])), "nothing declared, nothing applied");
+        assert!(
+            idx.in_step("n1", &gens(&[])),
+            "nothing declared, nothing applied"
+        );
         assert!(idx.in_step("n1", &gens(&[(Section::Config, 0)])));
         assert!(!idx.in_step("n1", &gens(&[(Section::Config, 1)])), "ahead");
         idx.load(Section::Config, [("n1".to_owned(), 3)]);
-        idx.declared("n1", Section::Inventory, 2);
-        assert!(idx.in_step("n1", &gens(&[(Section::Config, 3), (Section::Inventory, 2)])));
-        assert!(!idx.in_step("n1", &gens(&[(Section::Config, 3)])), "inventory missing");
-        assert!(!idx.in_step("n1", &gens(&[(Section::Config, 2), (Section::Inventory, 2)])), "behind");
-        idx.declared("n1", Section::Config, 1);
+        idx.declared("n1", Section::Inventory, 2, 10);
+        assert!(idx.in_step(
+            "n1",
+            &gens(&[(Section::Config, 3), (Section::Inventory, 2)])
+        ));
         assert!(
-            idx.in_step("n1", &gens(&[(Section::Config, 3), (Section::Inventory, 2)])),
-            "a lower generation never lowers the index"
+            !idx.in_step("n1", &gens(&[(Section::Config, 3)])),
+            "inventory missing"
+        );
+        assert!(
+            !idx.in_step(
+                "n1",
+                &gens(&[(Section::Config, 2), (Section::Inventory, 2)])
+            ),
+            "behind"
         );
         assert!(!idx.in_step("n2", &gens(&[(Section::Config, 3)])));
+    }
+
+    #[test]
+    fn the_newest_row_wins_whatever_its_generation() {
+        let idx = InStep::new();
+        idx.declared("n1", Section::Config, 5, 20);
+        // Confirmed out of order: an older row changes nothing.
+        idx.declared("n1", Section::Config, 4, 19);
+        assert!(idx.in_step("n1", &gens(&[(Section::Config, 5)])));
+        // The section was lost and declared again from 1: a newer row.
+        idx.declared("n1", Section::Config, 1, 21);
+        assert!(idx.in_step("n1", &gens(&[(Section::Config, 1)])));
+        assert!(!idx.in_step("n1", &gens(&[(Section::Config, 5)])));
     }
 }
