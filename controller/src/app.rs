@@ -135,7 +135,7 @@ async fn run_fenced(
     let session = Session {
         contexts: contexts.clone(),
         signer,
-        metrics,
+        metrics: metrics.clone(),
         settings: settings.clone(),
         signal,
         broker_url: creds.broker_url.expose().clone(),
@@ -155,9 +155,16 @@ async fn run_fenced(
     });
     let writer_shutdown = shutdown.clone();
     let writer_contexts = contexts.clone();
+    let writer_metrics = metrics.clone();
     let write_interval = settings.liveness_write();
     tasks.spawn(async move {
-        liveness_writer(writer_contexts, write_interval, writer_shutdown).await;
+        liveness_writer(
+            writer_contexts,
+            writer_metrics,
+            write_interval,
+            writer_shutdown,
+        )
+        .await;
         ("liveness", Ok(()))
     });
     let resync_shutdown = shutdown.clone();
@@ -241,14 +248,24 @@ async fn sweeper(contexts: Arc<Contexts>, interval: Duration, shutdown: Cancella
 
 /// Write the fleet's last heartbeats, kept in memory, every `interval`, and
 /// once more at shutdown (decision 0023).
-async fn liveness_writer(contexts: Arc<Contexts>, interval: Duration, shutdown: CancellationToken) {
+async fn liveness_writer(
+    contexts: Arc<Contexts>,
+    metrics: Metrics,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
     loop {
         let stop = tokio::select! {
             _ = shutdown.cancelled() => true,
             _ = tokio::time::sleep(interval) => false,
         };
         match contexts.inventory.write_liveness().await {
-            Ok(n) => tracing::trace!(nodes = n, "liveness written"),
+            Ok(n) => {
+                metrics
+                    .liveness_written
+                    .inc_by(u64::try_from(n).unwrap_or(u64::MAX));
+                tracing::trace!(nodes = n, "liveness written");
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "writing liveness failed; kept for the next write")
             }

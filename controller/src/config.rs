@@ -72,7 +72,7 @@ pub struct Settings {
     pub heartbeat_interval_ms: u64,
     /// Heartbeats per second the whole fleet may cost. While nodes ÷ the
     /// floor interval stays within it, nodes beat at the floor; past it, the
-    /// interval and the grace stretch together (in steps of 5 s) and every
+    /// interval and the grace stretch together (in rungs of floor × 1.5ᵏ) and every
     /// node's inventory section declares the new interval; `GET /v1/nodes`
     /// says what detection time that gives. Default 1000 (10,000 nodes at 10 s).
     pub heartbeat_budget_per_sec: f64,

@@ -24,6 +24,11 @@ pub struct KindLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PathLabels {
+    pub path: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ContextLabels {
     pub context: String,
 }
@@ -55,6 +60,11 @@ pub struct Metrics {
     pub mutations_unaudited: Family<ContextLabels, Counter>,
     /// Audit entries the auth layer could not write (403s and failures).
     pub audit_lost: Family<ContextLabels, Counter>,
+    /// Heartbeats handled, by path: `memory` (in step, written later in
+    /// batches) or `durable` (out of step or a state change: written at once).
+    pub heartbeats: Family<PathLabels, Counter>,
+    /// Nodes whose last heartbeat the liveness writer put in the database.
+    pub liveness_written: Counter,
 }
 
 impl Metrics {
@@ -73,6 +83,8 @@ impl Metrics {
             unauthenticated: Counter::default(),
             mutations_unaudited: Family::default(),
             audit_lost: Family::default(),
+            heartbeats: Family::default(),
+            liveness_written: Counter::default(),
         };
         registry.register(
             "mesh_messages_handled",
@@ -129,7 +141,28 @@ impl Metrics {
             "Audit entries of refused or failed API requests that could not be written",
             m.audit_lost.clone(),
         );
+        registry.register(
+            "mesh_heartbeats",
+            "Heartbeats handled, by path (memory: in step; durable: written at once)",
+            m.heartbeats.clone(),
+        );
+        registry.register(
+            "mesh_liveness_written",
+            "Nodes whose last heartbeat was written to the database from memory",
+            m.liveness_written.clone(),
+        );
         m
+    }
+
+    /// Count a heartbeat batch: `durable` of its `total` took the durable path.
+    pub fn heartbeats(&self, total: usize, durable: usize) {
+        let count = |path: &str, n: usize| {
+            self.heartbeats
+                .get_or_create(&PathLabels { path: path.into() })
+                .inc_by(u64::try_from(n).unwrap_or(u64::MAX));
+        };
+        count("memory", total.saturating_sub(durable));
+        count("durable", durable);
     }
 
     /// Count the fields a message of `kind` carried that this version ignored.

@@ -390,6 +390,11 @@ impl Pipeline {
 
     async fn dispatch(&self, source: Source, items: &Batch) -> Result<(), HandlerError> {
         match (source, items) {
+            (Source::Reports(ReportKind::Heartbeat), Batch::Reports(reports)) => {
+                let durable = self.contexts.route_heartbeats(reports).await?;
+                self.metrics.heartbeats(reports.len(), durable);
+                Ok(())
+            }
             (Source::Reports(kind), Batch::Reports(reports)) => {
                 self.contexts.route_reports(kind, reports).await
             }

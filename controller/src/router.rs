@@ -36,25 +36,35 @@ impl Contexts {
             // up on its section (mesh_plumbing::section; decision 0023).
             // Idempotent by nature (last_seen only grows), so no inbox row per
             // heartbeat: that would double the cost of the hottest path.
-            ReportKind::Heartbeat => {
-                let durable = self.inventory.heard(batch, &self.in_step);
-                if durable.is_empty() {
-                    return Ok(());
-                }
-                both(
-                    run(&*self.inventory, &durable, false),
-                    run(&*self.config, &durable, false),
-                )
-                .await?;
-                self.inventory.written_alive(&durable);
-                Ok(())
-            }
+            ReportKind::Heartbeat => self.route_heartbeats(batch).await.map(|_| ()),
             // units: what runs where (inventory owns assignments and units).
             ReportKind::Units => run(&*self.inventory, batch, true).await,
             // applied: what the node applied of each section (inventory records it
             // for every section; decision 0015).
             ReportKind::Applied => run(&*self.inventory, batch, true).await,
         }
+    }
+
+    /// Heartbeats: liveness, in memory (inventory, written in batches); only
+    /// those out of step with what was declared to their node, or of a node
+    /// not known alive, take the durable path, where inventory writes them at
+    /// once and every context catches the node up on its section. Returns how
+    /// many took the durable path.
+    pub async fn route_heartbeats(
+        &self,
+        batch: &[Envelope<Report>],
+    ) -> Result<usize, HandlerError> {
+        let durable = self.inventory.heard(batch, &self.in_step);
+        if durable.is_empty() {
+            return Ok(0);
+        }
+        both(
+            run(&*self.inventory, &durable, false),
+            run(&*self.config, &durable, false),
+        )
+        .await?;
+        self.inventory.written_alive(&durable);
+        Ok(durable.len())
     }
 
     /// Hand record events to the context whose record queue they came from.

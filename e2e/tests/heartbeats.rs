@@ -13,7 +13,7 @@ use mesh_e2e::{Mesh, wait_for};
 async fn past_the_budget_agents_beat_at_the_declared_interval_and_keep_it() -> anyhow::Result<()> {
     let mut mesh = Mesh::prepare().await?;
     // Floor 1 s (grace 3 s) and a budget of 0.5 heartbeats/s: two nodes need
-    // 4 s, so the next step, 5 s, with the grace stretched to 15 s.
+    // 4 s, the rung 1 s × 1.5³ = 3.375 s rounded up, with the grace 12 s.
     let path = mesh.dir.path().join("controller.toml");
     let toml = std::fs::read_to_string(&path)? + "heartbeat_budget_per_sec = 0.5\n";
     std::fs::write(&path, toml)?;
@@ -21,27 +21,27 @@ async fn past_the_budget_agents_beat_at_the_declared_interval_and_keep_it() -> a
     let a = mesh.add_agent("a", &[]).await?;
     let b = mesh.add_agent("b", &[]).await?;
     let view = wait_for(
-        "the fleet's interval to stretch to 5 s",
+        "the fleet's interval to stretch to 4 s",
         Duration::from_secs(30),
         || async {
             let (status, body) = mesh.get("/v1/nodes").await?;
             anyhow::ensure!(status == 200, "GET /v1/nodes: {status} {body}");
-            Ok((body["heartbeat"]["interval_ms"] == 5000).then_some(body))
+            Ok((body["heartbeat"]["interval_ms"] == 4000).then_some(body))
         },
     )
     .await?;
-    assert_eq!(view["heartbeat"]["grace_ms"], 15_000);
+    assert_eq!(view["heartbeat"]["grace_ms"], 12_000);
     assert_eq!(view["heartbeat"]["floor_ms"], 1000);
     assert_eq!(view["heartbeat"]["nodes"], 2);
-    // Each agent applied its inventory section's plan and says it beats at 5 s.
+    // Each agent applied its inventory section's plan and says it beats at 4 s.
     wait_for(
-        "both agents to beat at 5 s",
+        "both agents to beat at 4 s",
         Duration::from_secs(30),
         || async {
             let n = scalar(
                 &mesh.env,
                 "inventory",
-                "SELECT count(*) FROM inventory.nodes WHERE beat_ms = 5000",
+                "SELECT count(*) FROM inventory.nodes WHERE beat_ms = 4000",
             )
             .await?;
             Ok((n == 2).then_some(()))
@@ -51,7 +51,7 @@ async fn past_the_budget_agents_beat_at_the_declared_interval_and_keep_it() -> a
     for node in [&a, &b] {
         let plan = std::fs::read_to_string(mesh.agent(node).state_dir.join("heartbeat-plan.json"))?;
         let plan: serde_json::Value = serde_json::from_str(&plan)?;
-        assert_eq!(plan["interval_ms"], 5000, "{node}: {plan}");
+        assert_eq!(plan["interval_ms"], 4000, "{node}: {plan}");
     }
     // Liveness is written from memory: last_seen follows the heartbeats
     // within the write interval (250 ms here) plus the interval.
@@ -76,7 +76,7 @@ async fn past_the_budget_agents_beat_at_the_declared_interval_and_keep_it() -> a
     )
     .await?;
     // A restarted agent beats at the kept plan from its first heartbeat: the
-    // node is not judged unreachable meanwhile and stays at 5 s.
+    // node is not judged unreachable meanwhile.
     mesh.stop_agent(&a);
     mesh.start_agent(&a)?;
     let log = mesh.dir.path().join(format!("agent-{a}.log"));

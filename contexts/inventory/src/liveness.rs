@@ -12,7 +12,7 @@
 //!
 //! The heartbeat budget: the fleet's heartbeat interval is the floor while
 //! `nodes ÷ floor` stays within the budget of heartbeats per second; past it,
-//! interval and grace stretch together, in steps of 5 s, so the fleet's
+//! interval and grace stretch together, in rungs of × 1.5, so the fleet's
 //! heartbeats cost what the budget allows and detection time grows instead.
 
 use std::collections::{HashMap, HashSet};
@@ -87,17 +87,27 @@ pub(crate) struct Liveness {
 }
 
 /// The interval for `nodes` at `budget` heartbeats per second, never below
-/// `floor`: the floor, else the next multiple of 5 s that fits the budget.
+/// `floor`: the first rung of `floor × 1.5^k` (whole seconds) that fits. Rungs
+/// of 1.5 keep re-declarations few while a fleet grows (a new rung re-declares
+/// every node's inventory section: four rungs from 10,000 to 50,000 nodes) and
+/// the fleet within two thirds of its budget.
 pub(crate) fn interval_for(nodes: u64, floor: Duration, budget: f64) -> u64 {
     let floor_ms = u64::try_from(floor.as_millis()).unwrap_or(u64::MAX);
     if budget <= 0.0 || !budget.is_finite() {
         return floor_ms;
     }
-    let needed_ms = (nodes as f64 / budget * 1000.0).ceil() as u64;
-    if needed_ms <= floor_ms {
+    let needed_ms = nodes as f64 / budget * 1000.0;
+    let mut rung = floor_ms as f64;
+    let mut k = 0;
+    while rung < needed_ms && k < 64 {
+        k += 1;
+        rung = floor_ms as f64 * 1.5f64.powi(k);
+    }
+    if k == 0 {
         return floor_ms;
     }
-    needed_ms.div_ceil(5000).saturating_mul(5000).max(floor_ms)
+    let whole = ((rung / 1000.0).ceil() * 1000.0) as u64;
+    whole.clamp(floor_ms, *mesh_protocol::HEARTBEAT_INTERVAL_MS.end())
 }
 
 /// The next interval: up at once when the fleet outgrows the current one,
@@ -351,14 +361,28 @@ mod tests {
     const FLOOR: Duration = Duration::from_secs(10);
 
     #[test]
-    fn the_floor_until_the_budget_is_spent_then_steps_of_five_seconds() {
+    fn the_floor_until_the_budget_is_spent_then_rungs_of_one_and_a_half() {
         assert_eq!(interval_for(0, FLOOR, 1000.0), 10_000);
         assert_eq!(interval_for(10_000, FLOOR, 1000.0), 10_000);
         assert_eq!(interval_for(10_001, FLOOR, 1000.0), 15_000);
         assert_eq!(interval_for(15_000, FLOOR, 1000.0), 15_000);
-        assert_eq!(interval_for(50_000, FLOOR, 1000.0), 50_000);
-        assert_eq!(interval_for(50_001, FLOOR, 1000.0), 55_000);
+        assert_eq!(
+            interval_for(15_001, FLOOR, 1000.0),
+            23_000,
+            "22.5 s, whole seconds"
+        );
+        assert_eq!(
+            interval_for(50_000, FLOOR, 1000.0),
+            51_000,
+            "33.75 s < 50 s <= 50.6 s"
+        );
+        assert_eq!(
+            interval_for(4, Duration::from_secs(1), 1.0),
+            4_000,
+            "1, 1.5, 2.25, 3.4"
+        );
         assert_eq!(interval_for(5, FLOOR, 0.0), 10_000, "no budget: the floor");
+        assert_eq!(interval_for(u64::MAX, FLOOR, 1e-9), 3_600_000, "capped");
     }
 
     #[test]
@@ -366,6 +390,8 @@ mod tests {
         // 15 s chosen for 10,500 nodes; shrinking to 10,000 is not enough room.
         assert_eq!(next_interval(15_000, 10_000, FLOOR, 1000.0), 15_000);
         assert_eq!(next_interval(15_000, 9_000, FLOOR, 1000.0), 10_000);
+        assert_eq!(next_interval(51_000, 40_000, FLOOR, 1000.0), 51_000);
+        assert_eq!(next_interval(51_000, 30_000, FLOOR, 1000.0), 34_000);
         assert_eq!(
             next_interval(10_000, 10_001, FLOOR, 1000.0),
             15_000,
