@@ -12,10 +12,10 @@ use mesh_e2e::{Mesh, wait_for};
 #[tokio::test(flavor = "multi_thread")]
 async fn past_the_budget_agents_beat_at_the_declared_interval_and_keep_it() -> anyhow::Result<()> {
     let mut mesh = Mesh::prepare().await?;
-    // Floor 1 s (grace 3 s) and a budget of 0.5 heartbeats/s: two nodes need
-    // 4 s, the rung 1 s × 1.5³ = 3.375 s rounded up, with the grace 12 s.
+    // Floor 1 s (grace 3 s) and a budget of 0.6 heartbeats/s: two nodes need
+    // 3.3 s, the rung 1 s × 1.5³ = 3.375 s rounded up to 4 s, grace 12 s.
     let path = mesh.dir.path().join("controller.toml");
-    let toml = std::fs::read_to_string(&path)? + "heartbeat_budget_per_sec = 0.5\n";
+    let toml = std::fs::read_to_string(&path)? + "heartbeat_budget_per_sec = 0.6\n";
     std::fs::write(&path, toml)?;
     mesh.start_controller(&[]).await?;
     let a = mesh.add_agent("a", &[]).await?;

@@ -376,11 +376,9 @@ mod tests {
             51_000,
             "33.75 s < 50 s <= 50.6 s"
         );
-        assert_eq!(
-            interval_for(4, Duration::from_secs(1), 1.0),
-            4_000,
-            "1, 1.5, 2.25, 3.4"
-        );
+        let second = Duration::from_secs(1);
+        assert_eq!(interval_for(3, second, 1.0), 4_000, "1, 1.5, 2.25, 3.4");
+        assert_eq!(interval_for(4, second, 1.0), 6_000, "then 5.1");
         assert_eq!(interval_for(5, FLOOR, 0.0), 10_000, "no budget: the floor");
         assert_eq!(interval_for(u64::MAX, FLOOR, 1e-9), 3_600_000, "capped");
     }
