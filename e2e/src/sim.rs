@@ -288,6 +288,22 @@ pub async fn scalar(env: &TestEnv, context: &str, sql: &str) -> anyhow::Result<i
     Ok(n)
 }
 
+/// Wait (at most `within`) until [`scalar`] of `sql` in `context`'s schema is
+/// `want`; `what` names the wait in the error.
+pub async fn wait_scalar(
+    env: &TestEnv,
+    what: &str,
+    context: &str,
+    sql: &str,
+    want: i64,
+    within: std::time::Duration,
+) -> anyhow::Result<()> {
+    crate::wait_for(what, within, || async {
+        Ok((scalar(env, context, sql).await? == want).then_some(()))
+    })
+    .await
+}
+
 /// Messages ready in `queue` (passive declare, as the admin of the vhost).
 pub async fn queue_depth(env: &TestEnv, queue: &str) -> anyhow::Result<u32> {
     let conn = Connection::connect(&env.admin_amqp_url(), Default::default()).await?;

@@ -16,6 +16,7 @@ use std::time::Duration;
 use mesh_e2e::sim::{
     SimNode, add_nodes, broker_connections, broker_sockets_limit, confirmed, connect_all,
     inbox_count, metric_sum, metrics, queue_depth, restart_broker, restart_postgres, scalar,
+    wait_scalar,
 };
 use mesh_e2e::{Mesh, wait_for};
 use mesh_protocol::Section;
@@ -246,18 +247,13 @@ async fn a_broker_restart_mid_stream_loses_no_declaration_nor_applied_report() -
         "the controller reconnected: {conns:?}"
     );
     // Heartbeats flow again: every node was seen after the broker came back.
-    wait_for(
+    wait_scalar(
+        &mesh.env,
         "heartbeats after the restart",
+        "inventory",
+        "SELECT count(*) FROM inventory.nodes WHERE last_seen < now() - interval '3 seconds'",
+        0,
         Duration::from_secs(30),
-        || async {
-            let stale = scalar(
-            &mesh.env,
-            "inventory",
-            "SELECT count(*) FROM inventory.nodes WHERE last_seen < now() - interval '3 seconds'",
-        )
-        .await?;
-            Ok((stale == 0).then_some(()))
-        },
     )
     .await?;
     assert_eq!(
@@ -495,18 +491,13 @@ async fn a_broker_restart_under_a_fleet_marks_no_node_unreachable_and_moves_no_r
     .await?;
     assert_eq!(events, 0, "an unreachable event was recorded");
     // Every node was heard after the broker came back.
-    wait_for(
+    wait_scalar(
+        &mesh.env,
         "every node heard after the restart",
+        "inventory",
+        "SELECT count(*) FROM inventory.nodes WHERE heard_at < now() - interval '3 seconds'",
+        0,
         Duration::from_secs(30),
-        || async {
-            let stale = scalar(
-                &mesh.env,
-                "inventory",
-                "SELECT count(*) FROM inventory.nodes WHERE heard_at < now() - interval '3 seconds'",
-            )
-            .await?;
-            Ok((stale == 0).then_some(()))
-        },
     )
     .await?;
     assert_eq!(placed().await?, before, "a replica moved");

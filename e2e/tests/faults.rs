@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use mesh_e2e::sim::{
     SimNode, add_nodes, confirmed, connect_all, drain, inbox_count, metric_sum, metrics,
-    queue_depth, scalar,
+    queue_depth, scalar, wait_scalar,
 };
 use mesh_e2e::{Mesh, wait_for};
 use mesh_protocol::{Envelope, Report, Section};
@@ -151,18 +151,13 @@ async fn a_controller_killed_twenty_times_under_load_loses_and_doubles_nothing()
     assert_eq!(joined, CRASH_NODES as i64, "node.joined events");
     // …and one declaration per node (reconcile) plus one per later hello, all sent.
     let expected = (CRASH_NODES * (CRASH_PER_NODE / HELLO_EVERY)) as i64;
-    wait_for(
+    wait_scalar(
+        &mesh.env,
         "every declaration to be confirmed by the broker",
+        "config",
+        "SELECT count(*) FROM config.outbox WHERE sent_at IS NULL",
+        0,
         Duration::from_secs(60),
-        || async {
-            let unsent = scalar(
-                &mesh.env,
-                "config",
-                "SELECT count(*) FROM config.outbox WHERE sent_at IS NULL",
-            )
-            .await?;
-            Ok((unsent == 0).then_some(()))
-        },
     )
     .await?;
     let declared = scalar(

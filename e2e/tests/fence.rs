@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, anyhow};
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use mesh_e2e::sim::{add_nodes, confirmed, connect_all, inbox_count, queue_depth, scalar};
+use mesh_e2e::sim::{
+    add_nodes, confirmed, connect_all, inbox_count, queue_depth, scalar, wait_scalar,
+};
 use mesh_e2e::{Mesh, bin, wait_for};
 use mesh_protocol::topology::{
     HEARTBEAT_QUEUE_MAX_LEN, REPORT_QUEUE_MAX_LEN, UNITS_QUEUE_MAX_LEN, report_queue,
@@ -348,18 +350,13 @@ async fn a_second_controller_refuses_and_a_restored_one_loses_and_doubles_nothin
     )
     .await?;
     assert_eq!(joined, NODES as i64, "node.joined events");
-    wait_for(
+    wait_scalar(
+        &mesh.env,
         "every declaration to be confirmed by the broker",
+        "config",
+        "SELECT count(*) FROM config.outbox WHERE sent_at IS NULL",
+        0,
         Duration::from_secs(60),
-        || async {
-            let unsent = scalar(
-                &mesh.env,
-                "config",
-                "SELECT count(*) FROM config.outbox WHERE sent_at IS NULL",
-            )
-            .await?;
-            Ok((unsent == 0).then_some(()))
-        },
     )
     .await?;
     let declared = scalar(

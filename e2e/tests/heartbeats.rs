@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use mesh_e2e::sim::scalar;
+use mesh_e2e::sim::{scalar, wait_scalar};
 use mesh_e2e::{Mesh, wait_for};
 
 #[tokio::test(flavor = "multi_thread")]
@@ -34,18 +34,13 @@ async fn past_the_budget_agents_beat_at_the_declared_interval_and_keep_it() -> a
     assert_eq!(view["heartbeat"]["floor_ms"], 1000);
     assert_eq!(view["heartbeat"]["nodes"], 2);
     // Each agent applied its inventory section's plan and says it beats at 4 s.
-    wait_for(
+    wait_scalar(
+        &mesh.env,
         "both agents to beat at 4 s",
+        "inventory",
+        "SELECT count(*) FROM inventory.nodes WHERE beat_ms = 4000",
+        2,
         Duration::from_secs(30),
-        || async {
-            let n = scalar(
-                &mesh.env,
-                "inventory",
-                "SELECT count(*) FROM inventory.nodes WHERE beat_ms = 4000",
-            )
-            .await?;
-            Ok((n == 2).then_some(()))
-        },
     )
     .await?;
     for node in [&a, &b] {
