@@ -20,7 +20,13 @@ pub struct NodeSummary {
     /// Effective labels.
     pub labels: Labels,
     pub state: String,
+    /// The newest `sent_at` heard from the node, as written: it lags the last
+    /// heartbeat by at most the controller's `liveness_write_ms`.
     pub last_seen: DateTime<Utc>,
+    /// The interval the node says it beats at, in ms (absent: an agent that
+    /// does not say, which beats at its own configured interval).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heartbeat_interval_ms: Option<i64>,
 }
 
 /// A node's labels, where they come from, and what they add up to.
@@ -214,9 +220,10 @@ impl Inventory {
             Json<Labels>,
             String,
             DateTime<Utc>,
+            Option<i64>,
         );
         let rows: Vec<Row> = sqlx::query_as(
-            "SELECT id, hostname, reported_labels, operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, last_seen FROM inventory.nodes \
+            "SELECT id, hostname, reported_labels, operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, last_seen, beat_ms FROM inventory.nodes \
              WHERE $1::text IS NULL OR id > $1 ORDER BY id LIMIT $2",
         )
         .bind(after)
@@ -226,12 +233,13 @@ impl Inventory {
         Ok(rows
             .into_iter()
             .map(
-                |(id, hostname, reported, operator, state, last_seen)| NodeSummary {
+                |(id, hostname, reported, operator, state, last_seen, beat_ms)| NodeSummary {
                     id,
                     hostname,
                     labels: effective(&reported.0, &operator.0),
                     state,
                     last_seen,
+                    heartbeat_interval_ms: beat_ms,
                 },
             )
             .collect())
