@@ -31,7 +31,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::amqp::{self, DeclarationQueues, Refusal};
+use crate::amqp::{self, DeclarationQueues, DeclareChannels, Refusal};
 use crate::config::Settings;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::router::Contexts;
@@ -167,6 +167,13 @@ impl Pipeline {
         ch.basic_qos(self.settings.prefetch, BasicQosOptions::default())
             .await?;
         let dead_letters = amqp::confirm_channel(&conn).await?;
+        // Hellos declare their nodes' queues, many at once (decision 0024).
+        let declare = match source {
+            Source::Reports(ReportKind::Hello) => {
+                Some(Arc::new(DeclareChannels::open(&conn).await?))
+            }
+            _ => None,
+        };
         let mut consumer = ch
             .basic_consume(
                 queue.as_str().into(),
@@ -218,13 +225,21 @@ impl Pipeline {
             }
             let this = self.clone();
             let dead_letters = dead_letters.clone();
+            let declare = declare.clone();
             let queue = queue.clone();
             let shutdown = shutdown.clone();
             in_flight.push_back(tokio::spawn(async move {
                 let started = Instant::now();
                 let span = tracing::debug_span!("batch", queue = %queue, size = batch.len());
                 let done = this
-                    .process(&dead_letters, source, &queue, &batch, &shutdown)
+                    .process(
+                        &dead_letters,
+                        declare.as_deref(),
+                        source,
+                        &queue,
+                        &batch,
+                        &shutdown,
+                    )
                     .instrument(span)
                     .await?;
                 Ok(Handled {
@@ -263,9 +278,11 @@ impl Pipeline {
     }
 
     /// Handle one batch. Returns false when shutdown interrupted it before commit.
+    /// `declare`: the channels a hello batch declares its nodes' queues on.
     async fn process(
         &self,
         dead_letters: &Channel,
+        declare: Option<&DeclareChannels>,
         source: Source,
         queue: &str,
         batch: &[Delivery],
@@ -286,6 +303,13 @@ impl Pipeline {
                 }
                 self.dead_letter(dead_letters, queue, batch, refused)
                     .await?;
+                if let Some(channels) = declare {
+                    // A node that said hello can consume its declaration queue
+                    // at once; and it exists before anything this batch causes
+                    // to be declared to the node is committed (decision 0024).
+                    let nodes: Vec<&NodeId> = good.iter().map(|(_, e)| &e.node).collect();
+                    self.declaration_queues.ensure_all(channels, &nodes).await?;
+                }
                 let indices = good.iter().map(|(i, _)| *i).collect();
                 let items = Batch::Reports(good.iter().map(|(_, e)| e.clone()).collect());
                 let Some(refused) = self.handle(queue, source, indices, items, shutdown).await
@@ -297,14 +321,6 @@ impl Pipeline {
                 if self.failpoint.as_deref() == Some(kind.as_str()) {
                     tracing::warn!("failpoint: exiting after commit, before ack");
                     std::process::exit(86);
-                }
-                if kind == ReportKind::Hello {
-                    // A node that said hello can consume its declaration queue at once.
-                    let nodes: std::collections::BTreeSet<&NodeId> =
-                        good.iter().map(|(_, e)| &e.node).collect();
-                    for node in nodes {
-                        self.declaration_queues.ensure(dead_letters, node).await?;
-                    }
                 }
             }
             Source::Record(_) => {
