@@ -8,7 +8,8 @@
 //! a batch and from batch to batch; batches are acknowledged in delivery order,
 //! so an ack with `multiple` covers the batch and committed batches before it.
 //! Heartbeat batches are handled up to three at once (their handling commutes);
-//! every other queue's one at a time.
+//! hello batches two at once, handled in turn (the next batch's queues are
+//! declared while the one before is handled); every other queue's one at a time.
 //! Caveats: a transient failure (database down) holds the batch and retries it in
 //! place with capped backoff; the broker keeps the rest, bounded by the prefetch.
 
@@ -27,11 +28,12 @@ use mesh_protocol::topology;
 use mesh_protocol::{
     Envelope, MAX_REPORT_BYTES, NodeId, RecordEvent, Report, ReportKind, UnknownFields,
 };
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::amqp::{self, DeclarationQueues, Refusal};
+use crate::amqp::{self, DeclarationQueues, DeclareChannels, Refusal};
 use crate::config::Settings;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::router::Contexts;
@@ -105,10 +107,50 @@ pub enum PipelineError {
 /// and overlapping the next batch's collection and statements with the previous
 /// batch's commit is what keeps ingest near the ideal pipeline. Everything else:
 /// 1, so that a node's reports of one kind are handled in the order it sent them.
+/// Hellos: 2, handled in turn (below): while a batch is handled, the next one
+/// is collected and its nodes' declaration queues are created, which is what
+/// bounds a fleet's join (decision 0024).
 fn batches_in_flight(source: Source) -> usize {
     match source {
         Source::Reports(ReportKind::Heartbeat) => 3,
+        Source::Reports(ReportKind::Hello) => 2,
         _ => 1,
+    }
+}
+
+/// Whether the batches of `source` that are in flight together are handled in
+/// turn: each is prepared at once (authenticated, its queues declared) but
+/// handled only after the batch before it committed, so a node's reports of
+/// that kind still take effect in the order it sent them.
+fn handled_in_turn(source: Source) -> bool {
+    matches!(source, Source::Reports(ReportKind::Hello))
+}
+
+/// A batch's turn to be handled, for a queue handled in turn: it waits for
+/// the batch before it to commit, and says when it committed. Empty (no
+/// waiting) for every other queue.
+#[derive(Default)]
+struct Turn {
+    before: Option<oneshot::Receiver<()>>,
+    committed: Option<oneshot::Sender<()>>,
+}
+
+impl Turn {
+    /// Wait for the batch before to commit. False if it ended without
+    /// committing (shutdown, or a failure that ends the consumer): then this
+    /// batch is not handled either, and its deliveries stay unacknowledged.
+    async fn wait(&mut self) -> bool {
+        match self.before.take() {
+            Some(before) => before.await.is_ok(),
+            None => true,
+        }
+    }
+
+    fn committed(&mut self) {
+        if let Some(done) = self.committed.take() {
+            // The batch after may be gone (consumer ending): nothing to tell.
+            let _ = done.send(());
+        }
     }
 }
 
@@ -167,6 +209,13 @@ impl Pipeline {
         ch.basic_qos(self.settings.prefetch, BasicQosOptions::default())
             .await?;
         let dead_letters = amqp::confirm_channel(&conn).await?;
+        // Hellos declare their nodes' queues, many at once (decision 0024).
+        let declare = match source {
+            Source::Reports(ReportKind::Hello) => {
+                Some(Arc::new(DeclareChannels::open(&conn).await?))
+            }
+            _ => None,
+        };
         let mut consumer = ch
             .basic_consume(
                 queue.as_str().into(),
@@ -178,6 +227,10 @@ impl Pipeline {
         tracing::info!(queue, "consuming");
         let batch_max = self.settings.batch_max.max(1);
         let depth = batches_in_flight(source);
+        let in_turn = handled_in_turn(source);
+        // The last batch's commit, which the next batch of a queue handled in
+        // turn waits for.
+        let mut previous: Option<oneshot::Receiver<()>> = None;
         // Batches being handled, oldest first. Each is handled by its own task
         // while the next is collected; they are acknowledged strictly in order,
         // so an ack with `multiple` covers only committed batches.
@@ -216,15 +269,32 @@ impl Pipeline {
                     Ok(None) | Err(_) => break,
                 }
             }
+            let mut turn = Turn::default();
+            if in_turn {
+                let (committed, next) = oneshot::channel();
+                turn = Turn {
+                    before: previous.replace(next),
+                    committed: Some(committed),
+                };
+            }
             let this = self.clone();
             let dead_letters = dead_letters.clone();
+            let declare = declare.clone();
             let queue = queue.clone();
             let shutdown = shutdown.clone();
             in_flight.push_back(tokio::spawn(async move {
                 let started = Instant::now();
                 let span = tracing::debug_span!("batch", queue = %queue, size = batch.len());
                 let done = this
-                    .process(&dead_letters, source, &queue, &batch, &shutdown)
+                    .process(
+                        &dead_letters,
+                        declare.as_deref(),
+                        turn,
+                        source,
+                        &queue,
+                        &batch,
+                        &shutdown,
+                    )
                     .instrument(span)
                     .await?;
                 Ok(Handled {
@@ -263,9 +333,14 @@ impl Pipeline {
     }
 
     /// Handle one batch. Returns false when shutdown interrupted it before commit.
+    /// `declare`: the channels a hello batch declares its nodes' queues on;
+    /// `turn`: when it may be handled.
+    #[allow(clippy::too_many_arguments)]
     async fn process(
         &self,
         dead_letters: &Channel,
+        declare: Option<&DeclareChannels>,
+        mut turn: Turn,
         source: Source,
         queue: &str,
         batch: &[Delivery],
@@ -286,25 +361,28 @@ impl Pipeline {
                 }
                 self.dead_letter(dead_letters, queue, batch, refused)
                     .await?;
+                if let Some(channels) = declare {
+                    // A node that said hello can consume its declaration queue
+                    // at once; and it exists before anything this batch causes
+                    // to be declared to the node is committed (decision 0024).
+                    let nodes: Vec<&NodeId> = good.iter().map(|(_, e)| &e.node).collect();
+                    self.declaration_queues.ensure_all(channels, &nodes).await?;
+                }
                 let indices = good.iter().map(|(i, _)| *i).collect();
                 let items = Batch::Reports(good.iter().map(|(_, e)| e.clone()).collect());
+                if !turn.wait().await {
+                    return Ok(false);
+                }
                 let Some(refused) = self.handle(queue, source, indices, items, shutdown).await
                 else {
                     return Ok(false);
                 };
+                turn.committed();
                 self.dead_letter(dead_letters, queue, batch, refused)
                     .await?;
                 if self.failpoint.as_deref() == Some(kind.as_str()) {
                     tracing::warn!("failpoint: exiting after commit, before ack");
                     std::process::exit(86);
-                }
-                if kind == ReportKind::Hello {
-                    // A node that said hello can consume its declaration queue at once.
-                    let nodes: std::collections::BTreeSet<&NodeId> =
-                        good.iter().map(|(_, e)| &e.node).collect();
-                    for node in nodes {
-                        self.declaration_queues.ensure(dead_letters, node).await?;
-                    }
                 }
             }
             Source::Record(_) => {

@@ -134,8 +134,10 @@ async fn run_events<C: Context>(ctx: &C, events: &[RecordEvent]) -> Result<(), H
     let mut tx = ctx.pool().begin().await?;
     let ids: Vec<_> = events.iter().map(|e| e.id).collect();
     let mut fresh = inbox::claim(&mut tx, C::SCHEMA, &ids).await?;
-    for event in events.iter().filter(|e| fresh.remove(&e.id)) {
-        ctx.handle_event(&mut tx, event).await?;
+    // `remove` keeps one copy of an event delivered twice within the batch.
+    let fresh: Vec<&RecordEvent> = events.iter().filter(|e| fresh.remove(&e.id)).collect();
+    if !fresh.is_empty() {
+        ctx.handle_events(&mut tx, &fresh).await?;
     }
     tx.commit().await?;
     Ok(())

@@ -17,8 +17,9 @@
 //! files name the same path for one node: a file targeted at the node beats a
 //! selector file; between files of the same kind the lexicographically smallest
 //! file name wins. Reconciles are serialized by a PostgreSQL advisory lock (a
-//! whole-fleet reconcile exclusively, a one-node reconcile shared plus a per-node
-//! lock), so two never compute the same generation from a stale read.
+//! whole-fleet reconcile exclusively, a reconcile of some nodes — the node
+//! events of a batch — shared plus each node's lock), so two never compute the
+//! same generation from a stale read.
 
 mod api;
 mod error;
@@ -157,18 +158,29 @@ impl Context for Config {
         tx: &mut PgConnection,
         event: &RecordEvent,
     ) -> Result<(), HandlerError> {
-        match &event.kind {
-            RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body) => {
-                reports::node_changed(tx, body)
-                    .await
-                    .map_err(HandlerError::from)
-            }
-            // Known events config does not act on (the protocol decoded them:
-            // an unknown one never reaches a context).
-            _ => {
-                tracing::debug!(key = %event.routing_key(), "not an event config acts on");
-                Ok(())
+        self.handle_events(tx, &[event]).await
+    }
+
+    /// The node events of a batch in one upsert and one reconcile of the nodes
+    /// they changed (a fleet joining sends hundreds per batch).
+    async fn handle_events(
+        &self,
+        tx: &mut PgConnection,
+        events: &[&RecordEvent],
+    ) -> Result<(), HandlerError> {
+        let mut bodies = Vec::with_capacity(events.len());
+        for event in events {
+            match &event.kind {
+                RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body) => bodies.push(body),
+                // Known events config does not act on (the protocol decoded
+                // them: an unknown one never reaches a context).
+                _ => {
+                    tracing::debug!(key = %event.routing_key(), "not an event config acts on");
+                }
             }
         }
+        reports::nodes_changed(tx, &bodies)
+            .await
+            .map_err(HandlerError::from)
     }
 }

@@ -18,7 +18,9 @@ const LOCK_NODE: i32 = 0x6d65_7369;
 
 pub(crate) enum Scope<'a> {
     All,
-    Node(&'a NodeId),
+    /// These nodes only (the node events of a batch): the shared fleet lock,
+    /// then each node's lock in a fixed order.
+    Nodes(&'a [NodeId]),
 }
 
 #[derive(sqlx::FromRow)]
@@ -80,8 +82,8 @@ fn build(files: &[FileRow], chosen: &[usize]) -> Result<Items, Error> {
 }
 
 /// The desired config section of every node of `scope`, inside `tx`, after
-/// taking the reconcile locks (a whole-fleet reconcile exclusively, a one-node
-/// reconcile shared plus the node's own).
+/// taking the reconcile locks (a whole-fleet reconcile exclusively, a reconcile
+/// of some nodes shared plus each node's own).
 pub(crate) async fn desired(
     tx: &mut PgConnection,
     scope: Scope<'_>,
@@ -93,30 +95,40 @@ pub(crate) async fn desired(
                 .execute(&mut *tx)
                 .await?;
         }
-        Scope::Node(node) => {
-            sqlx::query("SELECT pg_advisory_xact_lock_shared($1, 0), pg_advisory_xact_lock($2, hashtext($3))")
+        Scope::Nodes(nodes) => {
+            // Node locks in ascending key order (distinct keys), so that two
+            // reconciles of overlapping nodes cannot deadlock.
+            let nodes: Vec<&str> = nodes.iter().map(NodeId::as_str).collect();
+            sqlx::query("SELECT pg_advisory_xact_lock_shared($1, 0)")
                 .bind(LOCK_FLEET)
-                .bind(LOCK_NODE)
-                .bind(node.as_str())
                 .execute(&mut *tx)
                 .await?;
+            sqlx::query(
+                "SELECT pg_advisory_xact_lock($1, k.key) FROM \
+                 (SELECT DISTINCT hashtext(n) AS key FROM UNNEST($2::text[]) AS n ORDER BY 1) AS k",
+            )
+            .bind(LOCK_NODE)
+            .bind(&nodes)
+            .execute(&mut *tx)
+            .await?;
         }
     }
-    let only: Option<&str> = match scope {
+    // None: every node.
+    let only: Option<Vec<&str>> = match scope {
         Scope::All => None,
-        Scope::Node(n) => Some(n.as_str()),
+        Scope::Nodes(nodes) => Some(nodes.iter().map(NodeId::as_str).collect()),
     };
     let files: Vec<FileRow> = sqlx::query_as(
         "SELECT name, path, content, mode, node, selector FROM config.files \
-         WHERE $1::text IS NULL OR node = $1 OR selector IS NOT NULL ORDER BY name",
+         WHERE $1::text[] IS NULL OR node = ANY($1) OR selector IS NOT NULL ORDER BY name",
     )
-    .bind(only)
+    .bind(&only)
     .fetch_all(&mut *tx)
     .await?;
     let nodes: Vec<(String, Json<Labels>)> = sqlx::query_as(
-        "SELECT node, labels FROM config.nodes WHERE $1::text IS NULL OR node = $1 ORDER BY node",
+        "SELECT node, labels FROM config.nodes WHERE $1::text[] IS NULL OR node = ANY($1) ORDER BY node",
     )
-    .bind(only)
+    .bind(&only)
     .fetch_all(&mut *tx)
     .await?;
 

@@ -979,3 +979,139 @@ async fn a_change_commits_with_its_audit_entry_and_nothing_else_does() {
     assert_eq!(rows[1].0, delete.request_id());
     f.env.teardown().await.unwrap();
 }
+
+/// What the controller's router does with a batch of record events: the
+/// inbox keeps those not handled before (one copy of an event delivered twice
+/// in the batch), the context handles them together, one transaction.
+async fn route_events(f: &Fixture, events: &[RecordEvent]) {
+    let mut tx = f.pool.begin().await.unwrap();
+    let ids: Vec<_> = events.iter().map(|e| e.id).collect();
+    let mut fresh = mesh_plumbing::inbox::claim(&mut tx, "config", &ids)
+        .await
+        .unwrap();
+    let fresh: Vec<&RecordEvent> = events.iter().filter(|e| fresh.remove(&e.id)).collect();
+    if !fresh.is_empty() {
+        f.config.handle_events(&mut tx, &fresh).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+fn labels_event(event: &str, node: &str, l: &[(&str, &str)], version: i64) -> RecordEvent {
+    let body = NodeLabelsChanged {
+        node: NodeId::parse(node).unwrap(),
+        labels: labels(l),
+        version,
+    };
+    RecordEvent::new(match event {
+        "joined" => RecordKind::NodeJoined(body),
+        _ => RecordKind::NodeUpdated(body),
+    })
+}
+
+/// Config's nodes and the items of their non-empty sections (with the
+/// generation, which a batch may leave lower: it skips a node's intermediate
+/// sections; and a node whose files came and went within one batch was never
+/// declared anything, where one by one it was declared them, then none).
+async fn config_state(f: &Fixture) -> (Vec<String>, Vec<(String, i64, String)>) {
+    let nodes = sqlx::query_scalar(
+        "SELECT concat_ws(' | ', node, labels, version) FROM config.nodes ORDER BY node",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    let sections = sqlx::query_as(
+        "SELECT node, generation, items::text FROM config.sections \
+         WHERE coalesce(jsonb_array_length(items->'files'), 0) > 0 ORDER BY node",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    (nodes, sections)
+}
+
+#[tokio::test]
+async fn a_batch_of_node_events_ends_where_handling_them_one_by_one_ends() {
+    let (batched, single) = (setup().await, setup().await);
+    for f in [&batched, &single] {
+        let body = r#"{"path": "/etc/web.conf", "content": "web", "mode": "0644", "selector": {"role": "web"}}"#;
+        assert_eq!(
+            request(f, "PUT", "/v1/files/web", body).await.0,
+            StatusCode::CREATED
+        );
+        let body = r#"{"path": "/etc/c.conf", "content": "c", "mode": "0600", "node": "eq-c"}"#;
+        assert_eq!(
+            request(f, "PUT", "/v1/files/c", body).await.0,
+            StatusCode::CREATED
+        );
+        route_events(
+            f,
+            &[
+                labels_event("joined", "eq-a", &[("role", "web")], 1),
+                labels_event("joined", "eq-b", &[], 1),
+            ],
+        )
+        .await;
+    }
+    let joined_c = labels_event("joined", "eq-c", &[("role", "web")], 1);
+    let liveness = RecordEvent::new(RecordKind::NodeUnreachable(mesh_protocol::NodeLiveness {
+        node: NodeId::parse("eq-a").unwrap(),
+        state: mesh_protocol::LivenessState::Unreachable,
+        at: chrono::Utc::now(),
+        last_heard: None,
+    }));
+    let batch = vec![
+        joined_c.clone(),
+        labels_event("joined", "eq-d", &[], 1),
+        // A known node's labels change: it loses the selector file.
+        labels_event("updated", "eq-a", &[], 2),
+        // Stale: not newer than what is stored.
+        labels_event("updated", "eq-b", &[("role", "web")], 1),
+        // Delivered twice in the batch.
+        joined_c,
+        // An event config does not act on.
+        liveness,
+        // Joined and changed again within the batch.
+        labels_event("joined", "eq-e", &[("role", "web")], 1),
+        labels_event("updated", "eq-e", &[], 2),
+        // Two events of one version: the first is kept.
+        labels_event("joined", "eq-f", &[("role", "web")], 1),
+        labels_event("updated", "eq-f", &[], 1),
+        // An older event arriving after a newer one.
+        labels_event("updated", "eq-g", &[("role", "web")], 3),
+        labels_event("joined", "eq-g", &[], 1),
+    ];
+    let before = last_outbox_id(&batched).await;
+    route_events(&batched, &batch).await;
+    for event in &batch {
+        route_events(&single, std::slice::from_ref(event)).await;
+    }
+
+    let (b, s) = (config_state(&batched).await, config_state(&single).await);
+    assert_eq!(b.0, s.0, "config's nodes");
+    let items = |v: &[(String, i64, String)]| -> Vec<(String, String)> {
+        v.iter().map(|(n, _, i)| (n.clone(), i.clone())).collect()
+    };
+    assert_eq!(items(&b.1), items(&s.1), "sections' items");
+    for ((node, gb, _), (_, gs, _)) in b.1.iter().zip(&s.1) {
+        assert!(
+            gb <= gs,
+            "{node}: generation {gb} after the batch, {gs} one by one"
+        );
+    }
+    // One declaration per node the batch changed, none for the rest.
+    let declared: Vec<String> = declarations(&batched, before)
+        .await
+        .into_iter()
+        .map(|(_, node, _)| node)
+        .collect();
+    assert_eq!(declared, ["eq-a", "eq-c", "eq-f", "eq-g"], "{declared:?}");
+    let view = |n: &str| {
+        b.0.iter()
+            .find(|r| r.starts_with(&format!("{n} |")))
+            .cloned()
+    };
+    assert!(view("eq-f").unwrap().contains("web"), "{:?}", view("eq-f"));
+    assert!(view("eq-g").unwrap().ends_with("| 3"), "{:?}", view("eq-g"));
+    batched.env.teardown().await.unwrap();
+    single.env.teardown().await.unwrap();
+}

@@ -26,6 +26,7 @@ mod api;
 mod drains;
 mod error;
 mod fleet;
+mod join;
 mod liveness;
 pub mod module;
 mod modules_api;

@@ -1,8 +1,10 @@
-//! Report handlers. A batch may mix kinds and nodes: hellos are handled one by
-//! one (they are rare and may emit events), heartbeats and applied reports with
-//! one statement per batch each (a heartbeat batch's: liveness, applied
-//! generations and inventory sections to catch up, in one round trip; the
-//! catch-up part is the section component's statement).
+//! Report handlers. A batch may mix kinds and nodes: the hellos of nodes never
+//! seen before join set-based (`join.rs`: a statement for the batch), every
+//! other hello is handled one by one (a known node, a refused agent: rare, and
+//! they may emit events); heartbeats and applied reports with one statement per
+//! batch each (a heartbeat batch's: liveness, applied generations and inventory
+//! sections to catch up, in one round trip; the catch-up part is the section
+//! component's statement).
 
 use std::collections::BTreeMap;
 
@@ -30,21 +32,29 @@ pub(crate) async fn handle(
     let mut heartbeats = Vec::new();
     let mut applied = Vec::new();
     let mut units = Vec::new();
+    let mut hellos = Vec::new();
     for env in reports {
         match &env.body {
-            Report::Hello(h) => {
-                if let Some(reason) = h.refusal(ProtocolRange::THIS) {
-                    crate::protocol::refuse(tx, env, h, &reason, heard_at).await?;
-                    continue;
-                }
-                let was_refused = crate::protocol::was_refused(tx, &env.node).await?;
-                hello(tx, env, h, heard_at).await?;
-                crate::protocol::accepted(tx, &env.node, h, was_refused).await?;
-            }
+            Report::Hello(h) => hellos.push((env, h)),
             Report::Heartbeat(_) => heartbeats.push(env),
             Report::Applied(a) => applied.push((env, a)),
             Report::Units(u) => units.push((env, u)),
         }
+    }
+    // New nodes first, all at once; the rest one by one, in the batch's order.
+    // They are disjoint sets of nodes, so the order between them changes nothing.
+    let joined = crate::join::new_nodes(tx, &crate::join::candidates(&hellos), heard_at).await?;
+    for (env, h) in hellos {
+        if joined.contains(env.node.as_str()) {
+            continue;
+        }
+        if let Some(reason) = h.refusal(ProtocolRange::THIS) {
+            crate::protocol::refuse(tx, env, h, &reason, heard_at).await?;
+            continue;
+        }
+        let was_refused = crate::protocol::was_refused(tx, &env.node).await?;
+        hello(tx, env, h, heard_at).await?;
+        crate::protocol::accepted(tx, &env.node, h, was_refused).await?;
     }
     // Nodes behind or ahead on their inventory section: caught up at once.
     SECTIONS.on_hello(tx, reports).await?;
@@ -79,7 +89,7 @@ pub(crate) async fn revived(
 }
 
 /// A node's clock may run ahead; never record a "last seen" in the future.
-fn clamp(sent_at: DateTime<Utc>) -> DateTime<Utc> {
+pub(crate) fn clamp(sent_at: DateTime<Utc>) -> DateTime<Utc> {
     sent_at.min(Utc::now())
 }
 
@@ -328,7 +338,7 @@ async fn heartbeat_batch(
 /// already at or above their generation (a node that is up to date) are
 /// filtered out before the insert: an `ON CONFLICT DO UPDATE … WHERE` that
 /// updates nothing still locks the row it conflicts with.
-async fn upsert_generations(
+pub(crate) async fn upsert_generations(
     tx: &mut PgConnection,
     rows: BTreeMap<(&str, &str), i64>,
 ) -> Result<(), Error> {

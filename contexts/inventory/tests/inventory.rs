@@ -656,3 +656,204 @@ async fn identity_revocation_and_reenrolment_reach_inventory_in_order() {
     assert_eq!(state_of(&f, &a).await, "alive");
     f.env.teardown().await.unwrap();
 }
+
+/// What the controller's router does with a batch of reports: the inbox keeps
+/// the messages not handled before (one copy of a message delivered twice in
+/// the batch), the context handles them, one transaction.
+async fn route(f: &Fixture, reports: &[Envelope<Report>]) {
+    let mut tx = f.pool.begin().await.unwrap();
+    let ids: Vec<_> = reports.iter().map(|e| e.id).collect();
+    let mut fresh = mesh_plumbing::inbox::claim(&mut tx, "inventory", &ids)
+        .await
+        .unwrap();
+    let fresh: Vec<Envelope<Report>> = reports
+        .iter()
+        .filter(|e| fresh.remove(&e.id))
+        .cloned()
+        .collect();
+    if !fresh.is_empty() {
+        f.inventory.handle_reports(&mut tx, &fresh).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+/// Everything a hello writes, except the controller's clock (`heard_at`,
+/// `first_seen`, `updated_at`): node rows, applied rows, and each node's
+/// events in order (event ids and the order between nodes aside).
+async fn hello_state(f: &Fixture) -> (Vec<String>, Vec<String>, Vec<String>) {
+    let nodes: Vec<String> = sqlx::query_scalar(
+        "SELECT concat_ws(' | ', id, hostname, arch, cpus, memory_bytes, agent_version, public_key, \
+         reported_labels, operator_labels, last_seen, hello_at, last_seq, state, version, \
+         unreachable_since, admin_state, units_seq, protocol_min, protocol_max, refused) \
+         FROM inventory.nodes ORDER BY id",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    let applied: Vec<String> = sqlx::query_scalar(
+        "SELECT concat_ws(' | ', node, section, generation, outcome, outcome_generation, error) \
+         FROM inventory.applied ORDER BY node, section",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    let mut events: Vec<String> = events(f)
+        .await
+        .into_iter()
+        .map(|(kind, b)| format!("{} {kind} v{} {:?}", b.node, b.version, b.labels))
+        .collect();
+    // Stable: a node's events keep their order.
+    events.sort_by(|a, b| a.split(' ').next().cmp(&b.split(' ').next()));
+    (nodes, applied, events)
+}
+
+fn protocol_hello(node: &NodeId, seq: u64, min: u16, max: u16) -> Envelope<Report> {
+    let mut env = hello(node, seq, labels(&[("role", "old")]), &[]);
+    if let Report::Hello(h) = &mut env.body {
+        h.protocol = Some(mesh_protocol::ProtocolRange { min, max });
+    }
+    env
+}
+
+#[tokio::test]
+async fn a_batch_of_hellos_writes_what_handling_them_one_by_one_writes() {
+    let (batched, single) = (setup().await, setup().await);
+    // The same node names in both databases.
+    let id = |s: &str| NodeId::parse(&format!("eq-{s}")).unwrap();
+    let t0 = Utc::now() - Duration::seconds(600);
+    let at = |env: Envelope<Report>, secs: i64| {
+        let mut env = env;
+        env.sent_at = t0 + Duration::seconds(secs);
+        env
+    };
+
+    // Before: a known node, a node refused earlier, a node heard of long ago.
+    let known_first = at(
+        hello(
+            &id("known"),
+            1,
+            labels(&[("role", "web")]),
+            &[(Section::Config, 1)],
+        ),
+        0,
+    );
+    let before = vec![
+        known_first.clone(),
+        at(protocol_hello(&id("was-refused"), 1, 2, 3), 0),
+        at(hello(&id("late"), 5, labels(&[]), &[]), 100),
+    ];
+    for f in [&batched, &single] {
+        route(f, &before).await;
+    }
+
+    let new1 = at(
+        hello(
+            &id("new1"),
+            1,
+            labels(&[("role", "web")]),
+            &[(Section::Config, 3), (Section::Inventory, 2)],
+        ),
+        200,
+    );
+    let batch = vec![
+        new1.clone(),
+        at(hello(&id("new2"), 1, labels(&[]), &[]), 201),
+        // A known node says hello again with other labels: updated.
+        at(
+            hello(
+                &id("known"),
+                2,
+                labels(&[("role", "db")]),
+                &[(Section::Config, 2)],
+            ),
+            202,
+        ),
+        // An agent this controller cannot speak to: refused, no event.
+        at(protocol_hello(&id("bad"), 1, 2, 3), 203),
+        // Delivered twice in the batch, and a redelivery of a handled hello.
+        new1.clone(),
+        known_first.clone(),
+        // A new node with two hellos in the batch: joined, then updated.
+        at(
+            hello(
+                &id("twice"),
+                1,
+                labels(&[("role", "a")]),
+                &[(Section::Config, 1)],
+            ),
+            204,
+        ),
+        at(
+            hello(
+                &id("twice"),
+                2,
+                labels(&[("role", "b")]),
+                &[(Section::Config, 2)],
+            ),
+            205,
+        ),
+        // A refused node's agent upgraded: the refusal lifts, it joins.
+        at(
+            hello(&id("was-refused"), 2, labels(&[("role", "new")]), &[]),
+            206,
+        ),
+        // An older hello arriving late: it proves the node alive, no more.
+        at(
+            hello(
+                &id("late"),
+                4,
+                labels(&[("role", "stale")]),
+                &[(Section::Config, 9)],
+            ),
+            50,
+        ),
+        // A node whose first hello is refused and whose second is not.
+        at(protocol_hello(&id("mixed"), 1, 2, 3), 207),
+        at(hello(&id("mixed"), 2, labels(&[("role", "m")]), &[]), 208),
+    ];
+    route(&batched, &batch).await;
+    for env in &batch {
+        route(&single, std::slice::from_ref(env)).await;
+    }
+
+    let (b, s) = (hello_state(&batched).await, hello_state(&single).await);
+    assert_eq!(b.0, s.0, "node rows");
+    assert_eq!(b.1, s.1, "applied rows");
+    assert_eq!(b.2, s.2, "events");
+
+    // And what that is, for the new nodes.
+    let v = batched.inventory.node(&id("new1")).await.unwrap().unwrap();
+    assert_eq!(v.version, 1);
+    assert_eq!(v.labels.reported, labels(&[("role", "web")]));
+    assert_eq!(v.applied["config"].generation, 3);
+    assert_eq!(v.applied["inventory"].generation, 2);
+    let joined = |node: &str| {
+        b.2.iter()
+            .filter(|e| e.starts_with(&format!("eq-{node} node.joined")))
+            .count()
+    };
+    for node in ["new1", "new2", "twice", "was-refused", "mixed", "known"] {
+        assert_eq!(joined(node), 1, "{node}: {:?}", b.2);
+    }
+    assert_eq!(joined("bad"), 0, "{:?}", b.2);
+    assert!(
+        b.2.iter()
+            .any(|e| e.starts_with("eq-known node.updated v2")),
+        "{:?}",
+        b.2
+    );
+    assert!(
+        b.2.iter()
+            .any(|e| e.starts_with("eq-twice node.updated v2")),
+        "{:?}",
+        b.2
+    );
+    let bad: Option<String> =
+        sqlx::query_scalar("SELECT refused FROM inventory.nodes WHERE id = 'eq-bad'")
+            .fetch_one(&batched.pool)
+            .await
+            .unwrap();
+    assert!(bad.is_some());
+    batched.env.teardown().await.unwrap();
+    single.env.teardown().await.unwrap();
+}

@@ -101,4 +101,24 @@ pub trait Context: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
         async { Ok(()) }
     }
+
+    /// Handle a batch of record events this context subscribed to, in the order
+    /// they were delivered (the inbox has already filtered out those handled
+    /// before, and duplicates within the batch). The default hands them to
+    /// [`Context::handle_event`] one by one; a context that can act on many at
+    /// once (one statement for the batch instead of one per event) overrides
+    /// it, with the same outcome as the one-by-one handling but for
+    /// intermediate steps a later event of the batch supersedes.
+    fn handle_events(
+        &self,
+        tx: &mut PgConnection,
+        events: &[&RecordEvent],
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        async move {
+            for event in events {
+                self.handle_event(&mut *tx, event).await?;
+            }
+            Ok(())
+        }
+    }
 }

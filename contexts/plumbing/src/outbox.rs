@@ -124,6 +124,45 @@ pub async fn record(
     insert(tx, schema, row).await
 }
 
+/// Queue many record events in `schema`'s outbox, in their order, with one
+/// statement per chunk of rows (a batch of hellos joins hundreds of nodes).
+/// Each row is exactly what [`record`] writes.
+pub async fn record_many(
+    tx: &mut PgConnection,
+    schema: &str,
+    events: &[RecordEvent],
+) -> Result<(), sqlx::Error> {
+    const CHUNK: usize = 500;
+    // WITH ORDINALITY keeps the events' order in the rows' ids.
+    let sql = format!(
+        "INSERT INTO {schema}.outbox (message_id, exchange, routing_key, kind, node, payload) \
+         SELECT u.id, $2, u.key, u.kind, NULL, u.payload \
+         FROM UNNEST($1::uuid[], $3::text[], $4::text[], $5::bytea[]) WITH ORDINALITY AS u(id, key, kind, payload, n) \
+         ORDER BY u.n"
+    );
+    for chunk in events.chunks(CHUNK) {
+        let mut ids = Vec::with_capacity(chunk.len());
+        let mut keys = Vec::with_capacity(chunk.len());
+        let mut kinds = Vec::with_capacity(chunk.len());
+        let mut payloads = Vec::with_capacity(chunk.len());
+        for event in chunk {
+            ids.push(event.id);
+            keys.push(event.routing_key());
+            kinds.push(event.event());
+            payloads.push(event.encode());
+        }
+        sqlx::query(AssertSqlSafe(sql.clone()))
+            .bind(&ids)
+            .bind(RECORD_EXCHANGE)
+            .bind(&keys)
+            .bind(&kinds)
+            .bind(&payloads)
+            .execute(&mut *tx)
+            .await?;
+    }
+    Ok(())
+}
+
 /// The oldest unsent rows, at most `limit`.
 pub async fn pending(
     pool: &PgPool,
