@@ -156,6 +156,24 @@ pub(crate) fn pids(comm: &str) -> Vec<u32> {
         .collect()
 }
 
+/// The broker's Erlang VM: the `beam.smp` that boots `rabbit`. Not every
+/// `beam.smp`: each `rabbitmqctl` call (ours, or anyone's on the machine) runs
+/// one for a moment, and its CPU would enter one reading and leave the next.
+pub(crate) fn broker_pids() -> Vec<u32> {
+    pids("beam.smp")
+        .into_iter()
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| {
+                    let args: Vec<&[u8]> = c.split(|b| *b == 0).collect();
+                    args.windows(2)
+                        .any(|w| w[0] == b"rabbit" && w[1] == b"boot")
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
 /// CPU seconds so far of the controller, the broker and every PostgreSQL process.
 #[derive(Clone, Copy)]
 struct Cpu {
@@ -170,7 +188,7 @@ struct Cpu {
 fn cpu(controller: u32) -> Cpu {
     Cpu {
         controller: cpu_secs(controller),
-        broker: pids("beam.smp").into_iter().map(cpu_secs).sum(),
+        broker: broker_pids().into_iter().map(cpu_secs).sum(),
         database: pids("postgres").into_iter().map(cpu_secs).sum(),
         simulator: cpu_secs(std::process::id()),
         at: Instant::now(),
@@ -1659,9 +1677,9 @@ async fn floor_phase(
     Ok(broker + ideal)
 }
 
-/// The broker's CPU seconds so far (every beam.smp).
-fn broker_cpu() -> f64 {
-    pids("beam.smp").into_iter().map(cpu_secs).sum()
+/// The broker's CPU seconds so far.
+pub(crate) fn broker_cpu() -> f64 {
+    broker_pids().into_iter().map(cpu_secs).sum()
 }
 
 /// `mesh-bench ideal-consume` running as a child process.
@@ -1981,7 +1999,7 @@ fn raise_nofile(want: u64) -> anyhow::Result<u64> {
 
 /// The broker's soft descriptor limit, from /proc/<beam.smp>/limits.
 fn broker_nofile() -> Option<u64> {
-    let pid = pids("beam.smp").into_iter().next()?;
+    let pid = broker_pids().into_iter().next()?;
     let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
     limits
         .lines()
@@ -1993,7 +2011,7 @@ fn broker_nofile() -> Option<u64> {
 }
 
 fn broker_rss() -> u64 {
-    pids("beam.smp").into_iter().map(rss_bytes).sum()
+    broker_pids().into_iter().map(rss_bytes).sum()
 }
 
 /// The broker's memory in connection processes (readers, writers, channels,

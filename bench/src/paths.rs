@@ -24,7 +24,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ExchangeKind};
 use mesh_e2e::Mesh;
 
-use crate::fleet::{cpu_secs, pids, sample_payload, settle};
+use crate::fleet::{broker_cpu, sample_payload, settle};
 
 /// One variant of the path: what is added to plain (a).
 #[derive(Clone, Copy)]
@@ -70,10 +70,6 @@ pub(crate) struct Measured {
     broker_us: f64,
     /// Broker share of one core at the paced rate (% of a core), if paced.
     paced: Option<f64>,
-}
-
-fn broker_cpu() -> f64 {
-    pids("beam.smp").into_iter().map(cpu_secs).sum()
 }
 
 /// Publish `n` heartbeat-sized messages (with confirms: pipelined, window
