@@ -21,6 +21,7 @@ use mesh_e2e::{Mesh, hello, wait_for};
 use mesh_protocol::{Envelope, Heartbeat, NodeId, Report};
 
 mod fleet;
+mod ideal;
 mod paths;
 
 #[derive(Parser)]
@@ -55,6 +56,15 @@ enum Cmd {
         /// Messages per baseline measurement.
         #[arg(long, default_value_t = 50_000)]
         baseline_messages: usize,
+        /// Real AMQP connections, one per node with its own broker user, held
+        /// idle for 60 s (phase `real`).
+        #[arg(long, default_value_t = 2_000)]
+        real_connections: usize,
+        /// The controller's `liveness_write_ms` (how often it writes last_seen
+        /// for the fleet); the p99 heartbeat→last_seen target is this + 100 ms.
+        /// Left out for a controller that does not know the setting.
+        #[arg(long, default_value_t = 5_000)]
+        liveness_write_ms: u64,
         /// Where the JSON goes.
         #[arg(long, default_value = "target/mesh-bench-fleet.json")]
         json: std::path::PathBuf,
@@ -64,11 +74,25 @@ enum Cmd {
         skip: Vec<fleet::Phase>,
     },
     /// What each feature of the report path (topic exchange, queue bound,
-    /// properties, batched acks) adds to baseline (a): msg/s and broker CPU.
+    /// properties, batched acks) adds to baseline (a), and what each choice of
+    /// the heartbeat queue costs (delivery mode, confirms, durability, queue
+    /// type, single active consumer, prefetch): msg/s and broker CPU.
     BrokerPaths {
         /// Messages per variant.
         #[arg(long, default_value_t = 50_000)]
         messages: usize,
+        /// The paced rate of the heartbeat-queue variants, messages/s.
+        #[arg(long, default_value_t = 1_000.0)]
+        rate: f64,
+        /// How long each heartbeat-queue variant is paced, seconds.
+        #[arg(long, default_value_t = 10)]
+        paced_secs: u64,
+    },
+    /// The ideal consumer of baseline (e), run by `fleet` as a child process.
+    #[command(hide = true)]
+    IdealConsume {
+        #[arg(long)]
+        queue: String,
     },
     /// Heartbeat ingest: reports/s committed, controller CPU and RSS.
     Heartbeats {
@@ -94,6 +118,8 @@ async fn main() -> anyhow::Result<()> {
             catchup_secs,
             ingest_messages,
             baseline_messages,
+            real_connections,
+            liveness_write_ms,
             json,
             skip,
         } => {
@@ -104,6 +130,8 @@ async fn main() -> anyhow::Result<()> {
                 catchup_secs,
                 ingest_messages,
                 baseline_messages,
+                real_connections,
+                liveness_write_ms,
                 skip,
             };
             let rows = fleet::run(options).await?;
@@ -112,7 +140,12 @@ async fn main() -> anyhow::Result<()> {
             eprintln!("written: {}", json.display());
             Ok(())
         }
-        Cmd::BrokerPaths { messages } => paths::run(messages).await,
+        Cmd::BrokerPaths {
+            messages,
+            rate,
+            paced_secs,
+        } => paths::run(messages, rate, paced_secs).await,
+        Cmd::IdealConsume { queue } => ideal::consume(&queue).await,
         Cmd::Heartbeats {
             nodes,
             seconds,
@@ -215,7 +248,7 @@ async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result
                     node.clone(),
                     seq,
                     Report::Heartbeat(Heartbeat {
-                        interval_ms: None,
+                        interval_ms: Some(10_000),
                         applied: Default::default(),
                     }),
                 );
@@ -223,7 +256,9 @@ async fn heartbeats(nodes: usize, seconds: u64, window: usize) -> anyhow::Result
                 let props = BasicProperties::default()
                     .with_user_id(node.as_str().into())
                     .with_message_id(env.id.to_string().as_str().into())
-                    .with_delivery_mode(2);
+                    // Transient, as agents send heartbeats; the confirm window
+                    // only paces the publishers.
+                    .with_delivery_mode(1);
                 let confirm = ch
                     .basic_publish(
                         "reports".into(),
