@@ -252,6 +252,9 @@ impl Agent {
         self.push_units();
         let mut events = conn.events_listener();
         let mut confirms: FuturesUnordered<ConfirmFuture> = FuturesUnordered::new();
+        // Heartbeats' confirms: awaited only so that lapin lets go of them (a
+        // dropped confirm stays registered on its channel), their outcome unused.
+        let mut beats: FuturesUnordered<lapin::PublisherConfirm> = FuturesUnordered::new();
         let mut consumer: Option<(Channel, Consumer)> = None;
         let mut consume_backoff =
             Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
@@ -301,6 +304,7 @@ impl Agent {
                     self.flush(&publisher, confirms).await;
                     return SessionEnd::Shutdown;
                 }
+                Some(_) = beats.next(), if !beats.is_empty() => {}
                 Some((id, result)) = confirms.next(), if !confirms.is_empty() => {
                     match self.confirmed(id, result) {
                         Ok(()) => publish_backoff.reset(),
@@ -321,7 +325,9 @@ impl Agent {
                 }
                 () = self.reporter.due() => self.push_units(),
                 _ = heartbeat.tick() => {
-                    self.beat(&publisher).await;
+                    if let Some(confirm) = self.beat(&publisher).await {
+                        beats.push(confirm);
+                    }
                     if !conn.status().connected() {
                         return SessionEnd::Lost("connection is no longer open".into());
                     }
@@ -741,9 +747,10 @@ impl Agent {
         debug!("heartbeat skipped: not connected");
     }
 
-    /// Publish one heartbeat: transient (delivery mode 1), its confirm not
-    /// awaited; the next one follows (decision 0023).
-    async fn beat(&mut self, ch: &Channel) {
+    /// Publish one heartbeat: transient (delivery mode 1); the next one
+    /// follows (decision 0023). Returns its confirm, for the caller to let
+    /// settle without waiting on it.
+    async fn beat(&mut self, ch: &Channel) -> Option<lapin::PublisherConfirm> {
         let interval_ms = u64::try_from(self.interval().as_millis()).unwrap_or(u64::MAX);
         let out = self.envelope(Report::Heartbeat(Heartbeat {
             interval_ms: Some(interval_ms),
@@ -766,9 +773,14 @@ impl Agent {
             )
             .await
         {
-            // The confirm comes (the channel is in confirm mode) and is not awaited.
-            Ok(_confirm) => self.metrics.report_published(out.kind.as_str()),
-            Err(e) => debug!(error = %e, "heartbeat not published"),
+            Ok(confirm) => {
+                self.metrics.report_published(out.kind.as_str());
+                Some(confirm)
+            }
+            Err(e) => {
+                debug!(error = %e, "heartbeat not published");
+                None
+            }
         }
     }
 
