@@ -1954,7 +1954,9 @@ async fn idle_connections(
             "% of a core",
         ));
     }
-    let rss_per = rss1.saturating_sub(rss0) as f64 / n as f64;
+    // Signed: the broker frees memory late and unevenly, and anything else
+    // on the machine's broker moves its RSS too.
+    let rss_per = (rss1 as f64 - rss0 as f64) / n as f64;
     rows.push(row(
         "real connections: broker RSS per connection",
         rss_per / 1024.0,
@@ -1970,7 +1972,7 @@ async fn idle_connections(
     if let (Some(m0), Some(m1)) = (mem0, mem1) {
         rows.push(row(
             "real connections: connection memory per connection (management API)",
-            m1.saturating_sub(m0) as f64 / n as f64 / 1024.0,
+            (m1 as f64 - m0 as f64) / n as f64 / 1024.0,
             "KiB",
         ));
     }
