@@ -527,21 +527,27 @@ pub async fn broker_connections(env: &TestEnv) -> anyhow::Result<Vec<(String, u6
 }
 
 /// The broker's socket limit (file descriptors it may use for connections).
+/// Right after a broker restart the management API lists no node until its
+/// first statistics (up to one interval, 30 s here): waits up to 90 s for it.
 pub async fn broker_sockets_limit(env: &TestEnv) -> anyhow::Result<u64> {
     let admin = env.admin_credentials();
-    let nodes: Vec<serde_json::Value> = admin_http()?
-        .get(format!(
-            "{}/api/nodes?columns=sockets_total",
-            admin.rabbitmq_api
-        ))
-        .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    nodes
-        .first()
-        .and_then(|n| n["sockets_total"].as_u64())
-        .ok_or_else(|| anyhow!("no sockets_total in {nodes:?}"))
+    crate::wait_for(
+        "the management API to list the broker's sockets_total",
+        std::time::Duration::from_secs(90),
+        || async {
+            let nodes: Vec<serde_json::Value> = admin_http()?
+                .get(format!(
+                    "{}/api/nodes?columns=sockets_total",
+                    admin.rabbitmq_api
+                ))
+                .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
+                .send()
+                .await?
+                .error_for_status()?
+                .json()
+                .await?;
+            Ok(nodes.first().and_then(|n| n["sockets_total"].as_u64()))
+        },
+    )
+    .await
 }
