@@ -586,14 +586,7 @@ fn ideal_consumer(
                 .next()
                 .await
                 .ok_or_else(|| anyhow!("consumer ended"))??;
-            let mut batch = vec![first];
-            let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
-            while batch.len() < 200 {
-                match tokio::time::timeout_at(deadline, consumer.next()).await {
-                    Ok(Some(d)) => batch.push(d?),
-                    _ => break,
-                }
-            }
+            let batch = fill_batch(first, &mut consumer).await?;
             let mut rows: BTreeMap<String, i64> = BTreeMap::new();
             for d in &batch {
                 let env = Envelope::<Report>::decode(&d.data, mesh_protocol::MAX_REPORT_BYTES)?;
@@ -2238,4 +2231,21 @@ pub fn print(rows: &[Row]) {
             }
         );
     }
+}
+
+/// A batch as the controller takes one: `first` and whatever follows within
+/// 20 ms, at most 200 deliveries.
+pub(crate) async fn fill_batch(
+    first: lapin::message::Delivery,
+    consumer: &mut lapin::Consumer,
+) -> anyhow::Result<Vec<lapin::message::Delivery>> {
+    let mut batch = vec![first];
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
+    while batch.len() < 200 {
+        match tokio::time::timeout_at(deadline, consumer.next()).await {
+            Ok(Some(d)) => batch.push(d?),
+            _ => break,
+        }
+    }
+    Ok(batch)
 }

@@ -6,8 +6,6 @@
 //! once it consumes, stops when its stdin closes, and then prints how many
 //! messages it took.
 
-use std::time::Duration;
-
 use anyhow::Context as _;
 use futures_util::StreamExt;
 use lapin::Connection;
@@ -45,14 +43,7 @@ pub async fn consume(queue: &str) -> anyhow::Result<()> {
                 None => break,
             },
         };
-        let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
-        while batch.len() < 200 {
-            match tokio::time::timeout_at(deadline, consumer.next()).await {
-                Ok(Some(d)) => batch.push(d?),
-                _ => break,
-            }
-        }
+        let batch = crate::fleet::fill_batch(first, &mut consumer).await?;
         for d in &batch {
             Envelope::<Report>::decode(&d.data, mesh_protocol::MAX_REPORT_BYTES)?;
         }

@@ -497,20 +497,11 @@ pub async fn restart_broker(down: Duration) -> anyhow::Result<Instant> {
 /// The vhost's connections as the management API lists them:
 /// (user, connected_at in ms since the epoch).
 pub async fn broker_connections(env: &TestEnv) -> anyhow::Result<Vec<(String, u64)>> {
-    let admin = env.admin_credentials();
-    let url = format!(
-        "{}/api/vhosts/{}/connections?columns=user,connected_at",
-        admin.rabbitmq_api,
+    let path = format!(
+        "/api/vhosts/{}/connections?columns=user,connected_at",
         urlencoding::encode(env.vhost())
     );
-    let list: Vec<serde_json::Value> = admin_http()?
-        .get(url)
-        .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
+    let list = management_list(env, &path).await?;
     list.iter()
         .map(|c| {
             Ok((
@@ -530,24 +521,26 @@ pub async fn broker_connections(env: &TestEnv) -> anyhow::Result<Vec<(String, u6
 /// Right after a broker restart the management API lists no node until its
 /// first statistics (up to one interval, 30 s here): waits up to 90 s for it.
 pub async fn broker_sockets_limit(env: &TestEnv) -> anyhow::Result<u64> {
-    let admin = env.admin_credentials();
     crate::wait_for(
         "the management API to list the broker's sockets_total",
         std::time::Duration::from_secs(90),
         || async {
-            let nodes: Vec<serde_json::Value> = admin_http()?
-                .get(format!(
-                    "{}/api/nodes?columns=sockets_total",
-                    admin.rabbitmq_api
-                ))
-                .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
-                .send()
-                .await?
-                .error_for_status()?
-                .json()
-                .await?;
+            let nodes = management_list(env, "/api/nodes?columns=sockets_total").await?;
             Ok(nodes.first().and_then(|n| n["sockets_total"].as_u64()))
         },
     )
     .await
+}
+
+/// A list the management API returns for `path`, as the environment's admin.
+async fn management_list(env: &TestEnv, path: &str) -> anyhow::Result<Vec<serde_json::Value>> {
+    let admin = env.admin_credentials();
+    Ok(admin_http()?
+        .get(format!("{}{path}", admin.rabbitmq_api))
+        .basic_auth(&admin.rabbitmq_user, Some(admin.rabbitmq_password.expose()))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?)
 }

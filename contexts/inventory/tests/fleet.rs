@@ -151,10 +151,16 @@ impl Fixture {
 
     /// Make the controller believe it last heard `id` an hour ago.
     async fn silence(&self, id: &str) {
+        self.heard_ago(id, 3600).await;
+    }
+
+    /// Make the controller believe it last heard `id` `secs` seconds ago.
+    async fn heard_ago(&self, id: &str, secs: i64) {
         sqlx::query(
-            "UPDATE inventory.nodes SET heard_at = now() - interval '1 hour' WHERE id = $1",
+            "UPDATE inventory.nodes SET heard_at = now() - make_interval(secs => $2) WHERE id = $1",
         )
         .bind(id)
+        .bind(secs as f64)
         .execute(&self.pool)
         .await
         .unwrap();
@@ -842,18 +848,10 @@ async fn a_node_beating_slower_than_the_fleet_is_judged_by_its_own_interval() {
     )
     .await;
     f.observed();
-    sqlx::query("UPDATE inventory.nodes SET heard_at = now() - interval '20 seconds'")
-        .execute(&f.pool)
-        .await
-        .unwrap();
+    f.heard_ago(&slow, 20).await;
+    f.heard_ago(&quiet, 20).await;
     assert_eq!(f.sweep().await.unreachable, vec![quiet.clone()]);
-    sqlx::query(
-        "UPDATE inventory.nodes SET heard_at = now() - interval '31 seconds' WHERE id = $1",
-    )
-    .bind(&slow)
-    .execute(&f.pool)
-    .await
-    .unwrap();
+    f.heard_ago(&slow, 31).await;
     assert_eq!(f.sweep().await.unreachable, vec![slow.clone()]);
     f.env.teardown().await.unwrap();
 }
