@@ -16,7 +16,10 @@ use mesh_credentials::key::{
     ADMIN_TOKEN_FILE, SIGNING_KEY_FILE, read_signing_key, read_signing_key_if_exists, read_token,
     write_signing_key, write_token,
 };
-use mesh_credentials::{AdminCredentials, AgentCredentials, ControllerCredentials, etc_dir};
+use mesh_credentials::{
+    AdminCredentials, AgentCredentials, ControllerCredentials, MASTER_KEYS_FILE, MasterKey,
+    MasterKeys, etc_dir,
+};
 use mesh_protocol::{DeclarationSigner, PublicKey, Secret};
 
 #[derive(Parser)]
@@ -263,6 +266,17 @@ async fn up(
         println!("  changed  {} created", key_path.display());
         changes += 1;
     }
+    // The secrets master keyring: created once; the controller rotates it
+    // (POST /v1/secrets/master-key/rotate), never the bundle.
+    let master_path = etc.join(MASTER_KEYS_FILE);
+    if MasterKeys::load_if_exists(&master_path)?.is_some() {
+        println!("  ok       {} exists", master_path.display());
+    } else {
+        let id = format!("m-{}", hex::encode(rand::random::<[u8; 4]>()));
+        MasterKeys::new(vec![MasterKey::new(id, rand::random())]).write(&master_path)?;
+        println!("  changed  {} created", master_path.display());
+        changes += 1;
+    }
     // The first admin API token: created once, printed once; the controller
     // only ever sees its hash.
     let token_path = etc.join(ADMIN_TOKEN_FILE);
@@ -289,6 +303,7 @@ async fn up(
 
     let mut creds = provision::controller_credentials(&admin, &names, &secrets)?;
     creds.signing_key_file = Some(key_path);
+    creds.master_keys_file = Some(master_path);
     creds.bootstrap_admin_token_sha256 = Some(mesh_protocol::token_sha256_hex(token.expose()));
     if creds.write(&controller_path)? {
         println!("  changed  {} written", controller_path.display());

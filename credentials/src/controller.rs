@@ -18,6 +18,7 @@ use crate::file::{check_url, expose, expose_map, from_toml, read_required, read_
 /// ```toml
 /// broker_url = "amqp://mesh_controller:…@127.0.0.1:5672/mesh"
 /// signing_key_file = "/etc/mesh/controller-signing.key"
+/// master_keys_file = "/etc/mesh/secrets-master.toml"
 /// bootstrap_admin_token_sha256 = "…64 hex digits…"
 ///
 /// [broker_management]
@@ -39,6 +40,11 @@ pub struct ControllerCredentials {
     /// [`crate::key`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signing_key_file: Option<PathBuf>,
+    /// Path of the secrets master keyring ([`crate::MasterKeys`], mode 0600):
+    /// it wraps the data key of every secret the config context keeps. Without
+    /// it the controller runs, and refuses to store or deliver secrets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_keys_file: Option<PathBuf>,
     /// SHA-256 (hex) of the first admin API token; the controller creates the
     /// operator `bootstrap-admin` with it at start if no token has that hash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -71,6 +77,7 @@ impl PartialEq for ControllerCredentials {
     fn eq(&self, other: &Self) -> bool {
         self.broker_url == other.broker_url
             && self.signing_key_file == other.signing_key_file
+            && self.master_keys_file == other.master_keys_file
             && self.bootstrap_admin_token_sha256 == other.bootstrap_admin_token_sha256
             && self.broker_management == other.broker_management
             && self.databases == other.databases
@@ -92,6 +99,7 @@ impl ControllerCredentials {
         ControllerCredentials {
             broker_url,
             signing_key_file: None,
+            master_keys_file: None,
             bootstrap_admin_token_sha256: None,
             broker_management: None,
             databases,

@@ -11,6 +11,7 @@
 //! | `/etc/mesh/admin-token` | [`key::read_token`], [`key::write_token`] | `mesh-bundle up` | `mesh-bundle up`; the operator (`cat`) |
 //! | `<state>/credentials.toml` | [`AgentCredentials`] | `mesh-agent join`, `mesh-bundle node-add`, the test kit | `mesh-agent run`, the e2e harness |
 //! | `<state>/node.key` | [`key`] | `mesh-agent join` | (tests) |
+//! | `/etc/mesh/secrets-master.toml` | [`MasterKeys`] | `mesh-bundle up`, the test kit; the controller when it rotates the master key | the controller (config's secrets) |
 //!
 //! Secrets are [`Secret`]s: their `Debug` and `Display` print `[redacted]`, and
 //! they are exposed only where they are written to their file or handed to the
@@ -25,6 +26,7 @@ mod agent;
 mod controller;
 mod file;
 pub mod key;
+mod master;
 
 use std::path::PathBuf;
 
@@ -32,6 +34,7 @@ pub use admin::AdminCredentials;
 pub use agent::AgentCredentials;
 pub use controller::{BrokerManagement, ControllerCredentials};
 pub use file::{password_of, write_secret_file};
+pub use master::{MASTER_KEYS_FILE, MasterKey, MasterKeys};
 pub use mesh_protocol::Secret;
 
 /// Default directory of the controller host's credential files.

@@ -29,6 +29,7 @@ use mesh_credentials::key::{SIGNING_KEY_FILE, write_signing_key};
 use mesh_credentials::{
     AdminCredentials, AgentCredentials, BrokerManagement, ControllerCredentials,
 };
+use mesh_credentials::{MASTER_KEYS_FILE, MasterKey, MasterKeys};
 use mesh_protocol::{DeclarationSigner, NodeId, PublicKey};
 
 /// This machine's defaults when no admin credentials file exists: the local
@@ -138,6 +139,9 @@ impl TestEnv {
         };
         write_signing_key(&env.signing_key_path(), &env.signer)
             .context("writing the test signing key")?;
+        MasterKeys::new(vec![MasterKey::new("m-test", rand::random())])
+            .write(&env.master_keys_path())
+            .context("writing the test secrets master keyring")?;
         // On failure `env` is dropped, which removes whatever was created.
         provision::provision(&env.admin, &env.names, &env.secrets)
             .await
@@ -181,6 +185,7 @@ impl TestEnv {
         let mut c = provision::controller_credentials(&self.admin, &self.names, &self.secrets)
             .unwrap_or_else(|e| panic!("{e}"));
         c.signing_key_file = Some(self.signing_key_path());
+        c.master_keys_file = Some(self.master_keys_path());
         c.bootstrap_admin_token_sha256 = Some(mesh_protocol::token_sha256_hex(&self.admin_token));
         c
     }
@@ -188,6 +193,11 @@ impl TestEnv {
     /// Where this environment's controller signing key is (mode 0600).
     pub fn signing_key_path(&self) -> PathBuf {
         self.key_dir.join(SIGNING_KEY_FILE)
+    }
+
+    /// Where this environment's secrets master keyring is (mode 0600).
+    pub fn master_keys_path(&self) -> PathBuf {
+        self.key_dir.join(MASTER_KEYS_FILE)
     }
 
     /// This environment's controller signing key (tests sign or forge with it).

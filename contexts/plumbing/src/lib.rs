@@ -13,6 +13,7 @@ pub mod api;
 pub mod applied;
 pub mod audit;
 mod context;
+pub mod etag;
 pub mod in_step;
 pub mod inbox;
 mod migrate;
