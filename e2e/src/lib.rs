@@ -658,6 +658,7 @@ pub fn hello(
                 .collect(),
             agent_version: "test".into(),
             public_key: None,
+            seal_key: None,
             applied: Default::default(),
             protocol: None,
         }),

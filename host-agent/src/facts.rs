@@ -16,6 +16,7 @@ pub fn hello(hostname: Option<&str>, labels: &Labels, applied: AppliedGeneration
         labels: labels.clone(),
         agent_version: AGENT_VERSION.to_owned(),
         public_key: None,
+        seal_key: None,
         applied,
         protocol: Some(ProtocolRange::THIS),
     }

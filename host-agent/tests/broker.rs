@@ -695,6 +695,7 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
             heartbeat: None,
             files: vec![file("/srv/svc/app.conf", "port=8080\n", 0o644)],
             units,
+            secrets: vec![],
         },
     };
     publish_raw(

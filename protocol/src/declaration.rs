@@ -162,6 +162,62 @@ impl FileItem {
     }
 }
 
+/// A secret file a node must have (the config section): its value sealed to the
+/// receiving node's own key ([`crate::sealing`], bound to the node and `path` by
+/// [`crate::sealing::secret_aad`]), so only that node reads it. `secret` and
+/// `version` name which secret and which of its versions it is, for the
+/// operator and for the digest; they are not secret.
+#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SealedFileItem {
+    pub path: String,
+    pub mode: FileMode,
+    pub secret: String,
+    pub version: i64,
+    /// Base64 of the HPKE encapsulated key and ciphertext ([`crate::sealing::seal`]).
+    pub sealed: String,
+}
+
+/// Largest sealed text of one secret, in bytes of base64 (a value of about
+/// 72 KiB).
+pub const MAX_SEALED_BYTES: usize = 96 * 1024;
+
+impl fmt::Debug for SealedFileItem {
+    // Only ciphertext, but a log has no use for it: its length is enough.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SealedFileItem")
+            .field("path", &self.path)
+            .field("mode", &self.mode)
+            .field("secret", &self.secret)
+            .field("version", &self.version)
+            .field("sealed", &format_args!("<{} bytes>", self.sealed.len()))
+            .finish()
+    }
+}
+
+impl SealedFileItem {
+    pub fn validate(&self, field: &str) -> Result<(), DecodeError> {
+        validate_path(&format!("{field}.path"), &self.path)?;
+        if self.secret.is_empty()
+            || self.secret.len() > 255
+            || self.secret.chars().any(char::is_control)
+        {
+            return Err(DecodeError::invalid(
+                format!("{field}.secret"),
+                "must be 1 to 255 characters without control characters",
+            ));
+        }
+        if self.sealed.len() > MAX_SEALED_BYTES {
+            return Err(DecodeError::invalid(
+                format!("{field}.sealed"),
+                format!("{} bytes, limit {MAX_SEALED_BYTES}", self.sealed.len()),
+            ));
+        }
+        crate::sealing::check_sealed(&self.sealed)
+            .map_err(|e| DecodeError::invalid(format!("{field}.sealed"), e.to_string()))?;
+        Ok(())
+    }
+}
+
 /// The items of one section.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeclarationItems {
@@ -171,6 +227,11 @@ pub struct DeclarationItems {
     /// digest of a files-only section is what it always was.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub units: Vec<crate::UnitItem>,
+    /// Secret files sealed to the receiving node (the config section). Absent when empty,
+    /// so the digest of a section without secrets is what it always was. An agent older
+    /// than secrets ignores the field (an unknown field) and writes none of them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<SealedFileItem>,
     /// How often the node must beat and how long the controller waits before
     /// judging it unreachable (the inventory section, when the fleet's budget
     /// stretches the interval past its floor; absent: the agent's own interval).
@@ -226,6 +287,12 @@ impl DeclarationItems {
                 format!("more than {MAX_ITEMS} units"),
             ));
         }
+        if self.secrets.len() > MAX_ITEMS {
+            return Err(DecodeError::invalid(
+                "body.items.secrets",
+                format!("more than {MAX_ITEMS} secrets"),
+            ));
+        }
         if let Some(plan) = &self.heartbeat {
             plan.validate("body.items.heartbeat")?;
         }
@@ -251,16 +318,27 @@ impl DeclarationItems {
                 ));
             }
         }
+        for (i, f) in self.secrets.iter().enumerate() {
+            let field = format!("body.items.secrets[{i}]");
+            f.validate(&field)?;
+            if !seen.insert(f.path.as_str()) {
+                return Err(DecodeError::invalid(
+                    format!("{field}.path"),
+                    format!("`{}` is declared twice", f.path),
+                ));
+            }
+        }
         Ok(())
     }
 }
 
-/// The digest of a set of items: hex SHA-256 of their canonical JSON (files sorted
-/// by path). Equal items give equal digests, whatever order they were built in.
+/// The digest of a set of items: hex SHA-256 of their canonical JSON (files and
+/// secrets sorted by path, units by name). Equal items give equal digests, whatever order they were built in.
 pub fn digest_items(items: &DeclarationItems) -> String {
     let mut sorted = items.clone();
     sorted.files.sort_by(|a, b| a.path.cmp(&b.path));
     sorted.units.sort_by(|a, b| a.name.cmp(&b.name));
+    sorted.secrets.sort_by(|a, b| a.path.cmp(&b.path));
     let bytes = serde_json::to_vec(&sorted).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }

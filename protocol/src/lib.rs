@@ -18,14 +18,15 @@ mod error;
 mod node;
 mod record;
 mod report;
+pub mod sealing;
 mod secret;
 pub mod signing;
 pub mod topology;
 mod unit;
 
 pub use declaration::{
-    Declaration, DeclarationItems, FileItem, FileMode, HeartbeatPlan, Section, digest_items,
-    validate_path, validate_section_name,
+    Declaration, DeclarationItems, FileItem, FileMode, HeartbeatPlan, MAX_SEALED_BYTES,
+    SealedFileItem, Section, digest_items, validate_path, validate_section_name,
 };
 pub use envelope::Body;
 pub use envelope::{Envelope, PROTOCOL_VERSION, ProtocolRange, RawEnvelope, UnknownFields};

@@ -158,6 +158,11 @@ pub struct Hello {
     /// The node's public key, once it has enrolled (identity issue).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub public_key: Option<String>,
+    /// The node's X25519 public key (64 hex digits) that secrets are sealed to
+    /// ([`crate::sealing`]); absent: an agent older than sealed secrets, to
+    /// which no secret can be declared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seal_key: Option<String>,
     #[serde(deserialize_with = "lenient_generations")]
     pub applied: AppliedGenerations,
     /// The envelope versions the agent speaks; absent (an agent older than
@@ -187,6 +192,10 @@ impl Hello {
     fn validate(&self) -> Result<(), DecodeError> {
         if let Some(range) = self.protocol {
             range.validate("body.protocol")?;
+        }
+        if let Some(key) = &self.seal_key {
+            crate::sealing::SealPublicKey::from_hex(key)
+                .map_err(|e| DecodeError::invalid("body.seal_key", e.to_string()))?;
         }
         for (field, value, max) in [
             ("body.hostname", &self.hostname, 255),

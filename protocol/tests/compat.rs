@@ -1,6 +1,8 @@
 //! The compatibility corpus: one message of every kind as protocol v1 writes it
 //! (tests/compat/v1/: `report-<kind>.json`, `declaration-<section>.json`,
-//! `record-<context>.<event>.json`). Every later version must decode all of
+//! `record-<context>.<event>.json`, and variants `<name>-<variant>.json` of a
+//! report or declaration for optional fields added later in v1, such as
+//! `report-hello-seal-key.json`). Every later version must decode all of
 //! them, know every field in them (a v1 field is never removed or renamed), and
 //! accept them with fields it does not know added anywhere.
 //!
@@ -16,8 +18,8 @@ use mesh_protocol::{
     Applied, AuditEntry, Declaration, DeclarationItems, DesiredState, Envelope, FileItem, FileMode,
     Heartbeat, Hello, ItemOutcome, LivenessState, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES, NodeId,
     NodeIdentityChanged, NodeLabelsChanged, NodeLiveness, Outcome, ProtocolRange, RECORD_EVENTS,
-    RecordEvent, RecordKind, Report, ReportKind, RestartPolicy, Section, UnitItem, UnitState,
-    UnitStatus, Units,
+    RecordEvent, RecordKind, Report, ReportKind, RestartPolicy, SealedFileItem, Section, UnitItem,
+    UnitState, UnitStatus, Units, sealing, sealing::SealSecretKey,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -53,16 +55,18 @@ fn decode(name: &str, bytes: &[u8]) -> (Message, usize) {
     if name.starts_with("report-") {
         let (env, unknown) = Envelope::<Report>::decode_noting(bytes, MAX_REPORT_BYTES)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(
-            format!("report-{}.json", env.kind()),
-            name,
+        assert!(
+            is_named(name, &format!("report-{}", env.kind())),
             "{name} holds another kind"
         );
         (Message::Report(env), unknown.count)
     } else if name.starts_with("declaration-") {
         let (env, unknown) = Envelope::<Declaration>::decode_noting(bytes, MAX_DECLARATION_BYTES)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(format!("declaration-{}.json", env.body.section), name);
+        assert!(
+            is_named(name, &format!("declaration-{}", env.body.section)),
+            "{name} holds another section"
+        );
         (Message::Declaration(env), unknown.count)
     } else if name.starts_with("record-") {
         let (event, unknown) =
@@ -71,6 +75,13 @@ fn decode(name: &str, bytes: &[u8]) -> (Message, usize) {
     } else {
         panic!("{name}: not a corpus file name");
     }
+}
+
+/// `name` is `<stem>.json` or a variant of it, `<stem>-<variant>.json`.
+fn is_named(name: &str, stem: &str) -> bool {
+    name.strip_prefix(stem)
+        .and_then(|rest| rest.strip_suffix(".json"))
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
 }
 
 fn encode(m: &Message) -> Vec<u8> {
@@ -215,6 +226,7 @@ fn write_corpus() {
             labels: labels.clone(),
             agent_version: "0.1.0".into(),
             public_key: Some("ab".repeat(32)),
+            seal_key: None,
             applied: applied.clone(),
             protocol: None,
         }),
@@ -284,6 +296,7 @@ fn write_corpus() {
                     mode: FileMode::new(0o640).expect("mode"),
                 }],
                 units,
+                secrets: Vec::new(),
             },
         };
         let n = u8::try_from(n).expect("few");
@@ -292,6 +305,15 @@ fn write_corpus() {
             envelope(0x10 + n, 4, d).encode(),
         ));
     }
+    // Later in v1: a hello stating its seal key, a config section with a secret.
+    out.push((
+        "report-hello-seal-key.json".into(),
+        envelope(5, 14, Report::Hello(hello_with_seal_key())).encode(),
+    ));
+    out.push((
+        "declaration-config-secret.json".into(),
+        envelope(0x15, 5, config_with_secret()).encode(),
+    ));
     let kinds = [
         RecordKind::NodeJoined(NodeLabelsChanged {
             node: node(),
@@ -353,6 +375,99 @@ fn write_corpus() {
         let mut text = serde_json::to_string_pretty(&pretty).expect("json");
         text.push('\n');
         std::fs::write(dir().join(name), text).expect("write");
+    }
+}
+
+/// The key the corpus's secret is sealed to.
+fn corpus_seal_key() -> SealSecretKey {
+    SealSecretKey::from_seed([0x5e; 32])
+}
+
+const SECRET_PATH: &str = "/etc/mesh/db.password";
+
+fn hello_with_seal_key() -> Hello {
+    Hello {
+        hostname: "host-a".into(),
+        arch: "x86_64".into(),
+        cpus: 2,
+        memory_bytes: 8 << 30,
+        labels: [("role".to_owned(), "web".to_owned())].into(),
+        agent_version: "0.1.0".into(),
+        public_key: Some("ab".repeat(32)),
+        seal_key: Some(corpus_seal_key().public().to_hex()),
+        applied: [(Section::Config, 4)].into(),
+        protocol: Some(ProtocolRange::THIS),
+    }
+}
+
+fn config_with_secret() -> Declaration {
+    let sealed = sealing::seal(
+        &corpus_seal_key().public(),
+        &sealing::secret_aad("node-a", SECRET_PATH),
+        b"s3cret\n",
+        [0x42; 32],
+    )
+    .expect("seal");
+    Declaration {
+        section: Section::Config,
+        generation: 5,
+        items: DeclarationItems {
+            files: vec![FileItem {
+                path: "/etc/mesh/config.conf".into(),
+                content: "key = \"value\"\n".into(),
+                mode: FileMode::new(0o640).expect("mode"),
+            }],
+            units: Vec::new(),
+            secrets: vec![SealedFileItem {
+                path: SECRET_PATH.into(),
+                mode: FileMode::new(0o600).expect("mode"),
+                secret: "db-password".into(),
+                version: 2,
+                sealed,
+            }],
+            heartbeat: None,
+        },
+    }
+}
+
+/// The sealing format is part of v1: the corpus's secret still opens, for its
+/// node and path only, and the hello's seal key is the key it opens with.
+#[test]
+fn the_corpus_secret_opens_with_its_nodes_key() {
+    let bytes = std::fs::read(dir().join("declaration-config-secret.json")).expect("corpus");
+    let env = Envelope::<Declaration>::decode(&bytes, MAX_DECLARATION_BYTES).expect("decodes");
+    let item = &env.body.items.secrets[0];
+    let key = corpus_seal_key();
+    let aad = sealing::secret_aad(env.node.as_str(), &item.path);
+    assert_eq!(
+        sealing::open(&key, &aad, &item.sealed).expect("opens"),
+        b"s3cret\n"
+    );
+    let other = sealing::secret_aad("node-b", &item.path);
+    assert!(sealing::open(&key, &other, &item.sealed).is_err());
+
+    let bytes = std::fs::read(dir().join("report-hello-seal-key.json")).expect("corpus");
+    let env = Envelope::<Report>::decode(&bytes, MAX_REPORT_BYTES).expect("decodes");
+    let Report::Hello(h) = env.body else {
+        panic!("not a hello")
+    };
+    assert_eq!(h.seal_key, Some(key.public().to_hex()));
+    assert_eq!(h, hello_with_seal_key());
+}
+
+#[test]
+fn a_hello_with_a_bad_seal_key_is_refused_naming_the_field() {
+    let bytes = std::fs::read(dir().join("report-hello-seal-key.json")).expect("hello");
+    let mut v: Value = serde_json::from_slice(&bytes).expect("json");
+    for bad in ["zz".repeat(32), "ab".repeat(31), "00".repeat(32)] {
+        v["body"]["seal_key"] = json!(bad);
+        let err =
+            Envelope::<Report>::decode(&serde_json::to_vec(&v).expect("json"), MAX_REPORT_BYTES)
+                .unwrap_err();
+        assert!(
+            matches!(&err, mesh_protocol::DecodeError::Invalid { field, .. } if field == "body.seal_key"),
+            "{err}"
+        );
     }
 }
 

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use mesh_protocol::{
     Applied, Declaration, DeclarationItems, DecodeError, Envelope, FileItem, FileMode, Heartbeat,
     Hello, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES, NodeId, NodeLabelsChanged, Outcome,
-    RecordEvent, RecordKind, Report, Section, validate_path,
+    RecordEvent, RecordKind, Report, SealedFileItem, Section, sealing, validate_path,
 };
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -68,6 +68,10 @@ fn decode_all(bytes: &[u8]) {
     }
 }
 
+fn seal_key() -> sealing::SealSecretKey {
+    sealing::SealSecretKey::from_seed([3; 32])
+}
+
 fn node() -> NodeId {
     NodeId::parse("node-a").expect("valid")
 }
@@ -85,6 +89,7 @@ fn valid_envelopes() -> Vec<Value> {
             labels: [("role".to_string(), "web".to_string())].into(),
             agent_version: "1".into(),
             public_key: None,
+            seal_key: Some(seal_key().public().to_hex()),
             applied: applied.clone(),
             protocol: None,
         }),
@@ -116,6 +121,19 @@ fn valid_envelopes() -> Vec<Value> {
                 mode: FileMode::new(0o644).expect("mode"),
             }],
             units: vec![],
+            secrets: vec![SealedFileItem {
+                path: "/etc/app/token".into(),
+                mode: FileMode::new(0o600).expect("mode"),
+                secret: "token".into(),
+                version: 1,
+                sealed: sealing::seal(
+                    &seal_key().public(),
+                    &sealing::secret_aad("node-a", "/etc/app/token"),
+                    b"t0ken",
+                    [9; 32],
+                )
+                .expect("seal"),
+            }],
         },
     };
     out.push(serde_json::from_slice(&Envelope::new(node(), 4, decl).encode()).expect("json"));

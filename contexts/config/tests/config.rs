@@ -167,6 +167,7 @@ fn hello(node: &NodeId, config_applied: u64) -> Envelope<Report> {
             labels: Labels::new(),
             agent_version: "0.1.0".into(),
             public_key: None,
+            seal_key: None,
             applied: [(Section::Config, config_applied)].into_iter().collect(),
             protocol: None,
         }),

@@ -98,6 +98,7 @@ impl Fixture {
                 labels: l,
                 agent_version: "test".into(),
                 public_key: None,
+                seal_key: None,
                 applied: Default::default(),
                 protocol: None,
             }),

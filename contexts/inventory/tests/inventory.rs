@@ -82,6 +82,7 @@ fn hello(node: &NodeId, seq: u64, l: Labels, applied: &[(Section, u64)]) -> Enve
             labels: l,
             agent_version: "0.1.0".into(),
             public_key: None,
+            seal_key: None,
             applied: applied.iter().copied().collect(),
             protocol: None,
         }),
