@@ -15,6 +15,7 @@
 mod declaration;
 mod envelope;
 mod error;
+mod module;
 mod node;
 mod record;
 mod report;
@@ -31,6 +32,10 @@ pub use declaration::{
 pub use envelope::Body;
 pub use envelope::{Envelope, PROTOCOL_VERSION, ProtocolRange, RawEnvelope, UnknownFields};
 pub use error::DecodeError;
+pub use module::{
+    MAX_SETTINGS_FILES, ModulePlacement, ModuleRemoved, SettingsFile, SettingsFormat,
+    validate_settings_file_name, validate_settings_files,
+};
 pub use node::{Labels, NodeId, validate_labels};
 pub use record::{
     AUDIT_EVENT, AuditEntry, LivenessState, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,

@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::envelope::{UnknownFields, from_slice_noting, from_value_noting};
-use crate::{DecodeError, Labels, MAX_EVENT_BYTES, NodeId, PROTOCOL_VERSION};
+use crate::{
+    DecodeError, Labels, MAX_EVENT_BYTES, ModulePlacement, ModuleRemoved, NodeId, PROTOCOL_VERSION,
+};
 
 /// Event name (after the context) of an operator action's audit entry: every
 /// context that served an operator's mutation writes `<context>.operator.audit`
@@ -20,11 +22,13 @@ pub const AUDIT_EVENT: &str = "operator.audit";
 
 /// Every record event of this version, as `<context>.<event>` (`*` for any
 /// context). The compatibility corpus (tests/compat/v1/) holds one of each.
-pub const RECORD_EVENTS: [&str; 7] = [
+pub const RECORD_EVENTS: [&str; 9] = [
     "inventory.node.joined",
     "inventory.node.updated",
     "inventory.node.unreachable",
     "inventory.node.alive",
+    "inventory.module.placed",
+    "inventory.module.removed",
     "identity.node.enrolled",
     "identity.node.revoked",
     "*.operator.audit",
@@ -63,6 +67,10 @@ pub enum RecordKind {
     NodeUnreachable(NodeLiveness),
     /// `inventory.node.alive`: a node judged unreachable was heard again.
     NodeAlive(NodeLiveness),
+    /// `inventory.module.placed`: the nodes a module has assignments on, or its settings files, changed
+    ModulePlaced(ModulePlacement),
+    /// `inventory.module.removed`: a module was deleted
+    ModuleRemoved(ModuleRemoved),
     /// `identity.node.enrolled`: a node joined (or re-joined under a new key).
     NodeEnrolled(NodeIdentityChanged),
     /// `identity.node.revoked`: a node was revoked.
@@ -78,7 +86,9 @@ impl RecordKind {
             RecordKind::NodeJoined(_)
             | RecordKind::NodeUpdated(_)
             | RecordKind::NodeUnreachable(_)
-            | RecordKind::NodeAlive(_) => "inventory",
+            | RecordKind::NodeAlive(_)
+            | RecordKind::ModulePlaced(_)
+            | RecordKind::ModuleRemoved(_) => "inventory",
             RecordKind::NodeEnrolled(_) | RecordKind::NodeRevoked(_) => "identity",
             RecordKind::OperatorAudit { context, .. } => context,
         }
@@ -91,6 +101,8 @@ impl RecordKind {
             RecordKind::NodeUpdated(_) => "node.updated",
             RecordKind::NodeUnreachable(_) => "node.unreachable",
             RecordKind::NodeAlive(_) => "node.alive",
+            RecordKind::ModulePlaced(_) => "module.placed",
+            RecordKind::ModuleRemoved(_) => "module.removed",
             RecordKind::NodeEnrolled(_) => "node.enrolled",
             RecordKind::NodeRevoked(_) => "node.revoked",
             RecordKind::OperatorAudit { .. } => AUDIT_EVENT,
@@ -101,6 +113,8 @@ impl RecordKind {
         let v = match self {
             RecordKind::NodeJoined(b) | RecordKind::NodeUpdated(b) => serde_json::to_value(b),
             RecordKind::NodeUnreachable(b) | RecordKind::NodeAlive(b) => serde_json::to_value(b),
+            RecordKind::ModulePlaced(b) => serde_json::to_value(b),
+            RecordKind::ModuleRemoved(b) => serde_json::to_value(b),
             RecordKind::NodeEnrolled(b) | RecordKind::NodeRevoked(b) => serde_json::to_value(b),
             RecordKind::OperatorAudit { entry, .. } => serde_json::to_value(entry),
         };
@@ -131,6 +145,12 @@ impl RecordKind {
                 RecordKind::NodeUnreachable(parse(&key, body, unknown)?)
             }
             ("inventory", "node.alive") => RecordKind::NodeAlive(parse(&key, body, unknown)?),
+            ("inventory", "module.placed") => {
+                RecordKind::ModulePlaced(parse(&key, body, unknown)?)
+            }
+            ("inventory", "module.removed") => {
+                RecordKind::ModuleRemoved(parse(&key, body, unknown)?)
+            }
             ("identity", "node.enrolled") => RecordKind::NodeEnrolled(parse(&key, body, unknown)?),
             ("identity", "node.revoked") => RecordKind::NodeRevoked(parse(&key, body, unknown)?),
             (context, AUDIT_EVENT) => {
@@ -162,6 +182,8 @@ impl RecordKind {
         match self {
             RecordKind::NodeUnreachable(b) => state(b, LivenessState::Unreachable),
             RecordKind::NodeAlive(b) => state(b, LivenessState::Alive),
+            RecordKind::ModulePlaced(b) => b.validate(),
+            RecordKind::ModuleRemoved(b) => b.validate(),
             _ => Ok(()),
         }
     }
@@ -369,6 +391,19 @@ mod tests {
                 public_key: None,
                 at,
             }),
+            RecordKind::ModulePlaced(ModulePlacement {
+                module: "web".into(),
+                version: 3,
+                nodes: vec![node()],
+                settings_files: vec![crate::SettingsFile {
+                    name: "app.env".into(),
+                    format: crate::SettingsFormat::Env,
+                }],
+            }),
+            RecordKind::ModuleRemoved(ModuleRemoved {
+                module: "web".into(),
+                version: 4,
+            }),
         ];
         for kind in kinds {
             let event = RecordEvent::new(kind);
@@ -387,6 +422,20 @@ mod tests {
         let bytes = br#"{"v":1,"id":"01890000-0000-7000-8000-000000000000","context":"inventory","event":"node.alive","sent_at":"2024-01-01T00:00:00Z","body":{"node":"node-a","state":"unreachable","at":"2024-01-01T00:00:00Z"}}"#;
         let err = RecordEvent::decode(bytes).unwrap_err();
         assert_eq!(err.metric_label(), "invalid", "{err}");
+    }
+
+    #[test]
+    fn a_placement_with_a_bad_settings_file_is_invalid_naming_the_field() {
+        let bytes = br#"{"v":1,"id":"01890000-0000-7000-8000-000000000000","context":"inventory","event":"module.placed","sent_at":"2024-01-01T00:00:00Z","body":{"module":"web","version":1,"nodes":["node-a"],"settings_files":[{"name":"../etc/passwd","format":"env"}]}}"#;
+        match RecordEvent::decode(bytes).unwrap_err() {
+            DecodeError::Invalid { field, .. } => assert_eq!(field, "body.settings_files[0].name"),
+            other => panic!("{other}"),
+        }
+        let bytes = br#"{"v":1,"id":"01890000-0000-7000-8000-000000000000","context":"inventory","event":"module.placed","sent_at":"2024-01-01T00:00:00Z","body":{"module":"web","version":1,"nodes":["node-b","node-a"],"settings_files":[]}}"#;
+        match RecordEvent::decode(bytes).unwrap_err() {
+            DecodeError::Invalid { field, .. } => assert_eq!(field, "body.nodes"),
+            other => panic!("{other}"),
+        }
     }
 
     #[test]

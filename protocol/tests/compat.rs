@@ -16,10 +16,11 @@ use std::path::{Path, PathBuf};
 use chrono::{DateTime, Utc};
 use mesh_protocol::{
     Applied, AuditEntry, Declaration, DeclarationItems, DesiredState, Envelope, FileItem, FileMode,
-    Heartbeat, Hello, ItemOutcome, LivenessState, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES, NodeId,
-    NodeIdentityChanged, NodeLabelsChanged, NodeLiveness, Outcome, ProtocolRange, RECORD_EVENTS,
-    RecordEvent, RecordKind, Report, ReportKind, RestartPolicy, SealedFileItem, Section, UnitItem,
-    UnitState, UnitStatus, Units, sealing, sealing::SealSecretKey,
+    Heartbeat, Hello, ItemOutcome, LivenessState, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES,
+    ModulePlacement, ModuleRemoved, NodeId, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,
+    Outcome, ProtocolRange, RECORD_EVENTS, RecordEvent, RecordKind, Report, ReportKind,
+    RestartPolicy, SealedFileItem, Section, SettingsFile, SettingsFormat, UnitItem, UnitState,
+    UnitStatus, Units, sealing, sealing::SealSecretKey,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -361,6 +362,25 @@ fn write_corpus() {
                 status: 200,
             },
         },
+        RecordKind::ModulePlaced(ModulePlacement {
+            module: "web".into(),
+            version: 3,
+            nodes: vec![node(), NodeId::parse("node-b").expect("node")],
+            settings_files: vec![
+                SettingsFile {
+                    name: "app.env".into(),
+                    format: SettingsFormat::Env,
+                },
+                SettingsFile {
+                    name: "app.toml".into(),
+                    format: SettingsFormat::Toml,
+                },
+            ],
+        }),
+        RecordKind::ModuleRemoved(ModuleRemoved {
+            module: "web".into(),
+            version: 4,
+        }),
     ];
     for (n, kind) in kinds.into_iter().enumerate() {
         let event = RecordEvent {

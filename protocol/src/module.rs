@@ -1,0 +1,198 @@
+//! Where modules run, as inventory tells the record: the bodies of
+//! `inventory.module.placed` and `inventory.module.removed`, and the settings
+//! files a module declares (which the config context renders on its nodes).
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{DecodeError, NodeId};
+
+/// The most settings files one module may declare.
+pub const MAX_SETTINGS_FILES: usize = 16;
+
+/// The format a settings file is rendered in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum SettingsFormat {
+    /// `KEY=value` lines.
+    Env,
+    /// One JSON object.
+    Json,
+    /// One TOML table.
+    Toml,
+}
+
+/// A settings file a module declares: config renders the module's settings into
+/// it, at `/modules/<module>/<name>` on every node that runs the module.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SettingsFile {
+    /// A plain file name: 1 to 63 of `A-Z a-z 0-9 . _ -`, not `.` or `..`.
+    pub name: String,
+    /// `env`, `json` or `toml`.
+    pub format: SettingsFormat,
+}
+
+/// Check a settings file name (`field` names it in the error): 1 to 63 of
+/// `[A-Za-z0-9._-]`, not `.` or `..`.
+pub fn validate_settings_file_name(field: &str, name: &str) -> Result<(), DecodeError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && name != "."
+        && name != "..";
+    if ok {
+        Ok(())
+    } else {
+        Err(DecodeError::invalid(
+            field,
+            format!(
+                "`{}`: a plain file name, 1 to 63 characters of A-Z a-z 0-9 . _ -, not . or ..",
+                name.chars().take(80).collect::<String>()
+            ),
+        ))
+    }
+}
+
+/// Check a module's settings files (`field` names the list in errors, e.g.
+/// `settings_files`): at most [`MAX_SETTINGS_FILES`], each name valid, no
+/// name twice.
+pub fn validate_settings_files(field: &str, files: &[SettingsFile]) -> Result<(), DecodeError> {
+    if files.len() > MAX_SETTINGS_FILES {
+        return Err(DecodeError::invalid(
+            field,
+            format!(
+                "{} settings files, at most {MAX_SETTINGS_FILES}",
+                files.len()
+            ),
+        ));
+    }
+    let mut seen = BTreeSet::new();
+    for (i, f) in files.iter().enumerate() {
+        let at = format!("{field}[{i}].name");
+        validate_settings_file_name(&at, &f.name)?;
+        if !seen.insert(f.name.as_str()) {
+            return Err(DecodeError::invalid(
+                at,
+                format!("`{}` is declared twice", f.name),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A module's name as the record carries it: 1 to 48 of `[a-z0-9-]`, starting
+/// with a letter or digit.
+fn validate_module(module: &str) -> Result<(), DecodeError> {
+    let ok = !module.is_empty()
+        && module.len() <= 48
+        && module
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && module
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(DecodeError::invalid(
+            "body.module",
+            format!(
+                "`{}`: 1 to 48 characters of a-z 0-9 -, starting with a letter or digit",
+                module.chars().take(80).collect::<String>()
+            ),
+        ))
+    }
+}
+
+/// Body of `inventory.module.placed`: the nodes a module has assignments on
+/// (any role: a replica being replaced keeps its node here until its
+/// assignment goes), and its settings files. Written whenever either changes,
+/// and when the module is created (`nodes` empty until it is placed).
+/// `version` grows with every event of the module, across delete and
+/// re-create: a receiver keeps the newest and ignores older ones.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModulePlacement {
+    pub module: String,
+    pub version: i64,
+    /// Sorted, without duplicates.
+    pub nodes: Vec<NodeId>,
+    #[serde(default)]
+    pub settings_files: Vec<SettingsFile>,
+}
+
+impl ModulePlacement {
+    pub(crate) fn validate(&self) -> Result<(), DecodeError> {
+        validate_module(&self.module)?;
+        if !self.nodes.windows(2).all(|w| w[0] < w[1]) {
+            return Err(DecodeError::invalid(
+                "body.nodes",
+                "must be sorted and without duplicates",
+            ));
+        }
+        validate_settings_files("body.settings_files", &self.settings_files)
+    }
+}
+
+/// Body of `inventory.module.removed`: a module was deleted. `version` is
+/// above every `inventory.module.placed` of the module before it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleRemoved {
+    pub module: String,
+    pub version: i64,
+}
+
+impl ModuleRemoved {
+    pub(crate) fn validate(&self) -> Result<(), DecodeError> {
+        validate_module(&self.module)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(name: &str) -> SettingsFile {
+        SettingsFile {
+            name: name.into(),
+            format: SettingsFormat::Env,
+        }
+    }
+
+    #[test]
+    fn settings_file_names() {
+        for ok in ["app.env", "A_b-1.toml", ".hidden", "x"] {
+            assert!(validate_settings_file_name("f", ok).is_ok(), "{ok}");
+        }
+        for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(64), "é"] {
+            assert!(validate_settings_file_name("f", bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn settings_files_are_bounded_and_unique() {
+        let twice = [file("a"), file("a")];
+        match validate_settings_files("settings_files", &twice).unwrap_err() {
+            DecodeError::Invalid { field, .. } => assert_eq!(field, "settings_files[1].name"),
+            other => panic!("{other}"),
+        }
+        let many: Vec<SettingsFile> = (0..=MAX_SETTINGS_FILES)
+            .map(|i| file(&format!("f{i}")))
+            .collect();
+        assert!(validate_settings_files("settings_files", &many).is_err());
+        assert!(validate_settings_files("settings_files", &many[1..]).is_ok());
+    }
+
+    #[test]
+    fn formats_are_lowercase() {
+        assert_eq!(
+            serde_json::to_string(&SettingsFormat::Toml).unwrap(),
+            "\"toml\""
+        );
+    }
+}
