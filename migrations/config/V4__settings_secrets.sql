@@ -56,6 +56,8 @@ CREATE TABLE config.grants (
 );
 
 CREATE INDEX grants_secret ON config.grants (secret);
+-- Two grants of one module never share a file.
+CREATE UNIQUE INDEX grants_file ON config.grants (module, file);
 
 -- Where modules run, as inventory.module.* events tell it (never read from
 -- inventory's tables). A removed module keeps its row (removed = true) so an

@@ -4,10 +4,14 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::header::ETAG;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use mesh_plumbing::api::Problem;
-use mesh_plumbing::openapi::{BodyErrors, NotFound};
+use mesh_plumbing::api::{Problem, Role};
+use mesh_plumbing::etag::{self, Preconditions};
+use mesh_plumbing::openapi::{
+    BadRequest, BodyErrors, NotFound, NotModified, PreconditionFailed, PreconditionRequired,
+};
 use mesh_protocol::{FileMode, Labels, NodeId};
 use serde::{Deserialize, Serialize};
 
@@ -92,56 +96,92 @@ async fn list_files(State(config): State<Arc<Config>>) -> Result<Json<FileList>,
     }))
 }
 
-/// One declared file, with its content.
+/// The `If-Match` / `If-None-Match` headers every write route documents.
+pub(crate) const IF_MATCH: &str = "`*` or the quoted revisions this write replaces (its ETag); required to replace what exists";
+
+/// One declared file. Its content is shown to operators and admins only: a
+/// viewer token sees its size and revision.
 #[utoipa::path(
     get,
     path = "/v1/files/{name}",
     tag = "config",
-    params(("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -")),
+    params(
+        ("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -"),
+        ("If-None-Match" = Option<String>, Header, nullable = false, description = "The ETag you hold: 304 while it is current"),
+    ),
     responses(
-        (status = 200, description = "The file", body = crate::FileView),
+        (status = 200, description = "The file", body = crate::FileView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
+        NotModified,
+        BadRequest,
         NotFound,
     )
 )]
 async fn get_file(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,
+    audit: Audit,
+    headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    match config.file(&name).await? {
-        Some(file) => Ok(Json(file).into_response()),
-        None => Err(Error::FileNotFound(name.chars().take(80).collect()).into()),
+    Preconditions::from_headers(&headers)?;
+    let Some(mut file) = config.file(&name).await? else {
+        return Err(Error::FileNotFound(name.chars().take(80).collect()).into());
+    };
+    if etag::not_modified(&headers, file.revision) {
+        return Ok(etag::not_modified_response(file.revision));
     }
+    if audit.principal().role < Role::Operator {
+        file.content = None;
+    }
+    Ok(with_etag(StatusCode::OK, file.revision, file))
+}
+
+/// A JSON answer with the ETag of `revision`.
+pub(crate) fn with_etag(status: StatusCode, revision: i64, body: impl serde::Serialize) -> Response {
+    (status, [(ETAG, etag::etag(revision))], Json(body)).into_response()
 }
 
 /// Declare a file (create or replace) for one node or every node a selector
-/// matches.
+/// matches. Replacing needs `If-Match` (the ETag read): 428 without it, 412
+/// when stale; `If-None-Match: *` only creates.
 #[utoipa::path(
     put,
     path = "/v1/files/{name}",
     tag = "config",
-    params(("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -")),
+    params(
+        ("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -"),
+        ("If-Match" = Option<String>, Header, nullable = false, description = IF_MATCH),
+        ("If-None-Match" = Option<String>, Header, nullable = false, description = "`*`: only create"),
+    ),
     request_body = FileBody,
     responses(
-        (status = 200, description = "Replaced", body = crate::FileView),
-        (status = 201, description = "Created", body = crate::FileView),
+        (status = 200, description = "Replaced", body = crate::FileView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
+        (status = 201, description = "Created", body = crate::FileView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
         BodyErrors,
+        PreconditionFailed,
+        PreconditionRequired,
     )
 )]
 async fn put_file(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,
     audit: Audit,
+    headers: HeaderMap,
     ApiJson(body): ApiJson<FileBody>,
 ) -> Result<Response, Problem> {
     validate_name(&name)?;
+    let pre = Preconditions::from_headers(&headers)?;
     let spec = body.parse()?;
-    let (file, created) = config.put_file(&name, spec, &audit).await?;
-    let status = if created {
+    let (file, created) = config.put_file(&name, spec, &pre, &audit).await?;
+    Ok(with_etag(created_status(created), file.revision, file))
+}
+
+/// 201 for a resource created, 200 for one replaced.
+pub(crate) fn created_status(created: bool) -> StatusCode {
+    if created {
         StatusCode::CREATED
     } else {
         StatusCode::OK
-    };
-    Ok((status, Json(file)).into_response())
+    }
 }
 
 /// Remove a declared file from every node it was declared to.
@@ -149,17 +189,24 @@ async fn put_file(
     delete,
     path = "/v1/files/{name}",
     tag = "config",
-    params(("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -")),
+    params(
+        ("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -"),
+        ("If-Match" = Option<String>, Header, nullable = false, description = "Delete only at one of these quoted revisions"),
+    ),
     responses(
         (status = 204, description = "Removed"),
+        BadRequest,
         NotFound,
+        PreconditionFailed,
     )
 )]
 async fn delete_file(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,
     audit: Audit,
+    headers: HeaderMap,
 ) -> Result<StatusCode, Problem> {
-    config.delete_file(&name, &audit).await?;
+    let pre = Preconditions::from_headers(&headers)?;
+    config.delete_file(&name, &pre, &audit).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -27,6 +27,23 @@ pub enum Error {
     Corrupt { what: String, reason: String },
     #[error(transparent)]
     Section(#[from] mesh_plumbing::section::SectionError),
+    #[error("{0}")]
+    NotFound(String),
+    #[error(transparent)]
+    Precondition(#[from] mesh_plumbing::etag::PreconditionError),
+    /// The controller was started without a secrets master keyring.
+    #[error(
+        "no secrets master keyring: the controller's credentials name no `master_keys_file` \
+         (run bundle/up again, then restart the controller)"
+    )]
+    NoMasterKey,
+    /// The keyring file cannot be read or written, or a key it should hold is
+    /// not there. Never carries key material.
+    #[error("secrets master keyring: {0}")]
+    Keyring(String),
+    /// The request conflicts with what is stored.
+    #[error("{0}")]
+    Conflict(String),
 }
 
 impl Error {
@@ -38,6 +55,11 @@ impl Error {
             Error::SectionTooLarge { .. } => "too_large",
             Error::Corrupt { .. } => "corrupt",
             Error::Section(_) => "section",
+            Error::NotFound(_) => "not_found",
+            Error::Precondition(_) => "precondition",
+            Error::NoMasterKey => "no_master_key",
+            Error::Keyring(_) => "keyring",
+            Error::Conflict(_) => "conflict",
         }
     }
 }
@@ -77,6 +99,12 @@ impl From<Error> for Problem {
                 field,
                 format!("the config section of node `{node}` would be too large: {reason}"),
             ),
+            Error::NotFound(detail) => Problem::not_found(detail),
+            Error::Precondition(e) => Problem::from(e),
+            Error::Conflict(detail) => Problem::new(axum::http::StatusCode::CONFLICT, detail),
+            e @ Error::NoMasterKey => {
+                Problem::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            }
             other => Problem::internal(other),
         }
     }

@@ -22,10 +22,17 @@
 //! same generation from a stale read.
 
 mod api;
+mod crypt;
+mod derive;
 mod error;
+mod layers;
 mod query;
 mod reconcile;
 mod reports;
+mod secrets;
+mod secrets_api;
+pub mod settings;
+mod settings_api;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,7 +45,12 @@ use sqlx::{PgConnection, PgPool};
 pub use error::Error;
 /// What a reconcile did: the section component's report.
 pub use mesh_plumbing::section::Declared as ReconcileReport;
+pub use derive::module_dir;
+pub use layers::{EffectiveView, LayerView, NodeSettings};
 pub use query::{FileSpec, FileSummary, FileView, SectionStatus, Target};
+pub use secrets::{
+    GrantView, Keyring, MAX_SECRET_BYTES, RotationReport, SecretVersion, SecretView, grant_path,
+};
 
 /// The schema (and record context name) this crate owns.
 pub const SCHEMA: &str = "config";
@@ -86,28 +98,50 @@ pub struct Config {
     pool: PgPool,
     signal: OutboxSignal,
     settings: ConfigSettings,
+    keyring: Keyring,
 }
 
 impl Config {
     /// `pool` must be connected as the config role; `signal` wakes the outbox
-    /// relay after an API request wrote declarations.
+    /// relay after an API request wrote declarations. Without a master
+    /// keyring: secrets are refused (see [`Config::with_keyring`]).
     pub fn new(pool: PgPool, signal: OutboxSignal, settings: ConfigSettings) -> Self {
+        Self::with_keyring(pool, signal, settings, Keyring::none())
+    }
+
+    /// [`Config::new`] with the secrets master keyring.
+    pub fn with_keyring(
+        pool: PgPool,
+        signal: OutboxSignal,
+        settings: ConfigSettings,
+        keyring: Keyring,
+    ) -> Self {
         Config {
             pool,
             signal,
             settings,
+            keyring,
         }
+    }
+
+    /// The master keyring (its key ids: never the keys).
+    pub fn keyring(&self) -> &Keyring {
+        &self.keyring
     }
 
     pub fn settings(&self) -> &ConfigSettings {
         &self.settings
     }
 
-    /// The API routes this context serves: `GET /v1/files`,
-    /// `GET|PUT|DELETE /v1/files/{name}`.
+    /// The API routes this context serves: files (`/v1/files…`), settings
+    /// (`/v1/settings…`, `/v1/modules/{name}/settings/effective`), secrets
+    /// (`/v1/secrets…`) and grants (`/v1/modules/{name}/grants…`).
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes().with_state(self)
+        api::routes()
+            .merge(settings_api::routes())
+            .merge(secrets_api::routes())
+            .with_state(self)
     }
 
     /// Reconcile every known node in one transaction and wake the relay if
@@ -128,7 +162,7 @@ impl SectionOwner for Config {
     }
 
     async fn desired(&self, tx: &mut PgConnection) -> Result<Vec<(NodeId, Items)>, Error> {
-        reconcile::desired(tx, reconcile::Scope::All).await
+        reconcile::desired(tx, reconcile::Scope::All, &self.keyring).await
     }
 }
 
@@ -140,7 +174,7 @@ impl Context for Config {
     }
 
     fn subscriptions(&self) -> &'static [&'static str] {
-        &["inventory.node.*"]
+        &["inventory.node.*", "inventory.module.*"]
     }
 
     async fn handle_reports(
@@ -148,7 +182,7 @@ impl Context for Config {
         tx: &mut PgConnection,
         reports: &[Envelope<Report>],
     ) -> Result<(), HandlerError> {
-        reports::handle(tx, reports, &self.settings)
+        reports::handle(tx, reports, &self.settings, &self.keyring)
             .await
             .map_err(HandlerError::from)
     }
@@ -169,9 +203,12 @@ impl Context for Config {
         events: &[&RecordEvent],
     ) -> Result<(), HandlerError> {
         let mut bodies = Vec::with_capacity(events.len());
+        let mut modules = Vec::new();
         for event in events {
             match &event.kind {
                 RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body) => bodies.push(body),
+                RecordKind::ModulePlaced(p) => modules.push(reports::ModuleEvent::Placed(p)),
+                RecordKind::ModuleRemoved(r) => modules.push(reports::ModuleEvent::Removed(r)),
                 // Known events config does not act on (the protocol decoded
                 // them: an unknown one never reaches a context).
                 _ => {
@@ -179,7 +216,12 @@ impl Context for Config {
                 }
             }
         }
-        reports::nodes_changed(tx, &bodies)
+        // Nodes first: a module placed on a node config learns of in the
+        // same batch finds it.
+        reports::nodes_changed(tx, &bodies, &self.keyring)
+            .await
+            .map_err(HandlerError::from)?;
+        reports::modules_changed(tx, &modules, &self.keyring)
             .await
             .map_err(HandlerError::from)
     }

@@ -2,6 +2,7 @@
 
 use chrono::{DateTime, Utc};
 use mesh_plumbing::audit::{self, Audit};
+use mesh_plumbing::etag::Preconditions;
 use mesh_protocol::{FileMode, Labels, MAX_FILE_BYTES, NodeId, validate_labels, validate_path};
 use serde::Serialize;
 use sqlx::types::Json;
@@ -31,6 +32,13 @@ impl FileSpec {
     /// Check every field, naming the first that is wrong.
     pub fn validate(&self) -> Result<(), Error> {
         validate_path("path", &self.path)?;
+        if self.path.starts_with("/modules/") {
+            return Err(Error::Invalid {
+                field: "path".into(),
+                reason: "`/modules/` is where modules' settings and secrets go: choose another path"
+                    .into(),
+            });
+        }
         if self.content.len() > MAX_FILE_BYTES {
             return Err(Error::Invalid {
                 field: "content".into(),
@@ -69,7 +77,13 @@ pub fn validate_name(name: &str) -> Result<(), Error> {
 pub struct FileView {
     pub name: String,
     pub path: String,
-    pub content: String,
+    /// The file's text: shown to operators and admins only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    /// Content length in bytes.
+    pub size: i64,
+    /// The ETag's revision.
+    pub revision: i64,
     /// Octal, e.g. `"0644"`.
     pub mode: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -113,6 +127,7 @@ struct FileViewRow {
     name: String,
     path: String,
     content: String,
+    revision: i64,
     mode: i32,
     node: Option<String>,
     selector: Option<Json<Labels>>,
@@ -136,7 +151,9 @@ impl From<FileViewRow> for FileView {
         FileView {
             name: r.name,
             path: r.path,
-            content: r.content,
+            size: r.content.len() as i64,
+            content: Some(r.content),
+            revision: r.revision,
             mode: octal(r.mode),
             node: r.node,
             selector: r.selector.map(|s| s.0),
@@ -155,6 +172,7 @@ impl Config {
         &self,
         name: &str,
         spec: FileSpec,
+        pre: &Preconditions,
         audit: &Audit,
     ) -> Result<(FileView, bool), Error> {
         validate_name(name)?;
@@ -165,12 +183,19 @@ impl Config {
         };
         let mode = i32::try_from(spec.mode.bits()).unwrap_or(0);
         let mut tx = self.pool.begin().await?;
+        let current: Option<i64> =
+            sqlx::query_scalar("SELECT revision FROM config.files WHERE name = $1 FOR UPDATE")
+                .bind(name)
+                .fetch_optional(&mut *tx)
+                .await?;
+        pre.check_write(current, &format!("file `{name}`"))?;
         let row: PutRow = sqlx::query_as(
             "INSERT INTO config.files AS f (name, path, content, mode, node, selector) \
              VALUES ($1, $2, $3, $4, $5, $6) \
              ON CONFLICT (name) DO UPDATE SET path = excluded.path, content = excluded.content, \
-             mode = excluded.mode, node = excluded.node, selector = excluded.selector, updated_at = now() \
-             RETURNING name, path, content, mode, node, selector, created_at, updated_at, (xmax = 0) AS inserted",
+             mode = excluded.mode, node = excluded.node, selector = excluded.selector, \
+             revision = f.revision + 1, updated_at = now() \
+             RETURNING name, path, content, revision, mode, node, selector, created_at, updated_at, (xmax = 0) AS inserted",
         )
         .bind(name)
         .bind(&spec.path)
@@ -180,7 +205,7 @@ impl Config {
         .bind(selector)
         .fetch_one(&mut *tx)
         .await?;
-        let report = reconcile(&mut tx, Scope::All).await?;
+        let report = reconcile(&mut tx, Scope::All, &self.keyring).await?;
         if let Some((node, reason)) = report.too_large.into_iter().next() {
             // Dropping tx rolls back: the file is not stored.
             return Err(Error::SectionTooLarge {
@@ -199,17 +224,27 @@ impl Config {
 
     /// Delete file `name` and declare the resulting sections (a node left with
     /// no files gets a generation with none), with the request's audit entry.
-    pub async fn delete_file(&self, name: &str, audit: &Audit) -> Result<(), Error> {
+    pub async fn delete_file(
+        &self,
+        name: &str,
+        pre: &Preconditions,
+        audit: &Audit,
+    ) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
-        let gone: Option<String> =
-            sqlx::query_scalar("DELETE FROM config.files WHERE name = $1 RETURNING name")
+        let current: Option<i64> =
+            sqlx::query_scalar("SELECT revision FROM config.files WHERE name = $1 FOR UPDATE")
                 .bind(name)
                 .fetch_optional(&mut *tx)
                 .await?;
-        if gone.is_none() {
+        let Some(revision) = current else {
             return Err(Error::FileNotFound(name.chars().take(80).collect()));
-        }
-        let report = reconcile(&mut tx, Scope::All).await?;
+        };
+        pre.check_delete(revision, &format!("file `{name}`"))?;
+        sqlx::query("DELETE FROM config.files WHERE name = $1")
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+        let report = reconcile(&mut tx, Scope::All, &self.keyring).await?;
         audit::record_ok(&mut tx, SCHEMA, audit).await?;
         tx.commit().await?;
         if report.declared > 0 {
@@ -220,7 +255,7 @@ impl Config {
 
     pub async fn file(&self, name: &str) -> Result<Option<FileView>, Error> {
         let row: Option<FileViewRow> = sqlx::query_as(
-            "SELECT name, path, content, mode, node, selector, created_at, updated_at FROM config.files WHERE name = $1",
+            "SELECT name, path, content, revision, mode, node, selector, created_at, updated_at FROM config.files WHERE name = $1",
         )
         .bind(name)
         .fetch_optional(&self.pool)
@@ -267,7 +302,13 @@ impl Config {
         Ok(stored.map(|s| SectionStatus {
             generation: s.generation,
             digest: s.digest,
-            paths: s.items.files.into_iter().map(|f| f.path).collect(),
+            paths: s
+                .items
+                .files
+                .iter()
+                .map(|f| f.path.clone())
+                .chain(s.items.secrets.iter().map(|f| f.path.clone()))
+                .collect(),
             declared_at: s.declared_at,
             last_sent_at: s.last_sent_at,
         }))

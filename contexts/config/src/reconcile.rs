@@ -5,10 +5,12 @@
 use std::collections::{BTreeMap, HashMap};
 
 use mesh_plumbing::section::{Declared, Items};
-use mesh_protocol::{DeclarationItems, FileItem, FileMode, Labels, NodeId};
+use mesh_protocol::{DeclarationItems, FileItem, FileMode, Labels, NodeId, SealedFileItem};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
+use crate::derive::{self, Derived};
+use crate::secrets::Keyring;
 use crate::{Error, SECTIONS};
 
 /// Advisory lock class of reconciles (key 0: the whole fleet) and of one node's
@@ -60,11 +62,19 @@ fn choose(node: &str, labels: &Labels, files: &[FileRow]) -> Vec<usize> {
     chosen
 }
 
-/// The section of the chosen files (shared by every node with the same ones).
-fn build(files: &[FileRow], chosen: &[usize]) -> Result<Items, Error> {
+/// The operator files of the chosen ones (shared by every node with the same
+/// ones), less those whose path a module's derived file takes.
+fn build(
+    files: &[FileRow],
+    chosen: &[usize],
+    derived: Option<&Derived>,
+) -> Result<Items, Error> {
     let mut items = DeclarationItems::default();
     for &i in chosen {
         let f = &files[i];
+        if derived.is_some_and(|d| d.claims(&f.path)) {
+            continue;
+        }
         let mode = u32::try_from(f.mode)
             .ok()
             .and_then(|m| FileMode::new(m).ok())
@@ -78,6 +88,11 @@ fn build(files: &[FileRow], chosen: &[usize]) -> Result<Items, Error> {
             mode,
         });
     }
+    if let Some(d) = derived {
+        items.files.extend(d.files.iter().cloned());
+        items.secrets.extend(d.secrets.iter().cloned());
+        items.secrets.sort_by(|a: &SealedFileItem, b| a.path.cmp(&b.path));
+    }
     Ok(Items::new(items)?)
 }
 
@@ -87,6 +102,7 @@ fn build(files: &[FileRow], chosen: &[usize]) -> Result<Items, Error> {
 pub(crate) async fn desired(
     tx: &mut PgConnection,
     scope: Scope<'_>,
+    keyring: &Keyring,
 ) -> Result<Vec<(NodeId, Items)>, Error> {
     match scope {
         Scope::All => {
@@ -132,17 +148,23 @@ pub(crate) async fn desired(
     .fetch_all(&mut *tx)
     .await?;
 
+    // What the modules on these nodes derive: settings files and sealed secrets.
+    let mut derived = derive::derive(tx, &nodes, only.as_deref(), keyring).await?;
+
     let mut cache: HashMap<Vec<usize>, Items> = HashMap::new();
     let mut desired = Vec::with_capacity(nodes.len());
     for (node, labels) in nodes {
         let chosen = choose(&node, &labels.0, &files);
-        let items = match cache.get(&chosen) {
-            Some(items) => items.clone(),
-            None => {
-                let items = build(&files, &chosen)?;
-                cache.insert(chosen, items.clone());
-                items
-            }
+        let items = match derived.remove(&node) {
+            Some(d) => build(&files, &chosen, Some(&d))?,
+            None => match cache.get(&chosen) {
+                Some(items) => items.clone(),
+                None => {
+                    let items = build(&files, &chosen, None)?;
+                    cache.insert(chosen, items.clone());
+                    items
+                }
+            },
         };
         let node = NodeId::parse(&node).map_err(|e| Error::Corrupt {
             what: "node id".to_owned(),
@@ -155,8 +177,12 @@ pub(crate) async fn desired(
 
 /// Reconcile the nodes of `scope` inside `tx`: compute each node's files and
 /// declare a new generation where they changed (the section component).
-pub(crate) async fn reconcile(tx: &mut PgConnection, scope: Scope<'_>) -> Result<Declared, Error> {
-    let desired = desired(tx, scope).await?;
+pub(crate) async fn reconcile(
+    tx: &mut PgConnection,
+    scope: Scope<'_>,
+    keyring: &Keyring,
+) -> Result<Declared, Error> {
+    let desired = desired(tx, scope, keyring).await?;
     Ok(SECTIONS.declare(tx, desired).await?)
 }
 

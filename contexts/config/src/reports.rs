@@ -3,27 +3,169 @@
 
 use std::collections::BTreeMap;
 
-use mesh_protocol::{Envelope, NodeLabelsChanged, Report};
+use mesh_protocol::{
+    Envelope, ModulePlacement, ModuleRemoved, NodeId, NodeLabelsChanged, ProtocolRange, Report,
+};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
 use crate::reconcile::{Scope, reconcile};
+use crate::secrets::Keyring;
 use crate::{ConfigSettings, Error, SECTIONS};
 
 /// Hellos and heartbeats: a node behind its config section is sent it again (at
 /// once on hello, at most once per `resend_after` on heartbeats), a node ahead
 /// of it gets a generation above its own. What nodes applied is inventory's
 /// record, not config's: `applied` reports change nothing here.
+///
+/// A hello also states the node's seal key (what its secrets are sealed to);
+/// a node whose key is new or changed is reconciled, so that its secrets are
+/// sealed to the key it holds now.
 pub(crate) async fn handle(
     tx: &mut PgConnection,
     reports: &[Envelope<Report>],
     settings: &ConfigSettings,
+    keyring: &Keyring,
 ) -> Result<(), Error> {
     SECTIONS.on_hello(tx, reports).await?;
     SECTIONS
         .on_heartbeat(tx, reports, settings.resend_after)
         .await?;
+    seal_keys(tx, reports, keyring).await
+}
+
+/// Keep the seal key of each hello (the node is the broker-verified sender,
+/// never a field of the body) and reconcile the nodes whose key changed.
+async fn seal_keys(
+    tx: &mut PgConnection,
+    reports: &[Envelope<Report>],
+    keyring: &Keyring,
+) -> Result<(), Error> {
+    let mut keys: BTreeMap<&str, &str> = BTreeMap::new();
+    for env in reports {
+        if let Report::Hello(h) = &env.body
+            && h.refusal(ProtocolRange::THIS).is_none()
+            && let Some(key) = h.seal_key.as_deref()
+        {
+            keys.insert(env.node.as_str(), key);
+        }
+    }
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let (nodes, keys): (Vec<&str>, Vec<&str>) = keys.into_iter().unzip();
+    let changed: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO config.node_keys AS k (node, seal_key) \
+         SELECT * FROM UNNEST($1::text[], $2::text[]) ORDER BY 1 \
+         ON CONFLICT (node) DO UPDATE SET seal_key = excluded.seal_key, updated_at = now() \
+         WHERE k.seal_key <> excluded.seal_key RETURNING node",
+    )
+    .bind(&nodes)
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await?;
+    reconcile_named(tx, changed, keyring).await
+}
+
+/// Reconcile the nodes named (ids stored by config itself), if any.
+async fn reconcile_named(
+    tx: &mut PgConnection,
+    names: impl IntoIterator<Item = String>,
+    keyring: &Keyring,
+) -> Result<(), Error> {
+    let mut nodes = Vec::new();
+    for n in names {
+        match NodeId::parse(&n) {
+            Ok(id) => nodes.push(id),
+            Err(e) => tracing::warn!(node = %n, error = %e, "not a node id; skipped"),
+        }
+    }
+    nodes.sort();
+    nodes.dedup();
+    if nodes.is_empty() {
+        return Ok(());
+    }
+    reconcile(tx, Scope::Nodes(&nodes), keyring).await?;
     Ok(())
+}
+
+/// A module's placement or removal, as inventory records it.
+pub(crate) enum ModuleEvent<'a> {
+    Placed(&'a ModulePlacement),
+    Removed(&'a ModuleRemoved),
+}
+
+impl ModuleEvent<'_> {
+    fn module(&self) -> &str {
+        match self {
+            ModuleEvent::Placed(p) => &p.module,
+            ModuleEvent::Removed(r) => &r.module,
+        }
+    }
+
+    fn version(&self) -> i64 {
+        match self {
+            ModuleEvent::Placed(p) => p.version,
+            ModuleEvent::Removed(r) => r.version,
+        }
+    }
+}
+
+/// `inventory.module.placed` / `.removed` events of a batch: keep each
+/// module's newest (by version; older ones are ignored), then reconcile the
+/// nodes it ran on before and runs on now, all at once.
+pub(crate) async fn modules_changed(
+    tx: &mut PgConnection,
+    events: &[ModuleEvent<'_>],
+    keyring: &Keyring,
+) -> Result<(), Error> {
+    let mut newest: BTreeMap<&str, &ModuleEvent> = BTreeMap::new();
+    for e in events {
+        match newest.get(e.module()) {
+            Some(kept) if kept.version() >= e.version() => {}
+            _ => {
+                newest.insert(e.module(), e);
+            }
+        }
+    }
+    let mut affected: Vec<String> = Vec::new();
+    for (module, e) in newest {
+        let (removed, nodes, files) = match e {
+            ModuleEvent::Placed(p) => (
+                false,
+                p.nodes.iter().map(|n| n.as_str().to_owned()).collect::<Vec<_>>(),
+                p.settings_files.clone(),
+            ),
+            ModuleEvent::Removed(_) => (true, Vec::new(), Vec::new()),
+        };
+        // The nodes it ran on, then the newer row (none when stale).
+        let before: Option<Vec<String>> =
+            sqlx::query_scalar("SELECT nodes FROM config.modules WHERE module = $1 FOR UPDATE")
+                .bind(module)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let kept: Option<String> = sqlx::query_scalar(
+            "INSERT INTO config.modules AS m (module, version, removed, nodes, settings_files) \
+             VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (module) DO UPDATE SET version = excluded.version, removed = excluded.removed, \
+             nodes = excluded.nodes, settings_files = excluded.settings_files \
+             WHERE m.version < excluded.version RETURNING module",
+        )
+        .bind(module)
+        .bind(e.version())
+        .bind(removed)
+        .bind(&nodes)
+        .bind(Json(&files))
+        .fetch_optional(&mut *tx)
+        .await?;
+        if kept.is_none() {
+            tracing::debug!(module, version = e.version(), "ignoring a stale module event");
+            continue;
+        }
+        affected.extend(before.unwrap_or_default());
+        affected.extend(nodes);
+    }
+    reconcile_named(tx, affected, keyring).await
 }
 
 /// `inventory.node.joined` / `inventory.node.updated` events of a batch, in
@@ -40,6 +182,7 @@ pub(crate) async fn handle(
 pub(crate) async fn nodes_changed(
     tx: &mut PgConnection,
     bodies: &[&NodeLabelsChanged],
+    keyring: &Keyring,
 ) -> Result<(), Error> {
     let mut newest: BTreeMap<&str, &NodeLabelsChanged> = BTreeMap::new();
     for body in bodies {
@@ -89,6 +232,6 @@ pub(crate) async fn nodes_changed(
     if changed.is_empty() {
         return Ok(());
     }
-    reconcile(tx, Scope::Nodes(&changed)).await?;
+    reconcile(tx, Scope::Nodes(&changed), keyring).await?;
     Ok(())
 }

@@ -47,6 +47,15 @@ impl Keyring {
         })
     }
 
+    /// No keyring: secrets are refused.
+    pub fn none() -> Keyring {
+        Keyring {
+            path: None,
+            keys: RwLock::new(None),
+            writes: tokio::sync::RwLock::new(()),
+        }
+    }
+
     /// A keyring held in memory only (tests of the pure parts).
     pub fn in_memory(keys: MasterKeys) -> Keyring {
         Keyring {
