@@ -705,6 +705,7 @@ impl Agent {
             self.config.hostname.as_deref(),
             &self.config.labels,
             self.store.applied_generations(),
+            self.applier.seal_public_key().map(|k| k.to_hex()),
         );
         let out = self.envelope(Report::Hello(hello));
         self.push(out);

@@ -5,6 +5,15 @@
 //! files this section declared before and no longer does". Everything is checked
 //! before anything is written; each file is written atomically; nothing is ever
 //! written outside the root.
+//!
+//! Secrets (`items.secrets`) arrive sealed to this node's seal key, bound to the
+//! node and the path; each is opened before anything is written, and one that
+//! does not open refuses the whole declaration (naming the path, never a
+//! value). Opened values are written like files, with their mode, and tracked
+//! like files: a later generation without one removes it (how a revoked grant
+//! takes a secret off the node). Opened bytes are held in a [`Secret`] (Debug:
+//! `[redacted]`) and never logged. An agent older than secrets ignores the
+//! field (unknown fields are ignored and counted) and writes none of them.
 
 use std::collections::BTreeSet;
 use std::io::Read;
@@ -12,9 +21,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use chrono::Utc;
+use mesh_protocol::sealing::{self, SealPublicKey, SealSecretKey};
 use mesh_protocol::{
     Declaration, DecodeError, Envelope, ItemOutcome, MAX_DECLARATION_BYTES, NodeId, Outcome,
-    Section, UnknownFields, digest_items, validate_path,
+    SealedFileItem, Secret, Section, UnknownFields, digest_items, validate_path,
 };
 
 use crate::store::{SectionState, write_atomic};
@@ -82,6 +92,9 @@ pub struct Applier {
     canonical_root: PathBuf,
     /// Directories nothing may be written into (the agent's state directory).
     protected: Vec<PathBuf>,
+    /// This node and its seal key, to open secrets with; none: every declared
+    /// secret is refused.
+    sealing: Option<(NodeId, SealSecretKey)>,
 }
 
 /// Why one path cannot be applied.
@@ -101,11 +114,35 @@ impl Applier {
             root: root.to_owned(),
             canonical_root,
             protected,
+            sealing: None,
         })
+    }
+
+    /// Open declared secrets as `node` with `key` (secrets are sealed to
+    /// `key`'s public key, bound to `node` and their path).
+    pub fn with_seal_key(mut self, node: NodeId, key: SealSecretKey) -> Applier {
+        self.sealing = Some((node, key));
+        self
+    }
+
+    /// The public key secrets are sealed to, once [`Applier::with_seal_key`] gave one.
+    pub fn seal_public_key(&self) -> Option<SealPublicKey> {
+        self.sealing.as_ref().map(|(_, key)| key.public())
     }
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Open one declared secret: its value, or why not (never the value).
+    fn open_secret(&self, item: &SealedFileItem) -> Result<Secret<Vec<u8>>, String> {
+        let Some((node, key)) = &self.sealing else {
+            return Err("this agent has no seal key to open secrets with".into());
+        };
+        let aad = sealing::secret_aad(node.as_str(), &item.path);
+        sealing::open(key, &aad, &item.sealed)
+            .map(Secret::new)
+            .map_err(|e| e.to_string())
     }
 
     /// Apply `decl` on top of `prev`, the section's recorded state.
@@ -174,20 +211,59 @@ impl Applier {
                 }
             }
         }
+        // Every secret opens, for this node and its path, before anything is written.
+        let mut opened = Vec::with_capacity(decl.items.secrets.len());
+        for item in &decl.items.secrets {
+            let result = self
+                .resolve(&item.path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| self.open_secret(item).map(|value| (t, value)));
+            match result {
+                Ok(pair) => {
+                    items.push(ItemOutcome {
+                        item: item.path.clone(),
+                        ok: true,
+                        error: None,
+                    });
+                    opened.push(pair);
+                }
+                Err(e) => {
+                    first_error.get_or_insert_with(|| format!("{}: {e}", item.path));
+                    items.push(ItemOutcome {
+                        item: item.path.clone(),
+                        ok: false,
+                        error: Some(e),
+                    });
+                }
+            }
+        }
         if let Some(error) = first_error {
             return rejected(items, error);
         }
 
-        // 2. Write each file atomically.
-        let mut items = Vec::with_capacity(decl.items.files.len());
+        // 2. Write each file and each opened secret atomically.
+        let writes = decl
+            .items
+            .files
+            .iter()
+            .zip(&targets)
+            .map(|(f, t)| (&f.path, t, f.content.as_bytes(), f.mode.bits()))
+            .chain(
+                decl.items
+                    .secrets
+                    .iter()
+                    .zip(&opened)
+                    .map(|(s, (t, value))| (&s.path, t, value.expose().as_slice(), s.mode.bits())),
+            );
+        let mut items = Vec::with_capacity(decl.items.files.len() + opened.len());
         let mut written = BTreeSet::new();
         let mut failed = false;
-        for (f, target) in decl.items.files.iter().zip(&targets) {
-            match write_file(target, f.content.as_bytes(), f.mode.bits()) {
+        for (path, target, content, mode) in writes {
+            match write_file(target, content, mode) {
                 Ok(()) => {
-                    written.insert(f.path.clone());
+                    written.insert(path.clone());
                     items.push(ItemOutcome {
-                        item: f.path.clone(),
+                        item: path.clone(),
                         ok: true,
                         error: None,
                     });
@@ -195,13 +271,14 @@ impl Applier {
                 Err(e) => {
                     failed = true;
                     items.push(ItemOutcome {
-                        item: f.path.clone(),
+                        item: path.clone(),
                         ok: false,
                         error: Some(format!("write: {e}")),
                     });
                 }
             }
         }
+        drop(opened);
 
         let mut state = prev.clone();
         state.last_generation = decl.generation;
@@ -633,5 +710,180 @@ mod tests {
         assert!(err.to_string().contains("node-b"), "{err}");
         assert_eq!(peek_section(&bytes), (Some(Section::Config), Some(1)));
         assert!(decode(b"{", &node).is_err());
+    }
+
+    // ---- secrets sealed to this node ----
+
+    const NODE: &str = "node-a";
+
+    fn seal_key() -> SealSecretKey {
+        SealSecretKey::from_seed([0x11; 32])
+    }
+
+    fn sealed_fixture() -> Fixture {
+        let mut fx = fixture();
+        fx.applier = fx
+            .applier
+            .with_seal_key(NodeId::parse(NODE).unwrap(), seal_key());
+        fx
+    }
+
+    /// `value` sealed for `path` on `node` to `to`.
+    fn secret_for(
+        to: &SealPublicKey,
+        node: &str,
+        path: &str,
+        value: &str,
+        n: u8,
+    ) -> SealedFileItem {
+        SealedFileItem {
+            path: path.into(),
+            mode: FileMode::new(0o600).unwrap(),
+            secret: "db-password".into(),
+            version: i64::from(n),
+            sealed: sealing::seal(
+                to,
+                &sealing::secret_aad(node, path),
+                value.as_bytes(),
+                [n; 32],
+            )
+            .unwrap(),
+        }
+    }
+
+    fn secret(path: &str, value: &str, n: u8) -> SealedFileItem {
+        secret_for(&seal_key().public(), NODE, path, value, n)
+    }
+
+    fn with_secrets(
+        generation: u64,
+        files: Vec<FileItem>,
+        secrets: Vec<SealedFileItem>,
+    ) -> Declaration {
+        let mut d = decl(generation, files);
+        d.items.secrets = secrets;
+        d
+    }
+
+    #[test]
+    fn a_sealed_secret_is_opened_and_written_0600() {
+        let fx = sealed_fixture();
+        let d = with_secrets(
+            1,
+            vec![file("/etc/app/app.conf", "db=x\n", 0o644)],
+            vec![secret("/etc/app/db.password", "hunter2", 1)],
+        );
+        let r = fx.applier.apply(&d, &SectionState::default());
+        assert_eq!(r.outcome, Outcome::Applied, "{r:?}");
+        let path = fx.root.join("etc/app/db.password");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "hunter2");
+        assert_eq!(mode_of(&path), 0o600);
+        let state = r.state.clone().unwrap();
+        assert_eq!(state.generation, 1);
+        assert_eq!(state.digest, digest_items(&d.items));
+        assert!(state.paths.contains("/etc/app/db.password"));
+        // Nothing the agent reports or logs of it shows the value.
+        assert!(!format!("{r:?}").contains("hunter2"));
+        assert!(!format!("{:?}", d.items).contains(&d.items.secrets[0].sealed));
+        assert_eq!(
+            tree(&fx.root),
+            vec!["etc/app/app.conf", "etc/app/db.password"]
+        );
+    }
+
+    #[test]
+    fn a_secret_that_does_not_open_refuses_the_whole_declaration() {
+        let fx = sealed_fixture();
+        let other_key = SealSecretKey::from_seed([0x22; 32]).public();
+        let path = "/etc/app/db.password";
+        for bad in [
+            // Sealed to another node's key.
+            secret_for(&other_key, NODE, path, "hunter2", 1),
+            // Sealed to this key but for another node (copied from its section).
+            secret_for(&seal_key().public(), "node-b", path, "hunter2", 2),
+            // Sealed for another path of this node.
+            SealedFileItem {
+                path: path.into(),
+                ..secret("/etc/app/other", "hunter2", 3)
+            },
+        ] {
+            let d = with_secrets(
+                1,
+                vec![file("/etc/app/app.conf", "db=x\n", 0o644)],
+                vec![secret("/etc/app/ok.password", "fine", 4), bad],
+            );
+            let r = fx.applier.apply(&d, &SectionState::default());
+            assert_eq!(r.outcome, Outcome::Rejected, "{r:?}");
+            let error = r.error.clone().unwrap();
+            assert!(error.starts_with(path), "{error}");
+            assert!(error.contains("does not open"), "{error}");
+            assert!(!format!("{r:?}").contains("hunter2"));
+            assert!(!format!("{r:?}").contains("fine"));
+            let state = r.state.unwrap();
+            assert_eq!(state.generation, 0);
+            assert_eq!(state.last_outcome, Some(Outcome::Rejected));
+            assert!(tree(&fx.root).is_empty(), "wrote {:?}", tree(&fx.root));
+        }
+        // An agent without a seal key opens nothing.
+        let r = fixture().applier.apply(
+            &with_secrets(1, vec![], vec![secret(path, "x", 5)]),
+            &SectionState::default(),
+        );
+        assert_eq!(r.outcome, Outcome::Rejected, "{r:?}");
+        assert!(r.error.unwrap().contains("no seal key"));
+    }
+
+    #[test]
+    fn a_later_generation_without_the_secret_removes_it() {
+        let fx = sealed_fixture();
+        let d1 = with_secrets(
+            1,
+            vec![file("/etc/app/app.conf", "db=x\n", 0o644)],
+            vec![
+                secret("/etc/app/db.password", "hunter2", 1),
+                secret("/etc/app/api.token", "t0ken", 2),
+            ],
+        );
+        let r1 = fx.applier.apply(&d1, &SectionState::default());
+        assert_eq!(r1.outcome, Outcome::Applied, "{r1:?}");
+        // Generation 2: the grant of db.password was revoked; api.token rotated.
+        let d2 = with_secrets(
+            2,
+            vec![file("/etc/app/app.conf", "db=x\n", 0o644)],
+            vec![secret("/etc/app/api.token", "t0ken-2", 3)],
+        );
+        let r2 = fx.applier.apply(&d2, r1.state.as_ref().unwrap());
+        assert_eq!(r2.outcome, Outcome::Applied, "{r2:?}");
+        assert!(!fx.root.join("etc/app/db.password").exists());
+        assert_eq!(
+            std::fs::read_to_string(fx.root.join("etc/app/api.token")).unwrap(),
+            "t0ken-2"
+        );
+        assert_eq!(
+            r2.state.unwrap().paths,
+            [
+                "/etc/app/api.token".to_owned(),
+                "/etc/app/app.conf".to_owned()
+            ]
+            .into()
+        );
+        assert_eq!(
+            tree(&fx.root),
+            vec!["etc/app/api.token", "etc/app/app.conf"]
+        );
+    }
+
+    #[test]
+    fn a_path_declared_as_file_and_secret_is_refused() {
+        let fx = sealed_fixture();
+        let d = with_secrets(
+            1,
+            vec![file("/etc/app/db.password", "plain", 0o644)],
+            vec![secret("/etc/app/db.password", "hunter2", 1)],
+        );
+        let r = fx.applier.apply(&d, &SectionState::default());
+        assert_eq!(r.outcome, Outcome::Rejected, "{r:?}");
+        assert!(r.error.unwrap().contains("declared twice"));
+        assert!(tree(&fx.root).is_empty());
     }
 }

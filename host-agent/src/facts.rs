@@ -5,8 +5,14 @@ use mesh_protocol::{AppliedGenerations, Hello, Labels, ProtocolRange};
 /// The agent's version, as reported in hello.
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// Build a hello from the host's facts. `hostname` overrides the kernel's.
-pub fn hello(hostname: Option<&str>, labels: &Labels, applied: AppliedGenerations) -> Hello {
+/// Build a hello from the host's facts. `hostname` overrides the kernel's;
+/// `seal_key` is the node's seal public key (hex) that secrets are sealed to.
+pub fn hello(
+    hostname: Option<&str>,
+    labels: &Labels,
+    applied: AppliedGenerations,
+    seal_key: Option<String>,
+) -> Hello {
     Hello {
         hostname: hostname.map(str::to_owned).unwrap_or_else(kernel_hostname),
         arch: std::env::consts::ARCH.to_owned(),
@@ -16,7 +22,7 @@ pub fn hello(hostname: Option<&str>, labels: &Labels, applied: AppliedGeneration
         labels: labels.clone(),
         agent_version: AGENT_VERSION.to_owned(),
         public_key: None,
-        seal_key: None,
+        seal_key,
         applied,
         protocol: Some(ProtocolRange::THIS),
     }
@@ -62,8 +68,17 @@ mod tests {
 
     #[test]
     fn hello_is_valid() {
-        let h = hello(Some("h1"), &Labels::new(), AppliedGenerations::new());
+        let key = mesh_protocol::sealing::SealSecretKey::from_seed([1; 32])
+            .public()
+            .to_hex();
+        let h = hello(
+            Some("h1"),
+            &Labels::new(),
+            AppliedGenerations::new(),
+            Some(key.clone()),
+        );
         assert_eq!(h.hostname, "h1");
+        assert_eq!(h.seal_key, Some(key));
         assert!(h.cpus >= 1);
         assert!(h.memory_bytes > 0);
         // Round-trips through the protocol's own validation.

@@ -1,7 +1,8 @@
 //! `mesh-agent join`: enrol this node with a join token.
 //!
-//! Generates the node's Ed25519 key pair in the state directory (the private key,
-//! mode 0600, never leaves the node), sends the public key with the token to
+//! Generates the node's Ed25519 key pair and its X25519 seal key (secrets are
+//! sealed to it) in the state directory (the private keys, mode 0600, never
+//! leave the node), sends the public key with the token to
 //! `POST <api>/v1/join`, and writes what comes back — the broker URL with the
 //! node's own credentials and the controller's declaration-signing key — to
 //! `credentials.toml` (mode 0600). The agent then runs with `mesh-agent run`.
@@ -73,6 +74,13 @@ pub async fn join(
     let key = DeclarationSigner::from_seed(rand::random());
     mesh_credentials::key::write_signing_key(&state_dir.join(NODE_KEY_FILE), &key)?;
     let public_key = key.public_key_hex();
+    // The key secrets are sealed to, beside it: also fresh, also never sent
+    // (its public half goes in every hello).
+    let seal_key = mesh_protocol::sealing::SealSecretKey::from_seed(rand::random());
+    mesh_credentials::key::write_seal_key(
+        &state_dir.join(mesh_credentials::key::SEAL_KEY_FILE),
+        &seal_key,
+    )?;
 
     let url = format!("{}/v1/join", api.trim_end_matches('/'));
     let http = reqwest::Client::builder()

@@ -28,7 +28,9 @@
 //! - It never declares broker topology (exchanges, queues, bindings): the
 //!   controller does; the agent's broker user may not.
 //! - It never writes outside its root, nor into its own state directory.
-//! - It never logs its broker password.
+//! - It never logs its broker password, nor a secret's value.
+//! - Its seal key (`seal.key`, the X25519 key secrets are sealed to) never
+//!   leaves the node: only its public key is stated, in every hello.
 //!
 //! Entry point: [`run`]. The `mesh-agent` binary is a thin wrapper around it.
 
@@ -86,11 +88,20 @@ pub async fn run(
     config.validate()?;
     let creds = Credentials::load(&config.state_dir)?;
     let store = Store::open(&config.state_dir)?;
+    let (seal_key, made) = credentials::load_or_create_seal_key(&config.state_dir)?;
+    if made {
+        info!(
+            path = %config.state_dir.join(credentials::SEAL_KEY_FILE).display(),
+            seal_key = %seal_key.public().to_hex(),
+            "made this node's seal key (it had none)"
+        );
+    }
     let applier = apply::Applier::new(&config.root, std::slice::from_ref(&config.state_dir))
         .map_err(|error| AgentError::Root {
             path: config.root.clone(),
             error,
-        })?;
+        })?
+        .with_seal_key(creds.node.clone(), seal_key);
     let metrics = metrics::Metrics::new();
 
     let (stop_metrics, metrics_stopped) = tokio::sync::oneshot::channel::<()>();

@@ -1135,3 +1135,155 @@ async fn an_unknown_section_is_reported_unsupported_and_nothing_else_stops() -> 
     let _ = admin.close(200, "done".into()).await;
     env.teardown().await
 }
+
+/// Secrets sealed to the node (issue 11): an agent enrolled by the test kit has
+/// no seal key, makes one at start and states its public key in hello; a
+/// secret sealed to it for this node and path is opened and written 0600; one
+/// sealed for another node refuses the whole declaration; a generation
+/// without the secret removes it; a restart keeps the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_secret_arrives_and_is_written_0600() -> anyhow::Result<()> {
+    use mesh_protocol::SealedFileItem;
+    use mesh_protocol::sealing::{self, SealPublicKey};
+
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("s").await?;
+    let node = creds.node.clone();
+    let (admin, ch, mut reports) = controller_side(&env).await?;
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let key_file = state
+        .path()
+        .join(mesh_host_agent::credentials::SEAL_KEY_FILE);
+    assert!(!key_file.exists());
+    let config = || Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        heartbeat_interval: Duration::from_millis(300),
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(400),
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config(), async {
+        let _ = stopped.await;
+    }));
+
+    let hello = wait_report(&mut reports, "hello", |r| {
+        r.kind.as_deref() == Some("hello")
+    })
+    .await?;
+    let Report::Hello(h) = &hello.envelope.body else {
+        bail!("not a hello")
+    };
+    let stated = h.seal_key.clone().context("hello states a seal key")?;
+    assert_eq!(mode_of(&key_file), 0o600);
+    let on_disk =
+        mesh_protocol::sealing::SealSecretKey::from_hex(&std::fs::read_to_string(&key_file)?)?;
+    assert_eq!(on_disk.public().to_hex(), stated);
+    let to = SealPublicKey::from_hex(&stated)?;
+
+    declaration_queue_for(&ch, &node).await?;
+    let path = "/etc/mesh-test/db.password";
+    let sealed_for = |for_node: &str, n: u8| -> anyhow::Result<SealedFileItem> {
+        Ok(SealedFileItem {
+            path: path.into(),
+            mode: FileMode::new(0o600)?,
+            secret: "db-password".into(),
+            version: 1,
+            sealed: sealing::seal(
+                &to,
+                &sealing::secret_aad(for_node, path),
+                b"hunter2\n",
+                [n; 32],
+            )?,
+        })
+    };
+    let publish = |generation: u64, secrets: Vec<SealedFileItem>| {
+        let decl = Declaration {
+            section: Section::Config,
+            generation,
+            items: DeclarationItems {
+                files: vec![file("/etc/mesh-test/app.conf", "db=1\n", 0o644)],
+                secrets,
+                ..Default::default()
+            },
+        };
+        Envelope::new(node.clone(), generation, decl).encode()
+    };
+
+    // 1. Sealed to this node's key but for another node: refused, nothing written.
+    publish_raw(
+        &ch,
+        env.signer(),
+        &node,
+        &publish(1, vec![sealed_for("other", 1)?]),
+    )
+    .await?;
+    let r = wait_report(&mut reports, "applied generation 1", |r| {
+        applied(r).is_some_and(|a| a.generation == Some(1))
+    })
+    .await?;
+    let a = applied(&r).unwrap();
+    assert_eq!(a.outcome, Outcome::Rejected, "{a:?}");
+    let error = a.error.clone().unwrap_or_default();
+    assert!(
+        error.contains(path) && !error.contains("hunter2"),
+        "{error}"
+    );
+    assert!(!root.path().join("etc/mesh-test").exists());
+
+    // 2. Sealed for this node and path: written 0600.
+    publish_raw(
+        &ch,
+        env.signer(),
+        &node,
+        &publish(2, vec![sealed_for(node.as_str(), 2)?]),
+    )
+    .await?;
+    let r = wait_report(&mut reports, "applied generation 2", |r| {
+        applied(r).is_some_and(|a| a.generation == Some(2))
+    })
+    .await?;
+    let a = applied(&r).unwrap();
+    assert_eq!(a.outcome, Outcome::Applied, "{a:?}");
+    let written = root.path().join("etc/mesh-test/db.password");
+    assert_eq!(std::fs::read_to_string(&written)?, "hunter2\n");
+    assert_eq!(mode_of(&written), 0o600);
+
+    // 3. The grant is revoked: the next generation has no secret, the file goes.
+    publish_raw(&ch, env.signer(), &node, &publish(3, vec![])).await?;
+    let r = wait_report(&mut reports, "applied generation 3", |r| {
+        applied(r).is_some_and(|a| a.generation == Some(3))
+    })
+    .await?;
+    assert_eq!(applied(&r).unwrap().outcome, Outcome::Applied);
+    assert!(!written.exists());
+    assert!(root.path().join("etc/mesh-test/app.conf").exists());
+    let _ = stop.send(());
+    timeout(Duration::from_secs(15), agent)
+        .await
+        .context("agent did not stop")???;
+
+    // 4. A restart keeps the key it made.
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config(), async {
+        let _ = stopped.await;
+    }));
+    let r = wait_report(&mut reports, "hello after restart", |r| {
+        r.kind.as_deref() == Some("hello") && r.envelope.seq > hello.envelope.seq
+    })
+    .await?;
+    let Report::Hello(h) = &r.envelope.body else {
+        bail!("not a hello")
+    };
+    assert_eq!(h.seal_key.as_deref(), Some(stated.as_str()));
+    let _ = stop.send(());
+    timeout(Duration::from_secs(15), agent)
+        .await
+        .context("agent did not stop")???;
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}

@@ -416,7 +416,7 @@ fn hello_with_seal_key() -> Hello {
         public_key: Some("ab".repeat(32)),
         seal_key: Some(corpus_seal_key().public().to_hex()),
         applied: [(Section::Config, 4)].into(),
-        protocol: Some(ProtocolRange::THIS),
+        protocol: Some(ProtocolRange::V1),
     }
 }
 
