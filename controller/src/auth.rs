@@ -63,6 +63,7 @@ pub fn required(method: &Method, route: Option<&str>) -> Access {
         (_, Some("/healthz" | "/metrics" | "/v1/openapi.json")) => Access::Open,
         (&Method::POST, Some("/v1/join")) => Access::Open,
         (_, Some("/v1/tokens" | "/v1/tokens/{id}" | "/v1/audit")) => Access::Role(Role::Admin),
+        (_, Some("/v1/secrets/master-key/rotate")) => Access::Role(Role::Admin),
         (&Method::DELETE, Some("/v1/nodes/{id}")) => Access::Role(Role::Admin),
         (&Method::GET | &Method::HEAD, _) => Access::Role(Role::Viewer),
         _ => Access::Role(Role::Operator),
@@ -264,6 +265,11 @@ mod tests {
             (Method::POST, "/v1/tokens", R(Role::Admin)),
             (Method::DELETE, "/v1/tokens/{id}", R(Role::Admin)),
             (Method::GET, "/v1/audit", R(Role::Admin)),
+            (
+                Method::POST,
+                "/v1/secrets/master-key/rotate",
+                R(Role::Admin),
+            ),
         ];
         for (m, p, want) in cases {
             assert_eq!(required(&m, Some(p)), want, "{m} {p}");

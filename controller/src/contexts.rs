@@ -108,10 +108,24 @@ impl Contexts {
         let config_settings = mesh_config::ConfigSettings {
             resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
         };
-        let config = Config::new(
+        // The secrets master keyring: without one the controller runs and
+        // refuses to keep secrets (bundle/up makes it).
+        if creds.master_keys_file.is_none() {
+            tracing::warn!(
+                "no master_keys_file in the credentials: secrets are refused (run bundle/up again)"
+            );
+        }
+        let keyring = mesh_config::Keyring::load(creds.master_keys_file.clone()).map_err(|e| {
+            ConfigError::Parse {
+                path: creds.path().to_owned(),
+                message: e.to_string(),
+            }
+        })?;
+        let config = Config::with_keyring(
             pool(creds, Config::SCHEMA, settings.pool_size).await?,
             signal.clone(),
             config_settings,
+            keyring,
         );
         let identity = Identity::new(
             pool(creds, Identity::SCHEMA, settings.pool_size).await?,
