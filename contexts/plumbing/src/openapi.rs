@@ -73,3 +73,18 @@ problem_responses! {
     /// 428: replacing needs a precondition (`If-Match`).
     PreconditionRequired => [("428", "The resource exists: say which revision you replace with `If-Match`.")];
 }
+
+/// 304: `If-None-Match` names the current revision; no body.
+pub struct NotModified;
+
+impl utoipa::IntoResponses for NotModified {
+    fn responses() -> BTreeMap<String, RefOr<Response>> {
+        BTreeMap::from([(
+            "304".to_owned(),
+            ResponseBuilder::new()
+                .description("`If-None-Match` names the current revision: not modified, no body.")
+                .build()
+                .into(),
+        )])
+    }
+}
