@@ -536,6 +536,14 @@ struct Placed {
     settings_files: Vec<SettingsFile>,
 }
 
+/// A row of `inventory.module_placements`: what the record was last told.
+#[derive(sqlx::FromRow)]
+struct PublishedRow {
+    module: String,
+    nodes: Json<Vec<String>>,
+    settings_files: Json<Vec<SettingsFile>>,
+}
+
 /// Tell the record where each module runs, level-triggered: every module
 /// whose nodes (any assignment role: a replica being replaced keeps its node
 /// until its assignment goes, make-before-break) or settings files differ from
@@ -572,18 +580,18 @@ async fn publish_placements(
             p.nodes = nodes.into_iter().map(str::to_owned).collect();
         }
     }
-    let rows: Vec<(String, Json<Vec<String>>, Json<Vec<SettingsFile>>)> =
+    let rows: Vec<PublishedRow> =
         sqlx::query_as("SELECT module, nodes, settings_files FROM inventory.module_placements")
             .fetch_all(&mut *tx)
             .await?;
     let published: BTreeMap<String, Placed> = rows
         .into_iter()
-        .map(|(module, nodes, files)| {
+        .map(|r| {
             (
-                module,
+                r.module,
                 Placed {
-                    nodes: nodes.0,
-                    settings_files: files.0,
+                    nodes: r.nodes.0,
+                    settings_files: r.settings_files.0,
                 },
             )
         })
