@@ -103,8 +103,8 @@ pub fn not_modified(headers: &HeaderMap, revision: i64) -> bool {
 /// - creating (`current` none) needs no `If-Match`; one given fails (412);
 /// - `If-None-Match` fails (412) when it is `*` and `what` exists, or lists
 ///   the current revision;
-/// - replacing needs `If-Match` (else 428) that is `*` or lists the current
-///   revision (else 412).
+/// - replacing needs `If-Match` (else 428, whatever `If-None-Match` says) that
+///   is `*` or lists the current revision (else 412).
 pub fn check_write(
     current: Option<i64>,
     if_match: Option<&Precondition>,
@@ -127,7 +127,6 @@ pub fn check_write(
         )));
     }
     match if_match {
-        None if if_none_match.is_some() => Ok(()),
         None => Err(PreconditionError::Required(format!(
             "{what} exists (revision {rev}): say which revision you replace with \
              If-Match: \"{rev}\" (or If-Match: * to replace whatever is there)"
@@ -195,6 +194,10 @@ mod tests {
         assert!(matches!(
             check_write(Some(2), None, Some(&any), "x"),
             Err(PreconditionError::Failed(_))
+        ));
+        assert!(matches!(
+            check_write(Some(2), None, Some(&one), "x"),
+            Err(PreconditionError::Required(_))
         ));
         assert_eq!(check_write(Some(2), Some(&any), None, "x"), Ok(()));
         assert_eq!(check_write(Some(2), Some(&two), None, "x"), Ok(()));
