@@ -2127,10 +2127,12 @@ async fn idle_phase(
         .cloned()
         .collect();
     for node in &group {
-        let (status, body) = mesh
-            .put(
+        let (status, _, body) = mesh
+            .request(
+                reqwest::Method::PUT,
                 &format!("/v1/nodes/{node}/labels"),
-                &json!({"labels": {"group": "many"}}),
+                &[("if-match", "*")],
+                Some(&json!({"labels": {"group": "many"}})),
             )
             .await?;
         ensure!(status < 300, "PUT labels: {status} {body}");

@@ -252,6 +252,7 @@ mod tests {
             (Method::POST, "/v1/join", Open),
             (Method::GET, "/v1/nodes", R(Role::Viewer)),
             (Method::GET, "/v1/nodes/{id}", R(Role::Viewer)),
+            (Method::GET, "/v1/nodes/{id}/labels", R(Role::Viewer)),
             (Method::PUT, "/v1/nodes/{id}/labels", R(Role::Operator)),
             (Method::PUT, "/v1/files/{name}", R(Role::Operator)),
             (Method::DELETE, "/v1/files/{name}", R(Role::Operator)),

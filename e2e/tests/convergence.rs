@@ -103,10 +103,12 @@ async fn files_converge_on_exactly_the_matching_nodes() -> anyhow::Result<()> {
     assert!(!mesh.agent(&db1).file("/etc/motd").exists());
 
     // A node labelled later receives it.
-    let (status, body) = mesh
-        .put(
+    let (status, _, body) = mesh
+        .request(
+            reqwest::Method::PUT,
             &format!("/v1/nodes/{db1}/labels"),
-            &json!({"labels": {"role": "web"}}),
+            &[("if-match", "*")],
+            Some(&json!({"labels": {"role": "web"}})),
         )
         .await?;
     assert_eq!(status, 200, "{body}");

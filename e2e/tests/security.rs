@@ -659,11 +659,15 @@ async fn call(
     mesh: &Mesh,
     method: Method,
     path: &str,
+    headers: &[(&str, &str)],
     body: Option<&Value>,
 ) -> anyhow::Result<(u16, String, Value)> {
     let mut req = reqwest::Client::new()
         .request(method, format!("{}{path}", mesh.api))
         .bearer_auth(mesh.admin_token());
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
     if let Some(b) = body {
         req = req.json(b);
     }
@@ -729,6 +733,7 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
         &mesh,
         Method::POST,
         "/v1/tokens",
+        &[],
         Some(&json!({"name": "to-revoke", "role": "viewer"})),
     )
     .await?;
@@ -845,7 +850,13 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
     ];
     let mut sent = Vec::new();
     for (method, path, body, want, action, context) in &routes {
-        let (status, id, v) = call(&mesh, method.clone(), path, body.as_ref()).await?;
+        // A labels write says which labels it replaces: whatever is there.
+        let headers: &[(&str, &str)] = if *action == "PUT /v1/nodes/{id}/labels" {
+            &[("if-match", "*")]
+        } else {
+            &[]
+        };
+        let (status, id, v) = call(&mesh, method.clone(), path, headers, body.as_ref()).await?;
         assert_eq!(status, *want, "{method} {path}: {v}");
         assert!(!id.is_empty(), "{method} {path}: no x-request-id");
         sent.push((id, "ok", *action, *context, path.clone()));
@@ -856,7 +867,7 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
         ("/v1/modules/missing", "DELETE /v1/modules/{name}"),
         ("/v1/tokens/missing", "DELETE /v1/tokens/{id}"),
     ] {
-        let (status, id, v) = call(&mesh, Method::DELETE, path, None).await?;
+        let (status, id, v) = call(&mesh, Method::DELETE, path, &[], None).await?;
         assert_eq!(status, 404, "{path}: {v}");
         let context = if path.contains("files") {
             "config"

@@ -145,9 +145,7 @@ impl RecordKind {
                 RecordKind::NodeUnreachable(parse(&key, body, unknown)?)
             }
             ("inventory", "node.alive") => RecordKind::NodeAlive(parse(&key, body, unknown)?),
-            ("inventory", "module.placed") => {
-                RecordKind::ModulePlaced(parse(&key, body, unknown)?)
-            }
+            ("inventory", "module.placed") => RecordKind::ModulePlaced(parse(&key, body, unknown)?),
             ("inventory", "module.removed") => {
                 RecordKind::ModuleRemoved(parse(&key, body, unknown)?)
             }

@@ -1,13 +1,23 @@
 //! HTTP routes of the inventory context. Errors are problem+json naming the field.
+//!
+//! A node's operator labels have an ETag, `"<labels_revision>"`: a `PUT` must
+//! say which revision it replaces (`If-Match`, or `*`), else 428; a stale one
+//! gets 412 (see [`mesh_plumbing::etag`]).
 
 use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::header::{ETAG, IF_MATCH};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use mesh_plumbing::api::Problem;
-use mesh_plumbing::openapi::{BadRequest, BodyErrors, NotFound, Unprocessable};
+use mesh_plumbing::etag::{Precondition, check_write, etag, not_modified, precondition};
+use mesh_plumbing::openapi::{
+    BadRequest, BodyErrors, NotFound, NotModified, PreconditionFailed, PreconditionRequired,
+    Unprocessable,
+};
 use mesh_protocol::{Labels, NodeId, validate_labels};
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
@@ -25,7 +35,7 @@ use utoipa_axum::routes;
 pub(crate) fn routes() -> OpenApiRouter<Arc<Inventory>> {
     OpenApiRouter::new()
         .routes(routes!(list_nodes))
-        .routes(routes!(put_labels))
+        .routes(routes!(get_labels, put_labels))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -94,77 +104,169 @@ struct LabelsBody {
     labels: Labels,
 }
 
-/// Response of `PUT /v1/nodes/{id}/labels`.
+/// Answer of `GET` and `PUT /v1/nodes/{id}/labels`.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 struct LabelsResponse {
     id: String,
     labels: LabelsView,
+    /// The node's version (of its `inventory.node.*` events).
     version: i64,
+    /// The operator labels' revision: the ETag is `"<revision>"`.
+    revision: i64,
 }
 
-/// Replace a node's operator labels.
+fn labels_answer(id: &NodeId, labels: NodeLabels) -> Response {
+    let tag = etag(labels.revision);
+    let body = LabelsResponse {
+        id: id.to_string(),
+        labels: labels.view,
+        version: labels.version,
+        revision: labels.revision,
+    };
+    ([(ETAG, tag)], Json(body)).into_response()
+}
+
+/// A node's labels (reported, operator, effective) with the operator labels'
+/// ETag; `If-None-Match` with the current tag answers 304.
+#[utoipa::path(
+    get,
+    path = "/v1/nodes/{id}/labels",
+    tag = "inventory",
+    params(
+        ("id" = String, Path, description = "The node's id"),
+        ("If-None-Match" = Option<String>, Header, nullable = false, description = "The quoted revisions you hold: 304 if one is current"),
+    ),
+    responses(
+        (status = 200, description = "The node's labels", body = LabelsResponse, headers(("ETag" = String, description = "`\"<revision>\"` of the operator labels: give it as `If-Match` to replace them"))),
+        NotModified,
+        NotFound,
+    )
+)]
+async fn get_labels(
+    State(inventory): State<Arc<Inventory>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, Problem> {
+    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
+    let labels = inventory
+        .node_labels(&id)
+        .await?
+        .ok_or_else(|| Error::NodeNotFound(id.to_string()))?;
+    if not_modified(&headers, labels.revision) {
+        return Ok((StatusCode::NOT_MODIFIED, [(ETAG, etag(labels.revision))]).into_response());
+    }
+    Ok(labels_answer(&id, labels))
+}
+
+/// Replace a node's operator labels. Needs `If-Match`: the ETag of the
+/// labels replaced (from `GET` or the last `PUT`), or `*`.
 #[utoipa::path(
     put,
     path = "/v1/nodes/{id}/labels",
     tag = "inventory",
-    params(("id" = String, Path, description = "The node's id")),
+    params(
+        ("id" = String, Path, description = "The node's id"),
+        ("If-Match" = String, Header, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "`*` or the quoted revisions of the operator labels this write replaces"),
+    ),
     request_body = LabelsBody,
     responses(
-        (status = 200, description = "The node's labels now", body = LabelsResponse),
+        (status = 200, description = "The node's labels now", body = LabelsResponse, headers(("ETag" = String, description = "`\"<revision>\"` of the operator labels: give it as `If-Match` to replace them"))),
         NotFound,
         BodyErrors,
+        PreconditionFailed,
+        PreconditionRequired,
     )
 )]
 async fn put_labels(
     State(inventory): State<Arc<Inventory>>,
     Path(id): Path<String>,
+    headers: HeaderMap,
     audit: Audit,
     ApiJson(body): ApiJson<LabelsBody>,
-) -> Result<Json<LabelsResponse>, Problem> {
+) -> Result<Response, Problem> {
     let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
     validate_labels("labels", &body.labels).map_err(Error::from)?;
-    let (labels, version) = inventory
-        .set_operator_labels(&id, body.labels, &audit)
+    let if_match = precondition(&headers, IF_MATCH)?;
+    let labels = inventory
+        .set_operator_labels(&id, body.labels, if_match.as_ref(), &audit)
         .await?;
-    Ok(Json(LabelsResponse {
-        id: id.to_string(),
-        labels,
-        version,
-    }))
+    Ok(labels_answer(&id, labels))
+}
+
+/// A node's labels as the labels routes show them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeLabels {
+    pub view: LabelsView,
+    /// The node's version (of its `inventory.node.*` events).
+    pub version: i64,
+    /// The operator labels' revision (their ETag).
+    pub revision: i64,
 }
 
 impl Inventory {
-    /// Replace a node's operator labels. Emits `inventory.node.updated` (and
-    /// wakes the relay) when the effective labels change; writes the request's
-    /// audit entry in the same transaction. Returns the labels and the node's
-    /// version.
+    /// A node's labels, its version and its operator labels' revision (none:
+    /// no such node).
+    pub async fn node_labels(&self, id: &NodeId) -> Result<Option<NodeLabels>, Error> {
+        let row: Option<(SqlJson<Labels>, SqlJson<Labels>, i64, i64)> = sqlx::query_as(
+            "SELECT reported_labels, operator_labels, version, labels_revision FROM inventory.nodes \
+             WHERE id = $1",
+        )
+        .bind(id.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(
+            row.map(|(reported, operator, version, revision)| NodeLabels {
+                view: LabelsView::new(reported.0, operator.0),
+                version,
+                revision,
+            }),
+        )
+    }
+
+    /// Replace a node's operator labels if `if_match` holds (required: the
+    /// labels' revision, or `*`), raising their revision. Emits
+    /// `inventory.node.updated` (and wakes the relay) when the effective labels
+    /// change; writes the request's audit entry in the same transaction.
     pub async fn set_operator_labels(
         &self,
         id: &NodeId,
         operator: Labels,
+        if_match: Option<&Precondition>,
         audit: &Audit,
-    ) -> Result<(LabelsView, i64), Error> {
+    ) -> Result<NodeLabels, Error> {
         validate_labels("labels", &operator)?;
         let mut tx = self.pool.begin().await?;
-        let row: Option<(SqlJson<Labels>, SqlJson<Labels>, i64)> = sqlx::query_as(
-            "SELECT reported_labels, operator_labels, version FROM inventory.nodes WHERE id = $1 FOR UPDATE",
+        let row: Option<(SqlJson<Labels>, SqlJson<Labels>, i64, i64)> = sqlx::query_as(
+            "SELECT reported_labels, operator_labels, version, labels_revision FROM inventory.nodes \
+             WHERE id = $1 FOR UPDATE",
         )
         .bind(id.as_str())
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((reported, before, version)) = row else {
+        let Some((reported, before, version, revision)) = row else {
             return Err(Error::NodeNotFound(id.to_string()));
         };
+        check_write(
+            Some(revision),
+            if_match,
+            None,
+            &format!("the operator labels of node `{id}`"),
+        )?;
         let old = effective(&reported.0, &before.0);
         let view = LabelsView::new(reported.0, operator);
         let changed = old != view.effective;
         let version = if changed { version + 1 } else { version };
-        sqlx::query("UPDATE inventory.nodes SET operator_labels = $2, version = $3 WHERE id = $1")
-            .bind(id.as_str())
-            .bind(SqlJson(&view.operator))
-            .bind(version)
-            .execute(&mut *tx)
-            .await?;
+        let revision = revision + 1;
+        sqlx::query(
+            "UPDATE inventory.nodes SET operator_labels = $2, version = $3, labels_revision = $4 \
+             WHERE id = $1",
+        )
+        .bind(id.as_str())
+        .bind(SqlJson(&view.operator))
+        .bind(version)
+        .bind(revision)
+        .execute(&mut *tx)
+        .await?;
         if changed {
             emit(
                 &mut tx,
@@ -180,7 +282,11 @@ impl Inventory {
         if changed {
             self.signal.notify();
         }
-        Ok((view, version))
+        Ok(NodeLabels {
+            view,
+            version,
+            revision,
+        })
     }
 }
 

@@ -1,4 +1,5 @@
 use mesh_plumbing::HandlerError;
+use mesh_plumbing::etag::PreconditionError;
 use mesh_protocol::DecodeError;
 use thiserror::Error;
 
@@ -25,6 +26,7 @@ pub enum Error {
     /// A replace that did not say which revision it replaces.
     #[error("{0}")]
     PreconditionRequired(String),
+
     /// A write the resource's state forbids (a revoked node).
     #[error("{0}")]
     Conflict(String),
@@ -41,7 +43,18 @@ impl Error {
             Error::NotFound(_) => "not_found",
             Error::PreconditionFailed(_) => "precondition_failed",
             Error::PreconditionRequired(_) => "precondition_required",
+
             Error::Conflict(_) => "conflict",
+        }
+    }
+}
+
+/// What [`mesh_plumbing::etag::check_write`] judged: 428 or 412.
+impl From<PreconditionError> for Error {
+    fn from(e: PreconditionError) -> Self {
+        match e {
+            PreconditionError::Required(detail) => Error::PreconditionRequired(detail),
+            PreconditionError::Failed(detail) => Error::PreconditionFailed(detail),
         }
     }
 }

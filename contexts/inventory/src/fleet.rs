@@ -1,7 +1,9 @@
 //! The fleet reconcile: from modules, intent layers, nodes and current
 //! assignments, compute where every replica runs, apply the difference
 //! (make-before-break where the old node is reachable), advance drains, raise and
-//! clear alerts, and declare each node's inventory section whose units changed.
+//! clear alerts, declare each node's inventory section whose units changed, and
+//! tell the record where each module runs (`inventory.module.placed` /
+//! `.removed`) where that changed.
 //!
 //! Level-triggered and idempotent: it does not care why it was called. The
 //! controller's sweeper calls it periodically (after judging liveness); module and
@@ -11,8 +13,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
+use mesh_plumbing::outbox;
 use mesh_plumbing::section::Items;
-use mesh_protocol::{DeclarationItems, HeartbeatPlan, NodeId};
+use mesh_protocol::{
+    DeclarationItems, HeartbeatPlan, ModulePlacement, ModuleRemoved, NodeId, RecordEvent,
+    RecordKind, SettingsFile,
+};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
@@ -27,7 +33,7 @@ use crate::placement::{
 use crate::state::{
     ACTIVE, Assignment, Assignments, Module, NodeRow, RETIRING, ReconcileReport, lock,
 };
-use crate::{Error, SECTIONS};
+use crate::{Error, SCHEMA, SECTIONS};
 
 /// What a reconcile needs besides the database.
 #[derive(Debug, Clone)]
@@ -113,8 +119,9 @@ fn replica_u32(a: &Assignment) -> u32 {
 /// Reconcile the whole fleet inside `tx` (which it locks), in phases: load
 /// the state, drop surplus copies, retire replaced ones (make-before-break),
 /// judge authority, place each module, judge drains, then write placement
-/// errors, drains, assignments, sections and alerts (nodes before assignments
-/// before sections: every writer locks in that order).
+/// errors, drains, assignments, module placements (the record), sections and
+/// alerts (nodes before assignments before sections: every writer locks in
+/// that order).
 pub(crate) async fn reconcile(
     tx: &mut PgConnection,
     pass: &Pass,
@@ -148,6 +155,7 @@ pub(crate) async fn reconcile(
     write_placement_errors(tx, &modules).await?;
     drains::write(tx, &nodes, drains, &mut report).await?;
     write_assignments(tx, &before, &after, &mut report).await?;
+    report.published = publish_placements(tx, &modules, &after).await?;
     // Sections of every node that holds or held units.
     let mut touched: BTreeSet<String> = before.iter().map(|a| a.node.clone()).collect();
     touched.extend(after.keys().map(|(node, _)| node.clone()));
@@ -518,6 +526,153 @@ async fn write_assignments(
         }
     }
     Ok(())
+}
+
+/// What the record is told of one module: the nodes it has assignments on
+/// (sorted, once each) and its settings files.
+#[derive(Debug, PartialEq)]
+struct Placed {
+    nodes: Vec<String>,
+    settings_files: Vec<SettingsFile>,
+}
+
+/// A row of `inventory.module_placements`: what the record was last told.
+#[derive(sqlx::FromRow)]
+struct PublishedRow {
+    module: String,
+    nodes: Json<Vec<String>>,
+    settings_files: Json<Vec<SettingsFile>>,
+}
+
+/// Tell the record where each module runs, level-triggered: every module
+/// whose nodes (any assignment role: a replica being replaced keeps its node
+/// until its assignment goes, make-before-break) or settings files differ from
+/// what was last published (or that was never published) gets
+/// `inventory.module.placed`; every published module that is gone gets
+/// `inventory.module.removed` once. Versions come from one sequence, so they
+/// grow across delete and re-create. A statement each for the whole fleet.
+/// Returns how many events were written.
+async fn publish_placements(
+    tx: &mut PgConnection,
+    modules: &BTreeMap<String, Module>,
+    after: &Assignments,
+) -> Result<usize, Error> {
+    let mut desired: BTreeMap<&str, Placed> = modules
+        .iter()
+        .map(|(name, m)| {
+            (
+                name.as_str(),
+                Placed {
+                    nodes: Vec::new(),
+                    settings_files: m.spec.settings_files.clone(),
+                },
+            )
+        })
+        .collect();
+    let mut held: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for a in after.values() {
+        held.entry(a.module.as_str())
+            .or_default()
+            .insert(a.node.as_str());
+    }
+    for (module, nodes) in held {
+        if let Some(p) = desired.get_mut(module) {
+            p.nodes = nodes.into_iter().map(str::to_owned).collect();
+        }
+    }
+    let rows: Vec<PublishedRow> =
+        sqlx::query_as("SELECT module, nodes, settings_files FROM inventory.module_placements")
+            .fetch_all(&mut *tx)
+            .await?;
+    let published: BTreeMap<String, Placed> = rows
+        .into_iter()
+        .map(|r| {
+            (
+                r.module,
+                Placed {
+                    nodes: r.nodes.0,
+                    settings_files: r.settings_files.0,
+                },
+            )
+        })
+        .collect();
+    let changed: Vec<(&str, &Placed)> = desired
+        .iter()
+        .filter(|(name, p)| published.get(**name) != Some(*p))
+        .map(|(name, p)| (*name, p))
+        .collect();
+    let removed: Vec<String> = published
+        .keys()
+        .filter(|name| !modules.contains_key(*name))
+        .cloned()
+        .collect();
+    let count = changed.len() + removed.len();
+    if count == 0 {
+        return Ok(0);
+    }
+    let mut versions: Vec<i64> = sqlx::query_scalar(
+        "SELECT nextval('inventory.module_event_version') FROM generate_series(1, $1)",
+    )
+    .bind(i64::try_from(count).unwrap_or(i64::MAX))
+    .fetch_all(&mut *tx)
+    .await?;
+    versions.sort_unstable();
+    let mut versions = versions.into_iter();
+    let mut events = Vec::with_capacity(count);
+    let (mut names, mut nodes, mut files, mut placed_versions) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (name, p) in &changed {
+        let version = versions.next().ok_or_else(|| Error::Corrupt {
+            node: (*name).to_owned(),
+            reason: "the version sequence returned too few values".to_owned(),
+        })?;
+        let ids = p
+            .nodes
+            .iter()
+            .map(|n| node_id(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        events.push(RecordEvent::new(RecordKind::ModulePlaced(
+            ModulePlacement {
+                module: (*name).to_owned(),
+                version,
+                nodes: ids,
+                settings_files: p.settings_files.clone(),
+            },
+        )));
+        names.push((*name).to_owned());
+        nodes.push(serde_json::to_string(&p.nodes).unwrap_or_else(|_| "[]".to_owned()));
+        files.push(serde_json::to_string(&p.settings_files).unwrap_or_else(|_| "[]".to_owned()));
+        placed_versions.push(version);
+    }
+    for name in &removed {
+        let version = versions.next().ok_or_else(|| Error::Corrupt {
+            node: name.clone(),
+            reason: "the version sequence returned too few values".to_owned(),
+        })?;
+        events.push(RecordEvent::new(RecordKind::ModuleRemoved(ModuleRemoved {
+            module: name.clone(),
+            version,
+        })));
+    }
+    if !names.is_empty() {
+        sqlx::query(
+            "INSERT INTO inventory.module_placements AS p (module, nodes, settings_files, version)              SELECT u.module, u.nodes::jsonb, u.files::jsonb, u.version              FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[]) AS u(module, nodes, files, version)              ON CONFLICT (module) DO UPDATE SET nodes = excluded.nodes,              settings_files = excluded.settings_files, version = excluded.version, published_at = now()",
+        )
+        .bind(&names)
+        .bind(&nodes)
+        .bind(&files)
+        .bind(&placed_versions)
+        .execute(&mut *tx)
+        .await?;
+    }
+    if !removed.is_empty() {
+        sqlx::query("DELETE FROM inventory.module_placements WHERE module = ANY($1)")
+            .bind(&removed)
+            .execute(&mut *tx)
+            .await?;
+    }
+    outbox::record_many(tx, SCHEMA, &events).await?;
+    Ok(count)
 }
 
 fn units_of(

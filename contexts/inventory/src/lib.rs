@@ -199,7 +199,7 @@ impl Inventory {
     }
 
     /// The API routes this context serves: `GET /v1/nodes`,
-    /// `PUT /v1/nodes/{id}/labels`, `POST /v1/nodes/{id}/drain|undrain`,
+    /// `GET|PUT /v1/nodes/{id}/labels`, `POST /v1/nodes/{id}/drain|undrain`,
     /// `GET /v1/modules`, `GET|PUT|DELETE /v1/modules/{name}`,
     /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`, `GET /v1/alerts`.
     /// Each route carries its OpenAPI description (decision 0019).

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use mesh_protocol::{DesiredState, RestartPolicy, UnitItem};
+use mesh_protocol::{DesiredState, RestartPolicy, SettingsFile, UnitItem, validate_settings_files};
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
@@ -42,6 +42,11 @@ pub struct ModuleSpec {
     #[serde(default)]
     pub desired: DesiredState,
     pub placement: Placement,
+    /// The settings files the module reads (at most 16, names unique): the
+    /// config context renders the module's settings into each, at
+    /// `/modules/<module>/<name>` on every node that runs the module.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub settings_files: Vec<SettingsFile>,
 }
 
 /// The largest replica count any layer may ask for.
@@ -95,6 +100,7 @@ impl ModuleSpec {
                 reason: "a stateful module must use exact_node: its data lives on one node and it is never moved".to_owned(),
             });
         }
+        validate_settings_files("settings_files", &self.settings_files)?;
         if let Placement::MatchLabels { labels, replicas } = &self.placement {
             mesh_protocol::validate_labels("placement.match_labels.labels", labels)?;
             if *replicas > MAX_REPLICAS {
@@ -164,6 +170,26 @@ mod tests {
         assert!(validate_name("-web").is_err());
         assert!(validate_name("").is_err());
         assert!(validate_name(&"a".repeat(49)).is_err());
+    }
+
+    #[test]
+    fn settings_files_are_validated_and_absent_when_empty() {
+        let spec: ModuleSpec = serde_json::from_str(
+            r#"{"unit": {"command": "/bin/sleep"}, "placement": {"controller_node": {}},
+                "settings_files": [{"name": "app.env", "format": "env"}, {"name": "app.env", "format": "json"}]}"#,
+        )
+        .unwrap();
+        match spec.validate("x").unwrap_err() {
+            Error::Invalid { field, .. } => assert_eq!(field, "settings_files[1].name"),
+            other => panic!("{other}"),
+        }
+        let spec: ModuleSpec = serde_json::from_str(
+            r#"{"unit": {"command": "/bin/sleep"}, "placement": {"controller_node": {}}}"#,
+        )
+        .unwrap();
+        assert!(spec.settings_files.is_empty());
+        let v = serde_json::to_value(&spec).unwrap();
+        assert!(v.get("settings_files").is_none(), "{v}");
     }
 
     #[test]

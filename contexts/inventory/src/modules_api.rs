@@ -13,13 +13,14 @@ use axum::Json;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::header::{ETAG, IF_MATCH, IF_NONE_MATCH};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use mesh_plumbing::api::{ApiJson, Problem};
 use mesh_plumbing::audit::{self, Audit};
+use mesh_plumbing::etag::{Precondition, check_write, etag, not_modified, precondition};
 use mesh_plumbing::openapi::{
-    BadRequest, BodyErrors, Conflict, NotFound, PreconditionFailed, PreconditionRequired,
-    Unprocessable,
+    BadRequest, BodyErrors, Conflict, NotFound, NotModified, PreconditionFailed,
+    PreconditionRequired, Unprocessable,
 };
 use mesh_protocol::NodeId;
 use serde::{Deserialize, Serialize};
@@ -53,47 +54,6 @@ pub(crate) fn routes() -> OpenApiRouter<Arc<Inventory>> {
 enum IntentValue {
     Policy(Bounds),
     Autoscaler(AutoscalerIntent),
-}
-
-fn etag(revision: i64) -> HeaderValue {
-    HeaderValue::from_str(&format!("\"{revision}\"")).unwrap_or(HeaderValue::from_static("\"0\""))
-}
-
-/// A precondition header: `*`, or the revisions it lists (weak tags compare too).
-enum Precondition {
-    Any,
-    Revisions(Vec<i64>),
-}
-
-fn precondition(
-    headers: &HeaderMap,
-    name: axum::http::HeaderName,
-) -> Result<Option<Precondition>, Problem> {
-    let Some(value) = headers.get(&name) else {
-        return Ok(None);
-    };
-    let bad = || {
-        Problem::field(
-            StatusCode::BAD_REQUEST,
-            name.as_str(),
-            "expected `*` or quoted revisions such as `\"3\"`",
-        )
-    };
-    let text = value.to_str().map_err(|_| bad())?.trim();
-    if text == "*" {
-        return Ok(Some(Precondition::Any));
-    }
-    let mut revisions = Vec::new();
-    for tag in text.split(',') {
-        let tag = tag.trim();
-        let tag = tag.strip_prefix("W/").unwrap_or(tag);
-        let inner = tag
-            .strip_prefix('"')
-            .and_then(|t| t.strip_suffix('"'))
-            .ok_or_else(bad)?;
-        revisions.push(inner.parse::<i64>().map_err(|_| bad())?);
-    }
-    Ok(Some(Precondition::Revisions(revisions)))
 }
 
 fn parse_name(name: &str) -> Result<(), Problem> {
@@ -159,14 +119,19 @@ async fn list_modules(
     Ok(Json(ModuleList { modules, next }))
 }
 
-/// A module with its revision, intent layers and assignments.
+/// A module with its revision, intent layers and assignments;
+/// `If-None-Match` with the current tag answers 304.
 #[utoipa::path(
     get,
     path = "/v1/modules/{name}",
     tag = "inventory",
-    params(("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>")),
+    params(
+        ("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"),
+        ("If-None-Match" = Option<String>, Header, nullable = false, description = "The quoted revisions you hold: 304 if one is current"),
+    ),
     responses(
         (status = 200, description = "The module", body = ModuleView, headers(("ETag" = String, description = "`\"<revision>\"`: give it as `If-Match` to replace or delete this revision"))),
+        NotModified,
         NotFound,
         Unprocessable,
     )
@@ -174,12 +139,16 @@ async fn list_modules(
 async fn get_module(
     State(inventory): State<Arc<Inventory>>,
     Path(name): Path<String>,
+    headers: HeaderMap,
 ) -> Result<Response, Problem> {
     parse_name(&name)?;
     let view = inventory
         .module(&name)
         .await?
         .ok_or_else(|| Problem::not_found(format!("no module `{name}`")))?;
+    if not_modified(&headers, view.revision) {
+        return Ok((StatusCode::NOT_MODIFIED, [(ETAG, etag(view.revision))]).into_response());
+    }
     Ok(with_etag(StatusCode::OK, view))
 }
 
@@ -215,7 +184,13 @@ async fn put_module(
     let if_match = precondition(&headers, IF_MATCH)?;
     let if_none_match = precondition(&headers, IF_NONE_MATCH)?;
     let created = inventory
-        .put_module(&name, &spec, if_match, if_none_match, &audit)
+        .put_module(
+            &name,
+            &spec,
+            if_match.as_ref(),
+            if_none_match.as_ref(),
+            &audit,
+        )
         .await?;
     let view = inventory
         .module(&name)
@@ -254,7 +229,9 @@ async fn delete_module(
 ) -> Result<StatusCode, Problem> {
     parse_name(&name)?;
     let if_match = precondition(&headers, IF_MATCH)?;
-    inventory.delete_module(&name, if_match, &audit).await?;
+    inventory
+        .delete_module(&name, if_match.as_ref(), &audit)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -488,8 +465,8 @@ impl Inventory {
         &self,
         name: &str,
         spec: &ModuleSpec,
-        if_match: Option<Precondition>,
-        if_none_match: Option<Precondition>,
+        if_match: Option<&Precondition>,
+        if_none_match: Option<&Precondition>,
         audit: &Audit,
     ) -> Result<bool, Error> {
         let mut tx = self.pool.begin().await?;
@@ -501,53 +478,29 @@ impl Inventory {
                 .bind(name)
                 .fetch_optional(&mut *tx)
                 .await?;
-        let created = match (current, if_match, if_none_match) {
-            (None, Some(_), _) => {
-                return Err(Error::PreconditionFailed(format!(
-                    "If-Match given, but there is no module `{name}`"
-                )));
-            }
-            (None, None, _) => {
-                sqlx::query("INSERT INTO inventory.modules (name, spec) VALUES ($1, $2)")
-                    .bind(name)
-                    .bind(SqlJson(spec))
-                    .execute(&mut *tx)
-                    .await?;
-                true
-            }
-            (Some(rev), _, Some(_)) => {
-                return Err(Error::PreconditionFailed(format!(
-                    "If-None-Match given, but module `{name}` exists (revision {rev})"
-                )));
-            }
-            (Some(rev), None, None) => {
-                return Err(Error::PreconditionRequired(format!(
-                    "module `{name}` exists (revision {rev}): say which revision you replace with \
-                         If-Match: \"{rev}\" (or If-Match: * to replace whatever is there)"
-                )));
-            }
-            (Some(rev), Some(p), None) => {
-                let ok = match p {
-                    Precondition::Any => true,
-                    Precondition::Revisions(r) => r.contains(&rev),
-                };
-                if !ok {
-                    return Err(Error::PreconditionFailed(format!(
-                        "module `{name}` is at revision {rev}: re-read it and apply your change again"
-                    )));
-                }
-                sqlx::query(
-                    "UPDATE inventory.modules SET spec = $2, revision = revision + 1, updated_at = now() \
-                     WHERE name = $1",
-                )
+        check_write(
+            current,
+            if_match,
+            if_none_match,
+            &format!("module `{name}`"),
+        )?;
+        let created = current.is_none();
+        if created {
+            sqlx::query("INSERT INTO inventory.modules (name, spec) VALUES ($1, $2)")
                 .bind(name)
                 .bind(SqlJson(spec))
                 .execute(&mut *tx)
-                .await
-                ?;
-                false
-            }
-        };
+                .await?;
+        } else {
+            sqlx::query(
+                "UPDATE inventory.modules SET spec = $2, revision = revision + 1, updated_at = now() \
+                 WHERE name = $1",
+            )
+            .bind(name)
+            .bind(SqlJson(spec))
+            .execute(&mut *tx)
+            .await?;
+        }
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
         audit::record_ok(&mut tx, SCHEMA, audit).await?;
         tx.commit().await?;
@@ -560,7 +513,7 @@ impl Inventory {
     async fn delete_module(
         &self,
         name: &str,
-        if_match: Option<Precondition>,
+        if_match: Option<&Precondition>,
         audit: &Audit,
     ) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
@@ -573,12 +526,9 @@ impl Inventory {
         let Some(rev) = current else {
             return Err(Error::NotFound(format!("no module `{name}`")));
         };
-        if let Some(Precondition::Revisions(r)) = if_match
-            && !r.contains(&rev)
-        {
-            return Err(Error::PreconditionFailed(format!(
-                "module `{name}` is at revision {rev}"
-            )));
+        // Deleting needs no precondition; one given must hold.
+        if if_match.is_some() {
+            check_write(Some(rev), if_match, None, &format!("module `{name}`"))?;
         }
         sqlx::query("DELETE FROM inventory.modules WHERE name = $1")
             .bind(name)

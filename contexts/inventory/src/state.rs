@@ -30,11 +30,18 @@ pub struct ReconcileReport {
     pub drained: Vec<String>,
     /// Why placement is paused (none: it is not).
     pub paused: Option<String>,
+    /// `inventory.module.placed` / `.removed` events written (where modules
+    /// run, or their settings files, changed; modules deleted).
+    pub published: usize,
 }
 
 impl ReconcileReport {
     pub fn changed(&self) -> bool {
-        self.placed > 0 || self.removed > 0 || self.declared > 0 || !self.drained.is_empty()
+        self.placed > 0
+            || self.removed > 0
+            || self.declared > 0
+            || self.published > 0
+            || !self.drained.is_empty()
     }
 }
 

@@ -927,3 +927,179 @@ async fn past_the_budget_the_interval_and_grace_stretch_and_every_node_is_told()
     assert_eq!(left, 0);
     f.env.teardown().await.unwrap();
 }
+
+impl Fixture {
+    /// `inventory.module.*` events in the outbox, oldest first: (event, body).
+    async fn module_events(&self) -> Vec<(String, Value)> {
+        let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(
+            "SELECT routing_key, payload FROM inventory.outbox \
+             WHERE exchange = 'record' AND routing_key LIKE 'inventory.module.%' ORDER BY id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .unwrap();
+        rows.into_iter()
+            .map(|(key, payload)| {
+                // Every event decodes as the protocol's typed event.
+                mesh_protocol::RecordEvent::decode(&payload).unwrap();
+                let v: Value = serde_json::from_slice(&payload).unwrap();
+                (key, v["body"].clone())
+            })
+            .collect()
+    }
+
+    /// The module events written since `seen` of them were.
+    async fn new_module_events(&self, seen: &mut usize) -> Vec<(String, Value)> {
+        let all = self.module_events().await;
+        let new = all[*seen..].to_vec();
+        *seen = all.len();
+        new
+    }
+}
+
+fn placed(body: &Value) -> (Vec<String>, i64) {
+    let nodes = body["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap().to_owned())
+        .collect();
+    (nodes, body["version"].as_i64().unwrap())
+}
+
+#[tokio::test]
+async fn where_modules_run_is_told_to_the_record_on_change_only() {
+    let f = setup().await;
+    f.observed();
+    let ids = futures_ids(&f, &["a", "b", "c"]).await;
+    let (a, b, c) = (&ids[0], &ids[1], &ids[2]);
+    let mut seen = 0;
+    let mut spec = web(2);
+    spec["settings_files"] = json!([{"name": "app.env", "format": "env"}]);
+    let (status, _, view) = f
+        .request("PUT", "/v1/modules/web", &[], Some(spec.clone()))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{view}");
+    assert_eq!(view["settings_files"][0]["format"], "env", "{view}");
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].0, "inventory.module.placed");
+    assert_eq!(events[0].1["module"], "web");
+    assert_eq!(
+        events[0].1["settings_files"],
+        json!([{"name": "app.env", "format": "env"}])
+    );
+    let (nodes, v1) = placed(&events[0].1);
+    assert_eq!(nodes, vec![a.clone(), b.clone()]);
+
+    // Nothing changed: a reconcile, a sweep write nothing.
+    f.inventory.reconcile().await.unwrap();
+    f.sweep().await;
+    assert!(f.new_module_events(&mut seen).await.is_empty());
+
+    // Drain a (make-before-break): while a's copy retires, a stays in the set.
+    f.units(a, 10, &[("web-0", "web", UnitState::Running, 0)])
+        .await;
+    f.request("POST", &format!("/v1/nodes/{a}/drain"), &[], None)
+        .await;
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    let (nodes, v2) = placed(&events[0].1);
+    assert_eq!(nodes, vec![a.clone(), b.clone(), c.clone()]);
+    assert!(v2 > v1, "{v2} > {v1}");
+    // The replacement runs: a's assignment goes, and a leaves the set.
+    f.units(c, 10, &[("web-0", "web", UnitState::Running, 0)])
+        .await;
+    f.sweep().await;
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    let (nodes, v3) = placed(&events[0].1);
+    assert_eq!(nodes, vec![b.clone(), c.clone()]);
+    assert!(v3 > v2);
+
+    // Changing the settings files writes one event, with the same nodes.
+    spec["settings_files"] = json!([
+        {"name": "app.env", "format": "env"},
+        {"name": "app.toml", "format": "toml"}
+    ]);
+    let (status, _, _) = f
+        .request(
+            "PUT",
+            "/v1/modules/web",
+            &[("if-match", "*")],
+            Some(spec.clone()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].1["settings_files"][1]["name"], "app.toml");
+    let (nodes, v4) = placed(&events[0].1);
+    assert_eq!(nodes, vec![b.clone(), c.clone()]);
+    assert!(v4 > v3);
+    // A bad settings file name is refused, naming the field.
+    let mut bad = spec.clone();
+    bad["settings_files"] = json!([{"name": "../passwd", "format": "env"}]);
+    let (status, _, body) = f
+        .request("PUT", "/v1/modules/web", &[("if-match", "*")], Some(bad))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["field"], "settings_files[0].name", "{body}");
+
+    // Deleting writes `inventory.module.removed` once, with a higher version.
+    let (status, _, _) = f.request("DELETE", "/v1/modules/web", &[], None).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].0, "inventory.module.removed");
+    assert_eq!(events[0].1["module"], "web");
+    let v5 = events[0].1["version"].as_i64().unwrap();
+    assert!(v5 > v4);
+    f.inventory.reconcile().await.unwrap();
+    assert!(f.new_module_events(&mut seen).await.is_empty());
+
+    // Re-created: versions keep growing past the removal.
+    f.request("PUT", "/v1/modules/web", &[], Some(web(1))).await;
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    let (_, v6) = placed(&events[0].1);
+    assert!(v6 > v5);
+    assert_eq!(events[0].1["settings_files"], json!([]));
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_replica_moved_off_an_unreachable_node_is_told_and_unplaced_modules_too() {
+    let f = setup().await;
+    f.observed();
+    let ids = futures_ids(&f, &["a", "b", "c", "d"]).await;
+    let (a, b) = (&ids[0], &ids[1]);
+    let mut seen = 0;
+    // A module nothing matches yet is told with no nodes.
+    let nowhere = json!({
+        "unit": {"command": "/bin/sleep", "args": ["1000"]},
+        "placement": {"match_labels": {"labels": {"role": "gpu"}, "replicas": 1}}
+    });
+    f.request("PUT", "/v1/modules/train", &[], Some(nowhere))
+        .await;
+    f.request("PUT", "/v1/modules/web", &[], Some(web(1))).await;
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0].1["module"], "train");
+    assert_eq!(events[0].1["nodes"], json!([]));
+    let (nodes, v1) = placed(&events[1].1);
+    assert_eq!(nodes, vec![a.clone()]);
+
+    // a goes silent: its replica moves to b, and the record hears it once.
+    f.silence(a).await;
+    f.sweep().await;
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].1["module"], "web");
+    let (nodes, v2) = placed(&events[0].1);
+    assert_eq!(nodes, vec![b.clone()]);
+    assert!(v2 > v1);
+    f.sweep().await;
+    assert!(f.new_module_events(&mut seen).await.is_empty());
+    f.env.teardown().await.unwrap();
+}

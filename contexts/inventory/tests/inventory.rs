@@ -141,33 +141,56 @@ async fn request(
     uri: &str,
     body: &str,
 ) -> (StatusCode, String, serde_json::Value) {
+    let (status, headers, json) = request_with(f, method, uri, &[], body).await;
+    let content_type = headers
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    (status, content_type, json)
+}
+
+/// A request with `headers`; the answer's status, headers and JSON body
+/// (null if none).
+async fn request_with(
+    f: &Fixture,
+    method: &str,
+    uri: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (StatusCode, axum::http::HeaderMap, serde_json::Value) {
+    let mut builder = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json")
+        .extension(audit(method, uri));
+    for (k, v) in headers {
+        builder = builder.header(*k, *v);
+    }
     let response = f
         .inventory
         .clone()
         .routes()
         .split_for_parts()
         .0
-        .oneshot(
-            Request::builder()
-                .method(method)
-                .uri(uri)
-                .header("content-type", "application/json")
-                .extension(audit(method, uri))
-                .body(Body::from(body.to_owned()))
-                .unwrap(),
-        )
+        .oneshot(builder.body(Body::from(body.to_owned())).unwrap())
         .await
         .unwrap();
     let status = response.status();
-    let content_type = response
-        .headers()
-        .get("content-type")
-        .map(|v| v.to_str().unwrap().to_owned())
-        .unwrap_or_default();
+    let headers = response.headers().clone();
     let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
         .await
         .unwrap();
     let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    (status, headers, json)
+}
+
+/// A labels write that replaces whatever is there (`If-Match: *`).
+async fn put_labels(f: &Fixture, uri: &str, body: &str) -> (StatusCode, String, serde_json::Value) {
+    let (status, headers, json) = request_with(f, "PUT", uri, &[("if-match", "*")], body).await;
+    let content_type = headers
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
     (status, content_type, json)
 }
 
@@ -374,7 +397,12 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
     let applied = mesh_inventory::migrate(&url).await.unwrap();
     assert_eq!(
         applied,
-        ["V5__sections", "V6__protocol", "V7__heartbeat_interval"],
+        [
+            "V5__sections",
+            "V6__protocol",
+            "V7__heartbeat_interval",
+            "V8__module_placements"
+        ],
         "{applied:?}"
     );
     let kept: Vec<(String, i64, String, DateTime<Utc>)> = sqlx::query_as(
@@ -433,9 +461,8 @@ async fn joined_once_and_updated_on_label_change() {
     assert_eq!(ev[1].1.version, 2);
 
     // An operator label overrides the reported one.
-    let (status, _, body) = request(
+    let (status, _, body) = put_labels(
         &f,
-        "PUT",
         &format!("/v1/nodes/{a}/labels"),
         r#"{"labels": {"role": "web", "zone": "a"}}"#,
     )
@@ -453,9 +480,8 @@ async fn joined_once_and_updated_on_label_change() {
 
     // The same labels again change nothing; a hello whose reported change is
     // masked by the operator's changes nothing either.
-    let (status, _, _) = request(
+    let (status, _, _) = put_labels(
         &f,
-        "PUT",
         &format!("/v1/nodes/{a}/labels"),
         r#"{"labels": {"role": "web", "zone": "a"}}"#,
     )
@@ -538,30 +564,29 @@ async fn api_errors_are_problems_naming_the_field() {
     handle(&f, &[hello(&a, 1, labels(&[]), &[])]).await;
     let uri = format!("/v1/nodes/{a}/labels");
 
-    let (status, ct, body) = request(&f, "PUT", &uri, r#"{"labels": {"Bad Key": "x"}}"#).await;
+    let (status, ct, body) = put_labels(&f, &uri, r#"{"labels": {"Bad Key": "x"}}"#).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(ct, "application/problem+json");
     assert_eq!(body["field"], "labels.Bad Key", "{body}");
 
-    let (status, ct, body) = request(&f, "PUT", &uri, "not json").await;
+    let (status, ct, body) = put_labels(&f, &uri, "not json").await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert_eq!(ct, "application/problem+json");
 
-    let (status, _, body) = request(&f, "PUT", &uri, r#"{"labels": {}, "extra": 1}"#).await;
+    let (status, _, body) = put_labels(&f, &uri, r#"{"labels": {}, "extra": 1}"#).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(body["field"], "extra", "{body}");
 
-    let (status, _, body) = request(&f, "PUT", &uri, r#"{"labels": {"role": 5}}"#).await;
+    let (status, _, body) = put_labels(&f, &uri, r#"{"labels": {"role": 5}}"#).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(body["field"], "labels.role", "{body}");
 
-    let (status, _, body) = request(&f, "PUT", &uri, r#"{}"#).await;
+    let (status, _, body) = put_labels(&f, &uri, r#"{}"#).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(body["field"], "labels", "{body}");
 
-    let (status, ct, body) = request(
+    let (status, ct, body) = put_labels(
         &f,
-        "PUT",
         &format!("/v1/nodes/{}/labels", node(&f, "nobody")),
         r#"{"labels": {}}"#,
     )
@@ -857,4 +882,103 @@ async fn a_batch_of_hellos_writes_what_handling_them_one_by_one_writes() {
     assert!(bad.is_some());
     batched.env.teardown().await.unwrap();
     single.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn labels_have_etags_two_writers_one_wins() {
+    let f = setup().await;
+    let a = node(&f, "a");
+    handle(&f, &[hello(&a, 1, labels(&[("role", "web")]), &[])]).await;
+    let uri = format!("/v1/nodes/{a}/labels");
+
+    // Read: the labels and their ETag; the same tag again is 304, no body.
+    let (status, headers, body) = request_with(&f, "GET", &uri, &[], "").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        body["labels"]["reported"],
+        serde_json::json!({"role": "web"})
+    );
+    let tag = headers["etag"].to_str().unwrap().to_owned();
+    assert_eq!(tag, "\"1\"");
+    let (status, headers, body) =
+        request_with(&f, "GET", &uri, &[("if-none-match", &tag)], "").await;
+    assert_eq!(status, StatusCode::NOT_MODIFIED);
+    assert_eq!(headers["etag"], tag.as_str());
+    assert_eq!(body, serde_json::Value::Null);
+
+    // A write without If-Match: 428, naming the header to send.
+    let (status, headers, body) =
+        request_with(&f, "PUT", &uri, &[], r#"{"labels": {"zone": "a"}}"#).await;
+    assert_eq!(status, StatusCode::PRECONDITION_REQUIRED, "{body}");
+    assert_eq!(headers["content-type"], "application/problem+json");
+    assert!(
+        body["detail"].as_str().unwrap().contains("If-Match: \"1\""),
+        "{body}"
+    );
+
+    // Two writers read the same ETag: one wins, the other gets 412.
+    let if_match = [("if-match", tag.as_str())];
+    let (first, second) = tokio::join!(
+        request_with(&f, "PUT", &uri, &if_match, r#"{"labels": {"zone": "a"}}"#),
+        request_with(&f, "PUT", &uri, &if_match, r#"{"labels": {"zone": "b"}}"#),
+    );
+    let mut statuses = [first.0, second.0];
+    statuses.sort();
+    assert_eq!(
+        statuses,
+        [StatusCode::OK, StatusCode::PRECONDITION_FAILED],
+        "{} {}",
+        first.2,
+        second.2
+    );
+    let winner = if first.0 == StatusCode::OK {
+        &first
+    } else {
+        &second
+    };
+    assert_eq!(winner.1["etag"], "\"2\"");
+    assert_eq!(winner.2["revision"], 2);
+
+    // The old tag is no longer current: GET answers in full with the new one.
+    let (status, headers, body) =
+        request_with(&f, "GET", &uri, &[("if-none-match", &tag)], "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["etag"], "\"2\"");
+    assert_eq!(body["labels"]["operator"], winner.2["labels"]["operator"]);
+
+    // The current tag writes; so does `*`; each write raises the revision.
+    let (status, headers, _) = request_with(
+        &f,
+        "PUT",
+        &uri,
+        &[("if-match", "\"2\"")],
+        r#"{"labels": {}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["etag"], "\"3\"");
+    let (status, headers, _) =
+        request_with(&f, "PUT", &uri, &[("if-match", "*")], r#"{"labels": {}}"#).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["etag"], "\"4\"");
+    let (status, _, body) = request_with(
+        &f,
+        "PUT",
+        &uri,
+        &[("if-match", "nonsense")],
+        r#"{"labels": {}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["field"], "if-match");
+    let (status, _, _) = request_with(
+        &f,
+        "GET",
+        &format!("/v1/nodes/{}/labels", node(&f, "nobody")),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    f.env.teardown().await.unwrap();
 }

@@ -3,7 +3,8 @@
 //! outbox (declarations and record events written in the handler's transaction),
 //! the declared section's lifecycle ([`section`]: digest, generation, declare,
 //! catch up on hello and heartbeat, resync, and its table's one definition),
-//! the migrations runner, problem+json API errors and their OpenAPI responses, and the audit entry every
+//! the migrations runner, problem+json API errors and their OpenAPI responses,
+//! ETags and preconditions (`etag`), and the audit entry every
 //! operator mutation writes in its own transaction (`audit`).
 //!
 //! This crate knows PostgreSQL and axum, never AMQP: publishing what the outbox
