@@ -97,7 +97,8 @@ async fn list_files(State(config): State<Arc<Config>>) -> Result<Json<FileList>,
 }
 
 /// The `If-Match` / `If-None-Match` headers every write route documents.
-pub(crate) const IF_MATCH: &str = "`*` or the quoted revisions this write replaces (its ETag); required to replace what exists";
+pub(crate) const IF_MATCH: &str =
+    "`*` or the quoted revisions this write replaces (its ETag); required to replace what exists";
 
 /// One declared file. Its content is shown to operators and admins only: a
 /// viewer token sees its size and revision.
@@ -136,7 +137,11 @@ async fn get_file(
 }
 
 /// A JSON answer with the ETag of `revision`.
-pub(crate) fn with_etag(status: StatusCode, revision: i64, body: impl serde::Serialize) -> Response {
+pub(crate) fn with_etag(
+    status: StatusCode,
+    revision: i64,
+    body: impl serde::Serialize,
+) -> Response {
     (status, [(ETAG, etag::etag(revision))], Json(body)).into_response()
 }
 

@@ -71,7 +71,11 @@ pub fn new_data_key() -> [u8; 32] {
 }
 
 /// The data key of `secret` wrapped under `master`.
-pub fn wrap_key(master: &[u8; 32], secret: &str, data_key: &[u8; 32]) -> Result<Vec<u8>, CryptError> {
+pub fn wrap_key(
+    master: &[u8; 32],
+    secret: &str,
+    data_key: &[u8; 32],
+) -> Result<Vec<u8>, CryptError> {
     seal(master, &key_aad(secret), data_key)
 }
 
@@ -117,7 +121,10 @@ mod tests {
 
         let ct = encrypt_value(&dk, "db-password", 3, b"hunter2-hunter2").unwrap();
         assert!(!ct.windows(7).any(|w| w == b"hunter2"));
-        assert_eq!(decrypt_value(&dk, "db-password", 3, &ct).unwrap(), b"hunter2-hunter2");
+        assert_eq!(
+            decrypt_value(&dk, "db-password", 3, &ct).unwrap(),
+            b"hunter2-hunter2"
+        );
         assert!(decrypt_value(&dk, "db-password", 4, &ct).is_err());
         assert!(decrypt_value(&dk, "other", 3, &ct).is_err());
         let mut tampered = ct.clone();
@@ -126,6 +133,9 @@ mod tests {
         assert!(decrypt_value(&dk, "db-password", 3, &tampered).is_err());
         assert!(decrypt_value(&dk, "db-password", 3, &ct[..10]).is_err());
         // Randomized: the same value twice is two ciphertexts.
-        assert_ne!(ct, encrypt_value(&dk, "db-password", 3, b"hunter2-hunter2").unwrap());
+        assert_ne!(
+            ct,
+            encrypt_value(&dk, "db-password", 3, b"hunter2-hunter2").unwrap()
+        );
     }
 }

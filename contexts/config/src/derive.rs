@@ -200,7 +200,9 @@ pub(crate) async fn derive(
             cached
                 .get(&(w.node.to_owned(), w.path.clone()))
                 .is_some_and(|c| {
-                    c.secret == w.grant.secret && c.version == w.grant.version && c.seal_key == w.key
+                    c.secret == w.grant.secret
+                        && c.version == w.grant.version
+                        && c.seal_key == w.key
                 })
         })
         .collect();
@@ -285,8 +287,13 @@ fn file_mode(bits: u32) -> Result<FileMode, Error> {
 /// `value` sealed to the node's key for `path` (the AAD binds both).
 fn seal_to(key_hex: &str, node: &str, path: &str, value: &[u8]) -> Result<String, String> {
     let key = SealPublicKey::from_hex(key_hex).map_err(|e| e.to_string())?;
-    sealing::seal(&key, &sealing::secret_aad(node, path), value, rand::random())
-        .map_err(|e| e.to_string())
+    sealing::seal(
+        &key,
+        &sealing::secret_aad(node, path),
+        value,
+        rand::random(),
+    )
+    .map_err(|e| e.to_string())
 }
 
 /// Keep the sealed forms sent now, drop those of the scope's nodes no longer
@@ -297,7 +304,8 @@ async fn store_sealed(
     fresh: &[(String, String, String, i64, String, String)],
     kept: &[(String, String)],
 ) -> Result<(), Error> {
-    let (kn, kp): (Vec<&str>, Vec<&str>) = kept.iter().map(|(n, p)| (n.as_str(), p.as_str())).unzip();
+    let (kn, kp): (Vec<&str>, Vec<&str>) =
+        kept.iter().map(|(n, p)| (n.as_str(), p.as_str())).unzip();
     sqlx::query(
         "DELETE FROM config.sealed s WHERE ($1::text[] IS NULL OR s.node = ANY($1)) \
          AND NOT EXISTS (SELECT 1 FROM UNNEST($2::text[], $3::text[]) AS k(node, path) \
@@ -311,8 +319,14 @@ async fn store_sealed(
     if fresh.is_empty() {
         return Ok(());
     }
-    let mut cols: (Vec<&str>, Vec<&str>, Vec<&str>, Vec<i64>, Vec<&str>, Vec<&str>) =
-        Default::default();
+    let mut cols: (
+        Vec<&str>,
+        Vec<&str>,
+        Vec<&str>,
+        Vec<i64>,
+        Vec<&str>,
+        Vec<&str>,
+    ) = Default::default();
     for (n, p, s, v, k, x) in fresh {
         cols.0.push(n);
         cols.1.push(p);

@@ -55,7 +55,6 @@ fn view(row: Row) -> Option<LayerView> {
     })
 }
 
-
 /// Every layer, for a reconcile.
 pub(crate) async fn all(tx: &mut PgConnection) -> Result<Vec<Layer>, Error> {
     let rows: Vec<(String, String, Option<Json<Labels>>, Json<Values>)> =

@@ -42,11 +42,11 @@ use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
+pub use derive::module_dir;
 pub use error::Error;
+pub use layers::{EffectiveView, LayerView, NodeSettings};
 /// What a reconcile did: the section component's report.
 pub use mesh_plumbing::section::Declared as ReconcileReport;
-pub use derive::module_dir;
-pub use layers::{EffectiveView, LayerView, NodeSettings};
 pub use query::{FileSpec, FileSummary, FileView, SectionStatus, Target};
 pub use secrets::{
     GrantView, Keyring, MAX_SECRET_BYTES, RotationReport, SecretVersion, SecretView, grant_path,

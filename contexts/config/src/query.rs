@@ -35,8 +35,9 @@ impl FileSpec {
         if self.path.starts_with("/modules/") {
             return Err(Error::Invalid {
                 field: "path".into(),
-                reason: "`/modules/` is where modules' settings and secrets go: choose another path"
-                    .into(),
+                reason:
+                    "`/modules/` is where modules' settings and secrets go: choose another path"
+                        .into(),
             });
         }
         if self.content.len() > MAX_FILE_BYTES {

@@ -64,11 +64,7 @@ fn choose(node: &str, labels: &Labels, files: &[FileRow]) -> Vec<usize> {
 
 /// The operator files of the chosen ones (shared by every node with the same
 /// ones), less those whose path a module's derived file takes.
-fn build(
-    files: &[FileRow],
-    chosen: &[usize],
-    derived: Option<&Derived>,
-) -> Result<Items, Error> {
+fn build(files: &[FileRow], chosen: &[usize], derived: Option<&Derived>) -> Result<Items, Error> {
     let mut items = DeclarationItems::default();
     for &i in chosen {
         let f = &files[i];
@@ -91,7 +87,9 @@ fn build(
     if let Some(d) = derived {
         items.files.extend(d.files.iter().cloned());
         items.secrets.extend(d.secrets.iter().cloned());
-        items.secrets.sort_by(|a: &SealedFileItem, b| a.path.cmp(&b.path));
+        items
+            .secrets
+            .sort_by(|a: &SealedFileItem, b| a.path.cmp(&b.path));
     }
     Ok(Items::new(items)?)
 }

@@ -133,7 +133,10 @@ pub(crate) async fn modules_changed(
         let (removed, nodes, files) = match e {
             ModuleEvent::Placed(p) => (
                 false,
-                p.nodes.iter().map(|n| n.as_str().to_owned()).collect::<Vec<_>>(),
+                p.nodes
+                    .iter()
+                    .map(|n| n.as_str().to_owned())
+                    .collect::<Vec<_>>(),
                 p.settings_files.clone(),
             ),
             ModuleEvent::Removed(_) => (true, Vec::new(), Vec::new()),
@@ -159,7 +162,11 @@ pub(crate) async fn modules_changed(
         .fetch_optional(&mut *tx)
         .await?;
         if kept.is_none() {
-            tracing::debug!(module, version = e.version(), "ignoring a stale module event");
+            tracing::debug!(
+                module,
+                version = e.version(),
+                "ignoring a stale module event"
+            );
             continue;
         }
         affected.extend(before.unwrap_or_default());

@@ -102,7 +102,8 @@ impl Keyring {
 
     fn replace(&self, keys: MasterKeys) -> Result<(), Error> {
         if let Some(path) = &self.path {
-            keys.write(path).map_err(|e| Error::Keyring(e.to_string()))?;
+            keys.write(path)
+                .map_err(|e| Error::Keyring(e.to_string()))?;
         }
         let mut guard = self
             .keys
@@ -375,7 +376,10 @@ impl Config {
         .bind(secret)
         .fetch_optional(&mut *tx)
         .await?;
-        pre.check_write(current, &format!("grant of `{secret}` to module `{module}`"))?;
+        pre.check_write(
+            current,
+            &format!("grant of `{secret}` to module `{module}`"),
+        )?;
         sqlx::query(
             "INSERT INTO config.grants (module, secret, file, created_by) VALUES ($1, $2, $3, $4) \
              ON CONFLICT (module, secret) DO UPDATE SET file = excluded.file, \
@@ -431,7 +435,10 @@ impl Config {
                 clip(module)
             )));
         };
-        pre.check_delete(revision, &format!("grant of `{secret}` to module `{module}`"))?;
+        pre.check_delete(
+            revision,
+            &format!("grant of `{secret}` to module `{module}`"),
+        )?;
         sqlx::query("DELETE FROM config.grants WHERE module = $1 AND secret = $2")
             .bind(module)
             .bind(secret)
@@ -545,7 +552,10 @@ pub(crate) fn validate_file(file: &str) -> Result<(), Error> {
     } else {
         Err(Error::Invalid {
             field: "file".into(),
-            reason: format!("`{}`: 1 to 63 of A-Z a-z 0-9 . _ -, not . or ..", clip(file)),
+            reason: format!(
+                "`{}`: 1 to 63 of A-Z a-z 0-9 . _ -, not . or ..",
+                clip(file)
+            ),
         })
     }
 }

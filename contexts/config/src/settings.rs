@@ -28,14 +28,22 @@ pub const MAX_KEYS: usize = 256;
 pub const MAX_VALUE_BYTES: usize = 16 * 1024;
 
 /// Which layer a value comes from.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(tag = "scope", rename_all = "lowercase")]
 pub enum Scope {
     Global,
     /// A named label layer.
-    Labels { name: String },
-    Node { name: String },
-    Module { name: String },
+    Labels {
+        name: String,
+    },
+    Node {
+        name: String,
+    },
+    Module {
+        name: String,
+    },
 }
 
 impl Scope {
@@ -264,9 +272,10 @@ fn env_value(value: &Value) -> String {
         other => other.to_string(),
     };
     let plain = !text.is_empty()
-        && text
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'/' | b':' | b'@' | b'+' | b','));
+        && text.bytes().all(|b| {
+            b.is_ascii_alphanumeric()
+                || matches!(b, b'_' | b'-' | b'.' | b'/' | b':' | b'@' | b'+' | b',')
+        });
     if plain {
         return text;
     }
@@ -292,7 +301,10 @@ mod tests {
     use serde_json::json;
 
     fn labels(pairs: &[(&str, &str)]) -> Labels {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     fn layer(scope: Scope, selector: Option<&[(&str, &str)]>, values: Value) -> Layer {
@@ -305,30 +317,76 @@ mod tests {
 
     fn all_four() -> Vec<Layer> {
         vec![
-            layer(Scope::Global, None, json!({"A": "global", "B": "global", "C": "global", "D": "global", "E": "global"})),
-            layer(Scope::Labels { name: "web".into() }, Some(&[("role", "web")]), json!({"B": "web", "C": "web", "T": "web"})),
             layer(
-                Scope::Labels { name: "web-eu".into() },
+                Scope::Global,
+                None,
+                json!({"A": "global", "B": "global", "C": "global", "D": "global", "E": "global"}),
+            ),
+            layer(
+                Scope::Labels { name: "web".into() },
+                Some(&[("role", "web")]),
+                json!({"B": "web", "C": "web", "T": "web"}),
+            ),
+            layer(
+                Scope::Labels {
+                    name: "web-eu".into(),
+                },
                 Some(&[("role", "web"), ("zone", "eu")]),
                 json!({"B": "web-eu"}),
             ),
-            layer(Scope::Labels { name: "eu".into() }, Some(&[("zone", "eu")]), json!({"T": "eu"})),
-            layer(Scope::Node { name: "n1".into() }, None, json!({"C": "node", "D": "node"})),
+            layer(
+                Scope::Labels { name: "eu".into() },
+                Some(&[("zone", "eu")]),
+                json!({"T": "eu"}),
+            ),
+            layer(
+                Scope::Node { name: "n1".into() },
+                None,
+                json!({"C": "node", "D": "node"}),
+            ),
             layer(Scope::Node { name: "n2".into() }, None, json!({"E": "n2"})),
-            layer(Scope::Module { name: "app".into() }, None, json!({"D": "module"})),
-            layer(Scope::Module { name: "other".into() }, None, json!({"A": "other"})),
+            layer(
+                Scope::Module { name: "app".into() },
+                None,
+                json!({"D": "module"}),
+            ),
+            layer(
+                Scope::Module {
+                    name: "other".into(),
+                },
+                None,
+                json!({"A": "other"}),
+            ),
         ]
     }
 
     #[test]
     fn module_over_node_over_labels_over_global() {
-        let e = effective(&all_four(), "app", "n1", &labels(&[("role", "web"), ("zone", "eu")]));
-        let got: BTreeMap<&str, (&str, Scope)> =
-            e.iter().map(|(k, v)| (k.as_str(), (v.value.as_str().unwrap(), v.from.clone()))).collect();
+        let e = effective(
+            &all_four(),
+            "app",
+            "n1",
+            &labels(&[("role", "web"), ("zone", "eu")]),
+        );
+        let got: BTreeMap<&str, (&str, Scope)> = e
+            .iter()
+            .map(|(k, v)| (k.as_str(), (v.value.as_str().unwrap(), v.from.clone())))
+            .collect();
         assert_eq!(got["A"], ("global", Scope::Global));
         // The most specific label layer wins.
-        assert_eq!(got["B"], ("web-eu", Scope::Labels { name: "web-eu".into() }));
-        assert_eq!(e["B"].shadowed, vec![Scope::Labels { name: "web".into() }, Scope::Global]);
+        assert_eq!(
+            got["B"],
+            (
+                "web-eu",
+                Scope::Labels {
+                    name: "web-eu".into()
+                }
+            )
+        );
+        assert_eq!(
+            e["B"].shadowed,
+            vec![Scope::Labels { name: "web".into() }, Scope::Global]
+        );
         assert_eq!(got["C"], ("node", Scope::Node { name: "n1".into() }));
         assert_eq!(got["D"], ("module", Scope::Module { name: "app".into() }));
         assert_eq!(got["E"], ("global", Scope::Global));
@@ -374,6 +432,11 @@ mod tests {
         let err = validate_values(&v).unwrap_err().to_string();
         assert!(err.contains("values.bad"), "{err}");
         let v: Values = serde_json::from_value(json!({"1x": 1})).unwrap();
-        assert!(validate_values(&v).unwrap_err().to_string().contains("values.1x"));
+        assert!(
+            validate_values(&v)
+                .unwrap_err()
+                .to_string()
+                .contains("values.1x")
+        );
     }
 }

@@ -238,7 +238,8 @@ async fn effective(
     Path(name): Path<String>,
     query: Result<Query<EffectiveParams>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<EffectiveView>, Problem> {
-    let Query(params) = query.map_err(|e| Problem::field(StatusCode::BAD_REQUEST, "query", e.body_text()))?;
+    let Query(params) =
+        query.map_err(|e| Problem::field(StatusCode::BAD_REQUEST, "query", e.body_text()))?;
     let node = params
         .node
         .as_deref()

@@ -148,7 +148,15 @@ async fn request_with(
     body: &str,
     headers: &[(&str, &str)],
 ) -> (StatusCode, String, serde_json::Value, Option<String>) {
-    request_as(f, method, uri, body, headers, mesh_plumbing::api::Role::Admin).await
+    request_as(
+        f,
+        method,
+        uri,
+        body,
+        headers,
+        mesh_plumbing::api::Role::Admin,
+    )
+    .await
 }
 
 /// [`request_with`] as a token of `role`.
@@ -730,7 +738,11 @@ async fn the_section_table_migration_keeps_every_row() {
     .await
     .unwrap();
     let applied = mesh_config::migrate(&url).await.unwrap();
-    assert_eq!(applied.first().map(String::as_str), Some("V3__sections"), "{applied:?}");
+    assert_eq!(
+        applied.first().map(String::as_str),
+        Some("V3__sections"),
+        "{applied:?}"
+    );
     let kept: (i64, String, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
         sqlx::query_as("SELECT generation, digest, declared_at, last_sent_at FROM config.sections WHERE node = 'n1'")
             .fetch_one(&pool)
@@ -1166,7 +1178,6 @@ async fn a_batch_of_node_events_ends_where_handling_them_one_by_one_ends() {
     single.env.teardown().await.unwrap();
 }
 
-
 // ---------------------------------------------------------------------------
 // Settings, secrets, grants (issue 11)
 // ---------------------------------------------------------------------------
@@ -1184,7 +1195,13 @@ fn hello_sealed(node: &NodeId, key: &mesh_protocol::sealing::SealSecretKey) -> E
     env
 }
 
-async fn placed(f: &Fixture, module: &str, version: i64, nodes: &[&NodeId], files: &[(&str, &str)]) {
+async fn placed(
+    f: &Fixture,
+    module: &str,
+    version: i64,
+    nodes: &[&NodeId],
+    files: &[(&str, &str)],
+) {
     let files: Vec<mesh_protocol::SettingsFile> = files
         .iter()
         .map(|(name, format)| {
@@ -1220,7 +1237,14 @@ fn file_content<'a>(d: &'a Declaration, path: &str) -> Option<&'a str> {
 /// A fleet of three nodes known to config: a (web, eu), b (web), c (db).
 async fn three_nodes(f: &Fixture) -> (NodeId, NodeId, NodeId) {
     let (a, b, c) = (node(f, "a"), node(f, "b"), node(f, "c"));
-    node_event(f, "node.joined", &a, labels(&[("role", "web"), ("zone", "eu")]), 1).await;
+    node_event(
+        f,
+        "node.joined",
+        &a,
+        labels(&[("role", "web"), ("zone", "eu")]),
+        1,
+    )
+    .await;
     node_event(f, "node.joined", &b, labels(&[("role", "web")]), 1).await;
     node_event(f, "node.joined", &c, labels(&[("role", "db")]), 1).await;
     (a, b, c)
@@ -1230,7 +1254,14 @@ async fn three_nodes(f: &Fixture) -> (NodeId, NodeId, NodeId) {
 async fn settings_precedence_over_four_scopes_reaches_exactly_the_modules_nodes() {
     let f = setup().await;
     let (a, b, c) = three_nodes(&f).await;
-    placed(&f, "app", 1, &[&a, &b], &[("app.env", "env"), ("app.json", "json")]).await;
+    placed(
+        &f,
+        "app",
+        1,
+        &[&a, &b],
+        &[("app.env", "env"), ("app.json", "json")],
+    )
+    .await;
     for (uri, body) in [
         ("/v1/settings/global", r#"{"values": {"A": "global", "B": "global", "C": "global", "D": "global", "PORT": 80}}"#.to_owned()),
         ("/v1/settings/labels/web", r#"{"selector": {"role": "web"}, "values": {"B": "web", "C": "web"}}"#.to_owned()),
@@ -1244,29 +1275,63 @@ async fn settings_precedence_over_four_scopes_reaches_exactly_the_modules_nodes(
         assert_eq!(status, StatusCode::CREATED, "{uri}: {body}");
     }
     let decl = newest(&f, 0).await;
-    assert!(!decl.contains_key(c.as_str()), "c runs no module: nothing declared to it");
+    assert!(
+        !decl.contains_key(c.as_str()),
+        "c runs no module: nothing declared to it"
+    );
     let env_a = file_content(&decl[a.as_str()], "/modules/app/app.env").unwrap();
-    assert_eq!(env_a, "A=global\nB=web-eu\nC=node-a\nD=module\nPORT=80\nT=eu\n");
+    assert_eq!(
+        env_a,
+        "A=global\nB=web-eu\nC=node-a\nD=module\nPORT=80\nT=eu\n"
+    );
     let env_b = file_content(&decl[b.as_str()], "/modules/app/app.env").unwrap();
     assert_eq!(env_b, "A=global\nB=web\nC=web\nD=module\nPORT=80\nT=web2\n");
     let json_a: serde_json::Value =
-        serde_json::from_str(file_content(&decl[a.as_str()], "/modules/app/app.json").unwrap()).unwrap();
+        serde_json::from_str(file_content(&decl[a.as_str()], "/modules/app/app.json").unwrap())
+            .unwrap();
     assert_eq!(json_a["PORT"], 80);
 
     // The effective view names each value's layer, what it shadows and the tie.
     let (status, _, view) = request(&f, "GET", "/v1/modules/app/settings/effective", "").await;
     assert_eq!(status, StatusCode::OK, "{view}");
-    let on_a = view["nodes"].as_array().unwrap().iter().find(|n| n["node"] == a.as_str()).unwrap();
-    assert_eq!(on_a["settings"]["D"]["from"], serde_json::json!({"scope": "module", "name": "app"}));
-    assert_eq!(on_a["settings"]["C"]["from"], serde_json::json!({"scope": "node", "name": a.as_str()}));
-    assert_eq!(on_a["settings"]["B"]["from"], serde_json::json!({"scope": "labels", "name": "web-eu"}));
-    assert_eq!(on_a["settings"]["A"]["from"], serde_json::json!({"scope": "global"}));
+    let on_a = view["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node"] == a.as_str())
+        .unwrap();
+    assert_eq!(
+        on_a["settings"]["D"]["from"],
+        serde_json::json!({"scope": "module", "name": "app"})
+    );
+    assert_eq!(
+        on_a["settings"]["C"]["from"],
+        serde_json::json!({"scope": "node", "name": a.as_str()})
+    );
+    assert_eq!(
+        on_a["settings"]["B"]["from"],
+        serde_json::json!({"scope": "labels", "name": "web-eu"})
+    );
+    assert_eq!(
+        on_a["settings"]["A"]["from"],
+        serde_json::json!({"scope": "global"})
+    );
     // a: `eu` and `web2` both one pair: the smaller name wins, the tie is shown.
-    assert_eq!(on_a["settings"]["T"]["tie"], serde_json::json!([{"scope": "labels", "name": "web2"}]));
+    assert_eq!(
+        on_a["settings"]["T"]["tie"],
+        serde_json::json!([{"scope": "labels", "name": "web2"}])
+    );
 
     // b moves into zone eu: its labels change its settings, and only its.
     let before = last_outbox_id(&f).await;
-    node_event(&f, "node.updated", &b, labels(&[("role", "web"), ("zone", "eu")]), 2).await;
+    node_event(
+        &f,
+        "node.updated",
+        &b,
+        labels(&[("role", "web"), ("zone", "eu")]),
+        2,
+    )
+    .await;
     let decl = newest(&f, before).await;
     assert_eq!(decl.keys().collect::<Vec<_>>(), vec![b.as_str()]);
     assert_eq!(
@@ -1285,23 +1350,57 @@ async fn a_value_change_redeclares_to_exactly_the_affected_nodes() {
     request(&f, "PUT", "/v1/settings/global", r#"{"values": {"X": 1}}"#).await;
     // A node layer of a: a alone.
     let before = last_outbox_id(&f).await;
-    let (status, _, _) = request(&f, "PUT", &format!("/v1/settings/nodes/{a}"), r#"{"values": {"X": 2}}"#).await;
+    let (status, _, _) = request(
+        &f,
+        "PUT",
+        &format!("/v1/settings/nodes/{a}"),
+        r#"{"values": {"X": 2}}"#,
+    )
+    .await;
     assert_eq!(status, StatusCode::CREATED);
-    assert_eq!(newest(&f, before).await.keys().cloned().collect::<Vec<_>>(), vec![a.to_string()]);
+    assert_eq!(
+        newest(&f, before).await.keys().cloned().collect::<Vec<_>>(),
+        vec![a.to_string()]
+    );
     // The module layer of db: c alone.
     let before = last_outbox_id(&f).await;
-    request(&f, "PUT", "/v1/settings/modules/db", r#"{"values": {"Y": "z"}}"#).await;
-    assert_eq!(newest(&f, before).await.keys().cloned().collect::<Vec<_>>(), vec![c.to_string()]);
+    request(
+        &f,
+        "PUT",
+        "/v1/settings/modules/db",
+        r#"{"values": {"Y": "z"}}"#,
+    )
+    .await;
+    assert_eq!(
+        newest(&f, before).await.keys().cloned().collect::<Vec<_>>(),
+        vec![c.to_string()]
+    );
     // A layer for a module that runs nowhere, and a value equal to what
     // renders already: nobody.
     let before = last_outbox_id(&f).await;
-    request(&f, "PUT", "/v1/settings/modules/idle", r#"{"values": {"Y": "z"}}"#).await;
-    request(&f, "PUT", "/v1/settings/labels/db", r#"{"selector": {"role": "db"}, "values": {"Y": "z"}}"#).await;
+    request(
+        &f,
+        "PUT",
+        "/v1/settings/modules/idle",
+        r#"{"values": {"Y": "z"}}"#,
+    )
+    .await;
+    request(
+        &f,
+        "PUT",
+        "/v1/settings/labels/db",
+        r#"{"selector": {"role": "db"}, "values": {"Y": "z"}}"#,
+    )
+    .await;
     assert!(newest(&f, before).await.is_empty());
     // The global value: every node that runs a module.
     let before = last_outbox_id(&f).await;
     request(&f, "PUT", "/v1/settings/global", r#"{"values": {"X": 3}}"#).await;
-    assert_eq!(newest(&f, before).await.len(), 3);
+    // a keeps its own X (the node layer): b and c.
+    assert_eq!(
+        newest(&f, before).await.keys().cloned().collect::<Vec<_>>(),
+        vec![b.to_string(), c.to_string()]
+    );
     f.env.teardown().await.unwrap();
 }
 
@@ -1309,13 +1408,30 @@ async fn a_value_change_redeclares_to_exactly_the_affected_nodes() {
 async fn secrets_reach_only_granted_nodes_sealed_and_are_never_in_clear() {
     let f = setup().await;
     let (a, b, c) = three_nodes(&f).await;
-    let keys = [(a.clone(), seal_key(1)), (b.clone(), seal_key(2)), (c.clone(), seal_key(3))];
-    handle(&f, &keys.iter().map(|(n, k)| hello_sealed(n, k)).collect::<Vec<_>>()).await;
+    let keys = [
+        (a.clone(), seal_key(1)),
+        (b.clone(), seal_key(2)),
+        (c.clone(), seal_key(3)),
+    ];
+    handle(
+        &f,
+        &keys
+            .iter()
+            .map(|(n, k)| hello_sealed(n, k))
+            .collect::<Vec<_>>(),
+    )
+    .await;
     placed(&f, "app", 1, &[&a, &b], &[]).await;
     placed(&f, "other", 1, &[&c], &[]).await;
     const PLAIN: &str = "s3cr3t-value-that-must-not-leak";
 
-    let (status, _, view) = request(&f, "PUT", "/v1/secrets/db-pw", &format!(r#"{{"value": "{PLAIN}"}}"#)).await;
+    let (status, _, view) = request(
+        &f,
+        "PUT",
+        "/v1/secrets/db-pw",
+        &format!(r#"{{"value": "{PLAIN}"}}"#),
+    )
+    .await;
     assert_eq!(status, StatusCode::CREATED, "{view}");
     assert!(!view.to_string().contains(PLAIN));
     let before = last_outbox_id(&f).await;
@@ -1323,25 +1439,39 @@ async fn secrets_reach_only_granted_nodes_sealed_and_are_never_in_clear() {
     assert_eq!(status, StatusCode::CREATED, "{grant}");
     assert_eq!(grant["path"], "/modules/app/secrets/db-pw");
     let decl = newest(&f, before).await;
-    assert_eq!(decl.keys().cloned().collect::<Vec<_>>(), vec![a.to_string(), b.to_string()]);
+    assert_eq!(
+        decl.keys().cloned().collect::<Vec<_>>(),
+        vec![a.to_string(), b.to_string()]
+    );
     for (n, key) in &keys[..2] {
         let items = &decl[n.as_str()].items.secrets;
         assert_eq!(items.len(), 1);
         assert_eq!(items[0].mode.bits(), 0o600);
         assert!(!items[0].sealed.contains(PLAIN));
         let aad = mesh_protocol::sealing::secret_aad(n.as_str(), &items[0].path);
-        assert_eq!(mesh_protocol::sealing::open(key, &aad, &items[0].sealed).unwrap(), PLAIN.as_bytes());
+        assert_eq!(
+            mesh_protocol::sealing::open(key, &aad, &items[0].sealed).unwrap(),
+            PLAIN.as_bytes()
+        );
         // Another node's key does not open it.
         assert!(mesh_protocol::sealing::open(&keys[2].1, &aad, &items[0].sealed).is_err());
     }
 
     // A new version: exactly a and b, with the new value.
     let before = last_outbox_id(&f).await;
-    let (status, _, _) =
-        request(&f, "PUT", "/v1/secrets/db-pw", r#"{"value": "second-version"}"#).await;
+    let (status, _, _) = request(
+        &f,
+        "PUT",
+        "/v1/secrets/db-pw",
+        r#"{"value": "second-version"}"#,
+    )
+    .await;
     assert_eq!(status, StatusCode::OK);
     let decl = newest(&f, before).await;
-    assert_eq!(decl.keys().cloned().collect::<Vec<_>>(), vec![a.to_string(), b.to_string()]);
+    assert_eq!(
+        decl.keys().cloned().collect::<Vec<_>>(),
+        vec![a.to_string(), b.to_string()]
+    );
     assert_eq!(decl[a.as_str()].items.secrets[0].version, 2);
 
     // Nothing in the schema or the outbox holds the value in clear.
@@ -1357,21 +1487,29 @@ async fn secrets_reach_only_granted_nodes_sealed_and_are_never_in_clear() {
     .unwrap();
     assert!(dump.len() > 5);
     for row in &dump {
-        assert!(!row.contains(PLAIN) && !row.contains("second-version"), "{row}");
+        assert!(
+            !row.contains(PLAIN) && !row.contains("second-version"),
+            "{row}"
+        );
     }
     let (_, _, list) = request(&f, "GET", "/v1/secrets", "").await;
     let (_, _, one) = request(&f, "GET", "/v1/secrets/db-pw", "").await;
     assert_eq!(one["versions"].as_array().unwrap().len(), 2);
     assert_eq!(one["grants"][0]["module"], "app");
     for answer in [list, one] {
-        assert!(!answer.to_string().contains("second-version") && !answer.to_string().contains(PLAIN));
+        assert!(
+            !answer.to_string().contains("second-version") && !answer.to_string().contains(PLAIN)
+        );
     }
 
     // The module leaves b: b's section loses the secret, a keeps it.
     let before = last_outbox_id(&f).await;
     placed(&f, "app", 2, &[&a], &[]).await;
     let decl = newest(&f, before).await;
-    assert_eq!(decl.keys().cloned().collect::<Vec<_>>(), vec![b.to_string()]);
+    assert_eq!(
+        decl.keys().cloned().collect::<Vec<_>>(),
+        vec![b.to_string()]
+    );
     assert!(decl[b.as_str()].items.secrets.is_empty());
     // A stale placement event changes nothing.
     let before = last_outbox_id(&f).await;
@@ -1383,10 +1521,19 @@ async fn secrets_reach_only_granted_nodes_sealed_and_are_never_in_clear() {
     let (status, _, _) = request(&f, "DELETE", "/v1/modules/app/grants/db-pw", "").await;
     assert_eq!(status, StatusCode::NO_CONTENT);
     let decl = newest(&f, before).await;
-    assert_eq!(decl.keys().cloned().collect::<Vec<_>>(), vec![a.to_string()]);
+    assert_eq!(
+        decl.keys().cloned().collect::<Vec<_>>(),
+        vec![a.to_string()]
+    );
     assert!(decl[a.as_str()].items.secrets.is_empty());
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM config.sealed").fetch_one(&f.pool).await.unwrap();
-    assert_eq!(left, 0, "no sealed form kept for a node that no longer gets it");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM config.sealed")
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        left, 0,
+        "no sealed form kept for a node that no longer gets it"
+    );
     f.env.teardown().await.unwrap();
 }
 
@@ -1397,8 +1544,17 @@ async fn a_node_without_a_seal_key_gets_its_secret_once_it_states_one() {
     placed(&f, "app", 1, &[&a], &[]).await;
     request(&f, "PUT", "/v1/secrets/tok", r#"{"value": "v"}"#).await;
     let before = last_outbox_id(&f).await;
-    request(&f, "PUT", "/v1/modules/app/grants/tok", r#"{"file": "token.txt"}"#).await;
-    assert!(newest(&f, before).await.is_empty(), "no key: nothing to seal to, nothing sent in clear");
+    request(
+        &f,
+        "PUT",
+        "/v1/modules/app/grants/tok",
+        r#"{"file": "token.txt"}"#,
+    )
+    .await;
+    assert!(
+        newest(&f, before).await.is_empty(),
+        "no key: nothing to seal to, nothing sent in clear"
+    );
     let before = last_outbox_id(&f).await;
     handle(&f, &[hello_sealed(&a, &seal_key(9))]).await;
     let decl = newest(&f, before).await;
@@ -1407,7 +1563,12 @@ async fn a_node_without_a_seal_key_gets_its_secret_once_it_states_one() {
     // The same key again: nothing new.
     let before = last_outbox_id(&f).await;
     handle(&f, &[hello_sealed(&a, &seal_key(9))]).await;
-    assert!(newest(&f, before).await.values().all(|d| d.items.secrets == *s));
+    assert!(
+        newest(&f, before)
+            .await
+            .values()
+            .all(|d| d.items.secrets == *s)
+    );
     f.env.teardown().await.unwrap();
 }
 
@@ -1435,8 +1596,14 @@ async fn master_key_rotation_keeps_secrets_readable_and_delivered_values_unchang
     assert_eq!(ids, vec![new_id.clone()]);
     // The file holds the new key only; a restarted controller reads it.
     let file = mesh_credentials::MasterKeys::load(&f.env.master_keys_path()).unwrap();
-    assert_eq!(file.keys.iter().map(|k| k.id.clone()).collect::<Vec<_>>(), vec![new_id]);
-    assert!(newest(&f, before).await.is_empty(), "what nodes hold did not change");
+    assert_eq!(
+        file.keys.iter().map(|k| k.id.clone()).collect::<Vec<_>>(),
+        vec![new_id]
+    );
+    assert!(
+        newest(&f, before).await.is_empty(),
+        "what nodes hold did not change"
+    );
 
     let restarted = Config::with_keyring(
         f.pool.clone(),
@@ -1452,12 +1619,18 @@ async fn master_key_rotation_keeps_secrets_readable_and_delivered_values_unchang
             if_match: Some(mesh_plumbing::etag::Precondition::Any),
             if_none_match: None,
         };
-        restarted.put_secret(name, "rotated", &pre, &admin).await.unwrap();
+        restarted
+            .put_secret(name, "rotated", &pre, &admin)
+            .await
+            .unwrap();
     }
     let decl = newest(&f, before).await;
     let item = &decl[a.as_str()].items.secrets[0];
     let aad = mesh_protocol::sealing::secret_aad(a.as_str(), &item.path);
-    assert_eq!(mesh_protocol::sealing::open(&seal_key(4), &aad, &item.sealed).unwrap(), b"rotated");
+    assert_eq!(
+        mesh_protocol::sealing::open(&seal_key(4), &aad, &item.sealed).unwrap(),
+        b"rotated"
+    );
     f.env.teardown().await.unwrap();
 }
 
@@ -1466,17 +1639,39 @@ async fn concurrent_writers_one_wins_the_other_gets_412_and_a_current_get_is_304
     let f = setup().await;
     request(&f, "PUT", "/v1/secrets/s", r#"{"value": "v"}"#).await;
     let cases = [
-        ("/v1/files/f", r#"{"path": "/etc/f", "content": "one", "mode": "0644", "selector": {}}"#, r#"{"path": "/etc/f", "content": "two", "mode": "0644", "selector": {}}"#),
-        ("/v1/settings/global", r#"{"values": {"K": 1}}"#, r#"{"values": {"K": 2}}"#),
-        ("/v1/settings/labels/web", r#"{"selector": {"role": "web"}, "values": {"K": 1}}"#, r#"{"selector": {"role": "web"}, "values": {"K": 2}}"#),
-        ("/v1/secrets/s", r#"{"value": "one"}"#, r#"{"value": "two"}"#),
+        (
+            "/v1/files/f",
+            r#"{"path": "/etc/f", "content": "one", "mode": "0644", "selector": {}}"#,
+            r#"{"path": "/etc/f", "content": "two", "mode": "0644", "selector": {}}"#,
+        ),
+        (
+            "/v1/settings/global",
+            r#"{"values": {"K": 1}}"#,
+            r#"{"values": {"K": 2}}"#,
+        ),
+        (
+            "/v1/settings/labels/web",
+            r#"{"selector": {"role": "web"}, "values": {"K": 1}}"#,
+            r#"{"selector": {"role": "web"}, "values": {"K": 2}}"#,
+        ),
+        (
+            "/v1/secrets/s",
+            r#"{"value": "one"}"#,
+            r#"{"value": "two"}"#,
+        ),
         ("/v1/modules/app/grants/s", r#"{}"#, r#"{"file": "other"}"#),
     ];
     for (uri, one, two) in cases {
-        let (status, _, _, etag) = request_with(&f, "PUT", uri, one, &[("if-none-match", "*")]).await;
-        assert!(status == StatusCode::CREATED || uri == "/v1/secrets/s", "{uri}: {status}");
+        let (status, _, _, etag) =
+            request_with(&f, "PUT", uri, one, &[("if-none-match", "*")]).await;
+        assert!(
+            status == StatusCode::CREATED || uri == "/v1/secrets/s",
+            "{uri}: {status}"
+        );
         let (status, _, _, etag) = match etag {
-            Some(_) if uri != "/v1/secrets/s" => (status, String::new(), serde_json::Value::Null, etag),
+            Some(_) if uri != "/v1/secrets/s" => {
+                (status, String::new(), serde_json::Value::Null, etag)
+            }
             _ => request_with(&f, "GET", uri, "", &[]).await,
         };
         assert!(status.is_success(), "{uri}: {status}");
@@ -1492,11 +1687,23 @@ async fn concurrent_writers_one_wins_the_other_gets_412_and_a_current_get_is_304
         );
         let mut statuses = [r1.0, r2.0];
         statuses.sort();
-        assert_eq!(statuses, [StatusCode::OK, StatusCode::PRECONDITION_FAILED], "{uri}: {r1:?} {r2:?}");
-        let loser = if r1.0 == StatusCode::PRECONDITION_FAILED { &r1 } else { &r2 };
+        assert_eq!(
+            statuses,
+            [StatusCode::OK, StatusCode::PRECONDITION_FAILED],
+            "{uri}: {r1:?} {r2:?}"
+        );
+        let loser = if r1.0 == StatusCode::PRECONDITION_FAILED {
+            &r1
+        } else {
+            &r2
+        };
         assert_eq!(loser.1, "application/problem+json", "{uri}");
         // Without If-Match: 428; the old tag is no longer current.
-        assert_eq!(request_with(&f, "PUT", uri, one, &[]).await.0, StatusCode::PRECONDITION_REQUIRED, "{uri}");
+        assert_eq!(
+            request_with(&f, "PUT", uri, one, &[]).await.0,
+            StatusCode::PRECONDITION_REQUIRED,
+            "{uri}"
+        );
         let (status, _, _, _) = request_with(&f, "GET", uri, "", &[("if-none-match", &etag)]).await;
         assert_eq!(status, StatusCode::OK, "{uri}");
     }
@@ -1506,15 +1713,43 @@ async fn concurrent_writers_one_wins_the_other_gets_412_and_a_current_get_is_304
 #[tokio::test]
 async fn a_viewer_reads_a_files_metadata_not_its_content() {
     let f = setup().await;
-    request(&f, "PUT", "/v1/files/f", r#"{"path": "/etc/f", "content": "private text", "mode": "0644", "selector": {}}"#).await;
-    let (status, _, view, _) = request_as(&f, "GET", "/v1/files/f", "", &[], mesh_plumbing::api::Role::Viewer).await;
+    request(
+        &f,
+        "PUT",
+        "/v1/files/f",
+        r#"{"path": "/etc/f", "content": "private text", "mode": "0644", "selector": {}}"#,
+    )
+    .await;
+    let (status, _, view, _) = request_as(
+        &f,
+        "GET",
+        "/v1/files/f",
+        "",
+        &[],
+        mesh_plumbing::api::Role::Viewer,
+    )
+    .await;
     assert_eq!(status, StatusCode::OK);
     assert!(view.get("content").is_none(), "{view}");
     assert_eq!(view["size"], 12);
-    let (_, _, view, _) = request_as(&f, "GET", "/v1/files/f", "", &[], mesh_plumbing::api::Role::Operator).await;
+    let (_, _, view, _) = request_as(
+        &f,
+        "GET",
+        "/v1/files/f",
+        "",
+        &[],
+        mesh_plumbing::api::Role::Operator,
+    )
+    .await;
     assert_eq!(view["content"], "private text");
     // `/modules/` is the modules' own.
-    let (status, _, problem) = request(&f, "PUT", "/v1/files/g", r#"{"path": "/modules/app/x", "content": "", "mode": "0644", "selector": {}}"#).await;
+    let (status, _, problem) = request(
+        &f,
+        "PUT",
+        "/v1/files/g",
+        r#"{"path": "/modules/app/x", "content": "", "mode": "0644", "selector": {}}"#,
+    )
+    .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem["field"], "path");
     f.env.teardown().await.unwrap();

@@ -133,9 +133,15 @@ impl Items {
     pub fn new(mut items: DeclarationItems) -> Result<Items, SectionError> {
         items.files.sort_by(|a, b| a.path.cmp(&b.path));
         items.units.sort_by(|a, b| a.name.cmp(&b.name));
+        items.secrets.sort_by(|a, b| a.path.cmp(&b.path));
         let json = serde_json::to_string(&items).map_err(|e| SectionError::Items(e.to_string()))?;
         let too_large = if items.files.len() > MAX_ITEMS {
             Some(format!("{} files, limit {MAX_ITEMS}", items.files.len()))
+        } else if items.secrets.len() > MAX_ITEMS {
+            Some(format!(
+                "{} secrets, limit {MAX_ITEMS}",
+                items.secrets.len()
+            ))
         } else if items.units.len() > MAX_ITEMS {
             Some(format!("{} units, limit {MAX_ITEMS}", items.units.len()))
         } else if json.len() + ENVELOPE_OVERHEAD > MAX_DECLARATION_BYTES {
@@ -163,9 +169,12 @@ impl Items {
         &self.digest
     }
 
-    /// No files, no units and no heartbeat plan.
+    /// No files, no secrets, no units and no heartbeat plan.
     pub fn is_empty(&self) -> bool {
-        self.items.files.is_empty() && self.items.units.is_empty() && self.items.heartbeat.is_none()
+        self.items.files.is_empty()
+            && self.items.secrets.is_empty()
+            && self.items.units.is_empty()
+            && self.items.heartbeat.is_none()
     }
 
     /// Why an agent would refuse these items (too many, too large); none: it
