@@ -63,7 +63,7 @@ impl MasterKey {
         if !id_ok {
             return Err(CredentialsError::invalid(
                 path,
-                &format!("keys[{i}].id"),
+                format!("keys[{i}].id"),
                 "1 to 64 characters of A-Z a-z 0-9 . _ -",
             ));
         }
@@ -71,7 +71,7 @@ impl MasterKey {
             Ok(raw) if raw.len() == 32 => Ok(()),
             _ => Err(CredentialsError::invalid(
                 path,
-                &format!("keys[{i}].key"),
+                format!("keys[{i}].key"),
                 "not 64 hex digits (32 bytes)",
             )),
         }
@@ -139,7 +139,7 @@ impl MasterKeys {
             if self.keys[..i].iter().any(|o| o.id == k.id) {
                 return Err(CredentialsError::invalid(
                     &self.path,
-                    &format!("keys[{i}].id"),
+                    format!("keys[{i}].id"),
                     "repeats an earlier key's id",
                 ));
             }

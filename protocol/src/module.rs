@@ -45,6 +45,12 @@ pub fn validate_settings_file_name(field: &str, name: &str) -> Result<(), Decode
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
         && name != "."
         && name != "..";
+    if ok && name == "secrets" {
+        return Err(DecodeError::invalid(
+            field,
+            "`secrets` is the directory of the module's granted secrets: choose another name",
+        ));
+    }
     if ok {
         Ok(())
     } else {

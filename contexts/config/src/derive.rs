@@ -319,22 +319,20 @@ async fn store_sealed(
     if fresh.is_empty() {
         return Ok(());
     }
-    let mut cols: (
-        Vec<&str>,
-        Vec<&str>,
-        Vec<&str>,
-        Vec<i64>,
-        Vec<&str>,
-        Vec<&str>,
-    ) = Default::default();
-    for (n, p, s, v, k, x) in fresh {
-        cols.0.push(n);
-        cols.1.push(p);
-        cols.2.push(s);
-        cols.3.push(*v);
-        cols.4.push(k);
-        cols.5.push(x);
-    }
+    let col = |i: usize| -> Vec<&str> {
+        fresh
+            .iter()
+            .map(|r| match i {
+                0 => r.0.as_str(),
+                1 => r.1.as_str(),
+                2 => r.2.as_str(),
+                4 => r.4.as_str(),
+                _ => r.5.as_str(),
+            })
+            .collect()
+    };
+    let versions: Vec<i64> = fresh.iter().map(|r| r.3).collect();
+    let cols = (col(0), col(1), col(2), versions, col(4), col(5));
     sqlx::query(
         "INSERT INTO config.sealed (node, path, secret, version, seal_key, sealed) \
          SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[]) \

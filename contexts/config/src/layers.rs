@@ -57,7 +57,8 @@ fn view(row: Row) -> Option<LayerView> {
 
 /// Every layer, for a reconcile.
 pub(crate) async fn all(tx: &mut PgConnection) -> Result<Vec<Layer>, Error> {
-    let rows: Vec<(String, String, Option<Json<Labels>>, Json<Values>)> =
+    type LayerRow = (String, String, Option<Json<Labels>>, Json<Values>);
+    let rows: Vec<LayerRow> =
         sqlx::query_as(r#"SELECT scope, name, selector, "values" FROM config.settings"#)
             .fetch_all(&mut *tx)
             .await?;

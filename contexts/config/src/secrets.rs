@@ -2,7 +2,7 @@
 //! receive which secret), with the master keyring that wraps every data key.
 //!
 //! No function here returns a secret's value to a caller outside this crate:
-//! the value leaves the config schema only sealed to a node (`reconcile.rs`).
+//! the value leaves the config schema only sealed to a node (`derive.rs`).
 
 use std::path::PathBuf;
 use std::sync::RwLock;
@@ -180,7 +180,8 @@ pub(crate) async fn values(
     if names.is_empty() {
         return Ok(Vec::new());
     }
-    let rows: Vec<(String, i64, String, Vec<u8>, Vec<u8>)> = sqlx::query_as(
+    type Row = (String, i64, String, Vec<u8>, Vec<u8>);
+    let rows: Vec<Row> = sqlx::query_as(
         "SELECT s.name, s.version, s.key_id, s.wrapped_key, v.ciphertext FROM config.secrets s \
          JOIN config.secret_versions v ON v.secret = s.name AND v.version = s.version \
          WHERE s.name = ANY($1) ORDER BY s.name",
@@ -380,6 +381,19 @@ impl Config {
             current,
             &format!("grant of `{secret}` to module `{module}`"),
         )?;
+        let taken: Option<String> = sqlx::query_scalar(
+            "SELECT secret FROM config.grants WHERE module = $1 AND file = $2 AND secret <> $3",
+        )
+        .bind(module)
+        .bind(file)
+        .bind(secret)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(other) = taken {
+            return Err(Error::Conflict(format!(
+                "module `{module}` already receives secret `{other}` as file `{file}`: choose another `file`"
+            )));
+        }
         sqlx::query(
             "INSERT INTO config.grants (module, secret, file, created_by) VALUES ($1, $2, $3, $4) \
              ON CONFLICT (module, secret) DO UPDATE SET file = excluded.file, \

@@ -11,8 +11,8 @@ use mesh_plumbing::api::{ApiJson, Problem};
 use mesh_plumbing::audit::Audit;
 use mesh_plumbing::etag::{self, Preconditions};
 use mesh_plumbing::openapi::{
-    BadRequest, BodyErrors, NotFound, NotModified, PreconditionFailed, PreconditionRequired,
-    Unavailable,
+    BadRequest, BodyErrors, Conflict, NotFound, NotModified, PreconditionFailed,
+    PreconditionRequired, Unavailable,
 };
 use serde::{Deserialize, Serialize};
 use utoipa_axum::router::OpenApiRouter;
@@ -215,7 +215,7 @@ async fn get_grant(
     responses(
         (status = 200, description = "Replaced", body = GrantView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
         (status = 201, description = "Granted", body = GrantView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
-        BodyErrors, NotFound, PreconditionFailed, PreconditionRequired))]
+        BodyErrors, Conflict, NotFound, PreconditionFailed, PreconditionRequired))]
 async fn put_grant(
     State(config): State<Arc<Config>>,
     Path((module, secret)): Path<(String, String)>,

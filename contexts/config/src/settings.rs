@@ -1,6 +1,6 @@
 //! Settings: layers of key/value pairs in four scopes, their precedence, and
 //! the rendering of a module's effective settings into the files it declares.
-//! Pure: no I/O (the layers' storage is in `settings_store.rs`).
+//! Pure: no I/O (the layers' storage is in `layers.rs`).
 //!
 //! Precedence, strongest first: the module's layer, the node's layer, the
 //! label layers whose selector the node's labels contain (the most specific,
