@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use mesh_plumbing::audit::{self, Audit};
+use mesh_plumbing::audit::Audit;
 use mesh_plumbing::etag::Preconditions;
 use mesh_protocol::{Labels, NodeId, SettingsFile, validate_labels};
 use serde::Serialize;
@@ -13,9 +13,8 @@ use sqlx::PgConnection;
 use sqlx::types::Json;
 
 use crate::derive::module_dir;
-use crate::reconcile::{Scope as Reach, reconcile};
 use crate::settings::{self, Effective, Layer, Scope, Values};
-use crate::{Config, Error, SCHEMA};
+use crate::{Config, Error};
 
 /// A layer as the API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
@@ -154,19 +153,7 @@ impl Config {
         .bind(Json(&values))
         .fetch_one(&mut *tx)
         .await?;
-        let report = reconcile(&mut tx, Reach::All, &self.keyring).await?;
-        if let Some((node, reason)) = report.too_large.into_iter().next() {
-            return Err(Error::SectionTooLarge {
-                field: "values".into(),
-                node,
-                reason,
-            });
-        }
-        audit::record_ok(&mut tx, SCHEMA, audit).await?;
-        tx.commit().await?;
-        if report.declared > 0 {
-            self.signal.notify();
-        }
+        self.commit_change(tx, audit, "values").await?;
         let view = view(row).ok_or_else(|| Error::Corrupt {
             what: "settings scope".into(),
             reason: kind.into(),
@@ -202,12 +189,7 @@ impl Config {
             .bind(name)
             .execute(&mut *tx)
             .await?;
-        let report = reconcile(&mut tx, Reach::All, &self.keyring).await?;
-        audit::record_ok(&mut tx, SCHEMA, audit).await?;
-        tx.commit().await?;
-        if report.declared > 0 {
-            self.signal.notify();
-        }
+        self.commit_change(tx, audit, "body").await?;
         Ok(())
     }
 

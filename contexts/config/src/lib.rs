@@ -124,6 +124,34 @@ impl Config {
         }
     }
 
+    /// The end of every API change, inside its transaction `tx`: reconcile
+    /// every node; refuse the change (roll it back) when it would give a node
+    /// a section its agent refuses (`field` names what made it too large);
+    /// write the request's audit entry; commit; wake the relay if anything
+    /// was declared.
+    async fn commit_change(
+        &self,
+        mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+        audit: &mesh_plumbing::audit::Audit,
+        field: &str,
+    ) -> Result<(), Error> {
+        let report = reconcile::reconcile(&mut tx, reconcile::Scope::All, &self.keyring).await?;
+        if let Some((node, reason)) = report.too_large.into_iter().next() {
+            // Dropping tx rolls back: nothing is stored.
+            return Err(Error::SectionTooLarge {
+                field: field.to_owned(),
+                node,
+                reason,
+            });
+        }
+        mesh_plumbing::audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
+        if report.declared > 0 {
+            self.signal.notify();
+        }
+        Ok(())
+    }
+
     /// The master keyring (its key ids: never the keys).
     pub fn keyring(&self) -> &Keyring {
         &self.keyring

@@ -1,14 +1,13 @@
 //! Files (write and read side) and section status.
 
 use chrono::{DateTime, Utc};
-use mesh_plumbing::audit::{self, Audit};
+use mesh_plumbing::audit::Audit;
 use mesh_plumbing::etag::Preconditions;
 use mesh_protocol::{FileMode, Labels, MAX_FILE_BYTES, NodeId, validate_labels, validate_path};
 use serde::Serialize;
 use sqlx::types::Json;
 
-use crate::reconcile::{Scope, reconcile};
-use crate::{Config, Error, SCHEMA, SECTIONS};
+use crate::{Config, Error, SECTIONS};
 
 /// Who a file is for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -206,20 +205,7 @@ impl Config {
         .bind(selector)
         .fetch_one(&mut *tx)
         .await?;
-        let report = reconcile(&mut tx, Scope::All, &self.keyring).await?;
-        if let Some((node, reason)) = report.too_large.into_iter().next() {
-            // Dropping tx rolls back: the file is not stored.
-            return Err(Error::SectionTooLarge {
-                field: "content".into(),
-                node,
-                reason,
-            });
-        }
-        audit::record_ok(&mut tx, SCHEMA, audit).await?;
-        tx.commit().await?;
-        if report.declared > 0 {
-            self.signal.notify();
-        }
+        self.commit_change(tx, audit, "content").await?;
         Ok((row.file.into(), row.inserted))
     }
 
@@ -245,12 +231,7 @@ impl Config {
             .bind(name)
             .execute(&mut *tx)
             .await?;
-        let report = reconcile(&mut tx, Scope::All, &self.keyring).await?;
-        audit::record_ok(&mut tx, SCHEMA, audit).await?;
-        tx.commit().await?;
-        if report.declared > 0 {
-            self.signal.notify();
-        }
+        self.commit_change(tx, audit, "body").await?;
         Ok(())
     }
 

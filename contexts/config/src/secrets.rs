@@ -16,7 +16,6 @@ use sqlx::PgConnection;
 
 use crate::crypt::{self, CryptError};
 use crate::query::validate_name;
-use crate::reconcile::{Scope, reconcile};
 use crate::{Config, Error, SCHEMA};
 
 /// A secret's value is at most this many bytes.
@@ -281,15 +280,11 @@ impl Config {
         .bind(&by)
         .execute(&mut *tx)
         .await?;
-        let report = reconcile(&mut tx, Scope::All, &self.keyring).await?;
-        audit::record_ok(&mut tx, SCHEMA, audit).await?;
-        let view = secret_view(&mut tx, name)
+        self.commit_change(tx, audit, "value").await?;
+        let mut conn = self.pool.acquire().await?;
+        let view = secret_view(&mut conn, name)
             .await?
             .ok_or_else(|| Error::NotFound(format!("no secret `{name}`")))?;
-        tx.commit().await?;
-        if report.declared > 0 {
-            self.signal.notify();
-        }
         Ok((view, version == 1))
     }
 
@@ -315,12 +310,7 @@ impl Config {
             .bind(name)
             .execute(&mut *tx)
             .await?;
-        let report = reconcile(&mut tx, Scope::All, &self.keyring).await?;
-        audit::record_ok(&mut tx, SCHEMA, audit).await?;
-        tx.commit().await?;
-        if report.declared > 0 {
-            self.signal.notify();
-        }
+        self.commit_change(tx, audit, "body").await?;
         Ok(())
     }
 
@@ -405,24 +395,13 @@ impl Config {
         .bind(&by)
         .execute(&mut *tx)
         .await?;
-        let report = reconcile(&mut tx, Scope::All, &self.keyring).await?;
-        if let Some((node, reason)) = report.too_large.into_iter().next() {
-            return Err(Error::SectionTooLarge {
-                field: "secret".into(),
-                node,
-                reason,
-            });
-        }
-        audit::record_ok(&mut tx, SCHEMA, audit).await?;
-        let view = grants(&mut tx, Some(module), Some(secret))
+        self.commit_change(tx, audit, "secret").await?;
+        let mut conn = self.pool.acquire().await?;
+        let view = grants(&mut conn, Some(module), Some(secret))
             .await?
             .into_iter()
             .next()
             .ok_or_else(|| Error::NotFound(format!("no grant of `{secret}` to `{module}`")))?;
-        tx.commit().await?;
-        if report.declared > 0 {
-            self.signal.notify();
-        }
         Ok((view, current.is_none()))
     }
 
@@ -458,12 +437,7 @@ impl Config {
             .bind(secret)
             .execute(&mut *tx)
             .await?;
-        let report = reconcile(&mut tx, Scope::All, &self.keyring).await?;
-        audit::record_ok(&mut tx, SCHEMA, audit).await?;
-        tx.commit().await?;
-        if report.declared > 0 {
-            self.signal.notify();
-        }
+        self.commit_change(tx, audit, "body").await?;
         Ok(())
     }
 
