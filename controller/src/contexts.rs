@@ -121,7 +121,7 @@ impl Contexts {
                 message: e.to_string(),
             }
         })?;
-        let config = Config::with_keyring(
+        let config = Config::new(
             pool(creds, Config::SCHEMA, settings.pool_size).await?,
             signal.clone(),
             config_settings,

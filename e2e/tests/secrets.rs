@@ -75,6 +75,15 @@ async fn a_granted_secret_reaches_only_its_modules_node_sealed_and_leaves_with_t
     let copy_a = copy_of_declarations(&ch, &a).await?;
     let copy_b = copy_of_declarations(&ch, &b).await?;
 
+    // A file for every node: b gets config sections too, so what it is sent
+    // can be checked, not only what it is not.
+    let (status, body) = mesh
+        .put(
+            "/v1/files/motd",
+            &json!({"path": "/etc/motd", "content": "hi\n", "mode": "0644", "selector": {}}),
+        )
+        .await?;
+    assert_eq!(status, 201, "{body}");
     let (status, body) = mesh
         .put(
             "/v1/modules/app",
@@ -146,8 +155,15 @@ async fn a_granted_secret_reaches_only_its_modules_node_sealed_and_leaves_with_t
         let b_key = std::fs::read_to_string(mesh.agent(&b).state_dir.join("seal.key"))?;
         assert!(sealing::open(&SealSecretKey::from_hex(&b_key)?, &aad, &item.sealed).is_err());
     }
-    // b runs nothing granted: no declaration it was sent names the secret.
-    for (bytes, d) in take(&ch, &copy_b).await? {
+    // b runs nothing granted: it was sent its config section, and no
+    // declaration it was sent names the secret.
+    let to_b = take(&ch, &copy_b).await?;
+    assert!(
+        to_b.iter()
+            .any(|(_, d)| d.section == mesh_protocol::Section::Config),
+        "b was sent no config section"
+    );
+    for (bytes, d) in to_b {
         assert!(d.items.secrets.is_empty());
         assert!(!bytes.windows(5).any(|w| w == b"db-pw"));
     }

@@ -34,7 +34,7 @@ pub use envelope::{Envelope, PROTOCOL_VERSION, ProtocolRange, RawEnvelope, Unkno
 pub use error::DecodeError;
 pub use module::{
     MAX_SETTINGS_FILES, ModulePlacement, ModuleRemoved, SettingsFile, SettingsFormat,
-    validate_settings_file_name, validate_settings_files,
+    validate_file_name, validate_module_name, validate_settings_file_name, validate_settings_files,
 };
 pub use node::{Labels, NodeId, validate_labels};
 pub use record::{

@@ -35,9 +35,10 @@ pub struct SettingsFile {
     pub format: SettingsFormat,
 }
 
-/// Check a settings file name (`field` names it in the error): 1 to 63 of
-/// `[A-Za-z0-9._-]`, not `.` or `..`.
-pub fn validate_settings_file_name(field: &str, name: &str) -> Result<(), DecodeError> {
+/// Check a plain file name (`field` names it in the error): 1 to 63 of
+/// `[A-Za-z0-9._-]`, not `.` or `..`. A module's settings files and its
+/// granted secrets' files are named so, under `/modules/<module>/`.
+pub fn validate_file_name(field: &str, name: &str) -> Result<(), DecodeError> {
     let ok = !name.is_empty()
         && name.len() <= 63
         && name
@@ -45,12 +46,6 @@ pub fn validate_settings_file_name(field: &str, name: &str) -> Result<(), Decode
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
         && name != "."
         && name != "..";
-    if ok && name == "secrets" {
-        return Err(DecodeError::invalid(
-            field,
-            "`secrets` is the directory of the module's granted secrets: choose another name",
-        ));
-    }
     if ok {
         Ok(())
     } else {
@@ -62,6 +57,19 @@ pub fn validate_settings_file_name(field: &str, name: &str) -> Result<(), Decode
             ),
         ))
     }
+}
+
+/// Check a settings file name: a plain file name ([`validate_file_name`])
+/// other than `secrets`, the directory of the module's granted secrets.
+pub fn validate_settings_file_name(field: &str, name: &str) -> Result<(), DecodeError> {
+    validate_file_name(field, name)?;
+    if name == "secrets" {
+        return Err(DecodeError::invalid(
+            field,
+            "`secrets` is the directory of the module's granted secrets: choose another name",
+        ));
+    }
+    Ok(())
 }
 
 /// Check a module's settings files (`field` names the list in errors, e.g.
@@ -91,9 +99,10 @@ pub fn validate_settings_files(field: &str, files: &[SettingsFile]) -> Result<()
     Ok(())
 }
 
-/// A module's name as the record carries it: 1 to 48 of `[a-z0-9-]`, starting
-/// with a letter or digit.
-fn validate_module(module: &str) -> Result<(), DecodeError> {
+/// Check a module's name (`field` names it in the error): 1 to 48 of
+/// `[a-z0-9-]`, starting with a letter or digit. The one rule every context
+/// that names modules applies (inventory adds its own on top).
+pub fn validate_module_name(field: &str, module: &str) -> Result<(), DecodeError> {
     let ok = !module.is_empty()
         && module.len() <= 48
         && module
@@ -107,7 +116,7 @@ fn validate_module(module: &str) -> Result<(), DecodeError> {
         Ok(())
     } else {
         Err(DecodeError::invalid(
-            "body.module",
+            field,
             format!(
                 "`{}`: 1 to 48 characters of a-z 0-9 -, starting with a letter or digit",
                 module.chars().take(80).collect::<String>()
@@ -134,7 +143,7 @@ pub struct ModulePlacement {
 
 impl ModulePlacement {
     pub(crate) fn validate(&self) -> Result<(), DecodeError> {
-        validate_module(&self.module)?;
+        validate_module_name("body.module", &self.module)?;
         if !self.nodes.windows(2).all(|w| w[0] < w[1]) {
             return Err(DecodeError::invalid(
                 "body.nodes",
@@ -155,7 +164,7 @@ pub struct ModuleRemoved {
 
 impl ModuleRemoved {
     pub(crate) fn validate(&self) -> Result<(), DecodeError> {
-        validate_module(&self.module)
+        validate_module_name("body.module", &self.module)
     }
 }
 

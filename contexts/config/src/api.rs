@@ -113,7 +113,6 @@ pub(crate) const IF_MATCH: &str =
     responses(
         (status = 200, description = "The file", body = crate::FileView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
         NotModified,
-        BadRequest,
         NotFound,
     )
 )]
@@ -177,7 +176,11 @@ async fn put_file(
     let pre = Preconditions::from_headers(&headers)?;
     let spec = body.parse()?;
     let (file, created) = config.put_file(&name, spec, &pre, &audit).await?;
-    Ok(with_etag(created_status(created), file.revision, file))
+    Ok(etag::with_etag(
+        created_status(created),
+        file.revision,
+        file,
+    ))
 }
 
 /// 201 for a resource created, 200 for one replaced.

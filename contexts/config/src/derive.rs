@@ -221,7 +221,8 @@ pub(crate) async fn derive(
             .collect();
 
     // Pass 3: the sealed items, sealing what is not current.
-    let mut fresh: Vec<(String, String, String, i64, String, String)> = Vec::new();
+    // New sealed forms, keyed by (node, path) like the cache.
+    let mut fresh: Vec<((String, String), Cached)> = Vec::new();
     let mut kept: Vec<(String, String)> = Vec::new();
     for (w, current) in wants.iter().zip(is_current) {
         let node_key = (w.node.to_owned(), w.path.clone());
@@ -234,12 +235,13 @@ pub(crate) async fn derive(
                     match seal_to(w.key, w.node, &w.path, value) {
                         Ok(sealed) => {
                             fresh.push((
-                                w.node.to_owned(),
-                                w.path.clone(),
-                                w.grant.secret.clone(),
-                                *version,
-                                w.key.to_owned(),
-                                sealed.clone(),
+                                node_key.clone(),
+                                Cached {
+                                    secret: w.grant.secret.clone(),
+                                    version: *version,
+                                    seal_key: w.key.to_owned(),
+                                    sealed: sealed.clone(),
+                                },
                             ));
                             Some((*version, sealed))
                         }
@@ -301,7 +303,7 @@ fn seal_to(key_hex: &str, node: &str, path: &str, value: &[u8]) -> Result<String
 async fn store_sealed(
     tx: &mut PgConnection,
     only: Option<&[&str]>,
-    fresh: &[(String, String, String, i64, String, String)],
+    fresh: &[((String, String), Cached)],
     kept: &[(String, String)],
 ) -> Result<(), Error> {
     let (kn, kp): (Vec<&str>, Vec<&str>) =
@@ -319,32 +321,21 @@ async fn store_sealed(
     if fresh.is_empty() {
         return Ok(());
     }
-    let col = |i: usize| -> Vec<&str> {
-        fresh
-            .iter()
-            .map(|r| match i {
-                0 => r.0.as_str(),
-                1 => r.1.as_str(),
-                2 => r.2.as_str(),
-                4 => r.4.as_str(),
-                _ => r.5.as_str(),
-            })
-            .collect()
-    };
-    let versions: Vec<i64> = fresh.iter().map(|r| r.3).collect();
-    let cols = (col(0), col(1), col(2), versions, col(4), col(5));
+    let text =
+        |f: fn(&((String, String), Cached)) -> &str| -> Vec<&str> { fresh.iter().map(f).collect() };
+    let versions: Vec<i64> = fresh.iter().map(|(_, c)| c.version).collect();
     sqlx::query(
         "INSERT INTO config.sealed (node, path, secret, version, seal_key, sealed) \
          SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[]) \
          ON CONFLICT (node, path) DO UPDATE SET secret = excluded.secret, version = excluded.version, \
          seal_key = excluded.seal_key, sealed = excluded.sealed",
     )
-    .bind(&cols.0)
-    .bind(&cols.1)
-    .bind(&cols.2)
-    .bind(&cols.3)
-    .bind(&cols.4)
-    .bind(&cols.5)
+    .bind(text(|((node, _), _)| node))
+    .bind(text(|((_, path), _)| path))
+    .bind(text(|(_, c)| &c.secret))
+    .bind(&versions)
+    .bind(text(|(_, c)| &c.seal_key))
+    .bind(text(|(_, c)| &c.sealed))
     .execute(&mut *tx)
     .await?;
     Ok(())

@@ -103,14 +103,9 @@ pub struct Config {
 
 impl Config {
     /// `pool` must be connected as the config role; `signal` wakes the outbox
-    /// relay after an API request wrote declarations. Without a master
-    /// keyring: secrets are refused (see [`Config::with_keyring`]).
-    pub fn new(pool: PgPool, signal: OutboxSignal, settings: ConfigSettings) -> Self {
-        Self::with_keyring(pool, signal, settings, Keyring::none())
-    }
-
-    /// [`Config::new`] with the secrets master keyring.
-    pub fn with_keyring(
+    /// relay after an API request wrote declarations; `keyring` is the
+    /// secrets master keyring (one loaded from no file refuses secrets).
+    pub fn new(
         pool: PgPool,
         signal: OutboxSignal,
         settings: ConfigSettings,

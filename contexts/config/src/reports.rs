@@ -128,50 +128,63 @@ pub(crate) async fn modules_changed(
             }
         }
     }
-    let mut affected: Vec<String> = Vec::new();
-    for (module, e) in newest {
-        let (removed, nodes, files) = match e {
-            ModuleEvent::Placed(p) => (
-                false,
-                p.nodes
-                    .iter()
-                    .map(|n| n.as_str().to_owned())
-                    .collect::<Vec<_>>(),
-                p.settings_files.clone(),
-            ),
-            ModuleEvent::Removed(_) => (true, Vec::new(), Vec::new()),
-        };
-        // The nodes it ran on, then the newer row (none when stale).
-        let before: Option<Vec<String>> =
-            sqlx::query_scalar("SELECT nodes FROM config.modules WHERE module = $1 FOR UPDATE")
-                .bind(module)
-                .fetch_optional(&mut *tx)
-                .await?;
-        let kept: Option<String> = sqlx::query_scalar(
-            "INSERT INTO config.modules AS m (module, version, removed, nodes, settings_files) \
-             VALUES ($1, $2, $3, $4, $5) \
-             ON CONFLICT (module) DO UPDATE SET version = excluded.version, removed = excluded.removed, \
-             nodes = excluded.nodes, settings_files = excluded.settings_files \
-             WHERE m.version < excluded.version RETURNING module",
-        )
-        .bind(module)
-        .bind(e.version())
-        .bind(removed)
-        .bind(&nodes)
-        .bind(Json(&files))
-        .fetch_optional(&mut *tx)
-        .await?;
-        if kept.is_none() {
-            tracing::debug!(
-                module,
-                version = e.version(),
-                "ignoring a stale module event"
-            );
-            continue;
-        }
-        affected.extend(before.unwrap_or_default());
-        affected.extend(nodes);
+    if newest.is_empty() {
+        return Ok(());
     }
+    let n = newest.len();
+    let (mut modules, mut versions, mut removed, mut nodes, mut files) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for (module, e) in &newest {
+        modules.push(*module);
+        versions.push(e.version());
+        match e {
+            ModuleEvent::Placed(p) => {
+                removed.push(false);
+                nodes.push(Json(p.nodes.iter().map(NodeId::as_str).collect::<Vec<_>>()));
+                files.push(Json(p.settings_files.clone()));
+            }
+            ModuleEvent::Removed(_) => {
+                removed.push(true);
+                nodes.push(Json(Vec::new()));
+                files.push(Json(Vec::new()));
+            }
+        }
+    }
+    // One statement for the batch: each module's row is replaced when the
+    // event is newer (keys unique and sorted: rows locked in key order), and
+    // the nodes it ran on before (the statement's snapshot) and runs on now
+    // come back for the modules that changed.
+    let changed: Vec<(String, Vec<String>, Vec<String>)> = sqlx::query_as(
+        "WITH u AS (SELECT * FROM UNNEST($1::text[], $2::bigint[], $3::bool[], $4::jsonb[], $5::jsonb[]) \
+                    AS u(module, version, removed, nodes, files)), \
+              before AS (SELECT m.module, m.nodes FROM config.modules m JOIN u USING (module)), \
+              up AS (INSERT INTO config.modules AS m (module, version, removed, nodes, settings_files) \
+                     SELECT module, version, removed, \
+                            ARRAY(SELECT jsonb_array_elements_text(u.nodes)), files FROM u ORDER BY module \
+                     ON CONFLICT (module) DO UPDATE SET version = excluded.version, \
+                     removed = excluded.removed, nodes = excluded.nodes, \
+                     settings_files = excluded.settings_files \
+                     WHERE m.version < excluded.version RETURNING m.module, m.nodes) \
+         SELECT up.module, coalesce(before.nodes, '{}'), up.nodes FROM up LEFT JOIN before USING (module)",
+    )
+    .bind(&modules)
+    .bind(&versions)
+    .bind(&removed)
+    .bind(&nodes)
+    .bind(&files)
+    .fetch_all(&mut *tx)
+    .await?;
+    if changed.len() < n {
+        tracing::debug!(stale = n - changed.len(), "ignoring stale module events");
+    }
+    let affected = changed
+        .into_iter()
+        .flat_map(|(_, before, now)| before.into_iter().chain(now));
     reconcile_named(tx, affected, keyring).await
 }
 

@@ -4,6 +4,7 @@
 //! No function here returns a secret's value to a caller outside this crate:
 //! the value leaves the config schema only sealed to a node (`derive.rs`).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::RwLock;
 
@@ -44,24 +45,6 @@ impl Keyring {
             keys: RwLock::new(keys),
             writes: tokio::sync::RwLock::new(()),
         })
-    }
-
-    /// No keyring: secrets are refused.
-    pub fn none() -> Keyring {
-        Keyring {
-            path: None,
-            keys: RwLock::new(None),
-            writes: tokio::sync::RwLock::new(()),
-        }
-    }
-
-    /// A keyring held in memory only (tests of the pure parts).
-    pub fn in_memory(keys: MasterKeys) -> Keyring {
-        Keyring {
-            path: None,
-            keys: RwLock::new(Some(keys)),
-            writes: tokio::sync::RwLock::new(()),
-        }
     }
 
     fn with<T>(&self, f: impl FnOnce(&MasterKeys) -> Result<T, Error>) -> Result<T, Error> {
@@ -323,17 +306,7 @@ impl Config {
     /// Every secret's metadata, by name.
     pub async fn secrets(&self) -> Result<Vec<SecretView>, Error> {
         let mut conn = self.pool.acquire().await?;
-        let names: Vec<String> =
-            sqlx::query_scalar("SELECT name FROM config.secrets ORDER BY name")
-                .fetch_all(&mut *conn)
-                .await?;
-        let mut out = Vec::with_capacity(names.len());
-        for name in names {
-            if let Some(v) = secret_view(&mut conn, &name).await? {
-                out.push(v);
-            }
-        }
-        Ok(out)
+        secret_views(&mut conn, None).await
     }
 
     /// Grant secret `secret` to module `module` (as file `file`, default the
@@ -508,79 +481,70 @@ fn clip(s: &str) -> String {
     s.chars().take(80).collect()
 }
 
-/// A module name as inventory takes it: 1 to 63 of `[a-z0-9-]`.
+/// A module's name, as the record names modules.
 pub(crate) fn validate_module(module: &str) -> Result<(), Error> {
-    let ok = !module.is_empty()
-        && module.len() <= 63
-        && module
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    if ok {
-        Ok(())
-    } else {
-        Err(Error::Invalid {
-            field: "module".into(),
-            reason: format!("`{}`: 1 to 63 of a-z 0-9 -", clip(module)),
-        })
-    }
+    mesh_protocol::validate_module_name("module", module).map_err(Error::from)
 }
 
-/// A file name under a module's directory: 1 to 63 of `[A-Za-z0-9._-]`, not
-/// `.` or `..`.
+/// A granted secret's file name under the module's `secrets/` directory.
 pub(crate) fn validate_file(file: &str) -> Result<(), Error> {
-    let ok = !file.is_empty()
-        && file.len() <= 63
-        && file != "."
-        && file != ".."
-        && file
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok {
-        Ok(())
-    } else {
-        Err(Error::Invalid {
-            field: "file".into(),
-            reason: format!(
-                "`{}`: 1 to 63 of A-Z a-z 0-9 . _ -, not . or ..",
-                clip(file)
-            ),
-        })
-    }
+    mesh_protocol::validate_file_name("file", file).map_err(Error::from)
 }
 
 async fn secret_view(conn: &mut PgConnection, name: &str) -> Result<Option<SecretView>, Error> {
-    let row: Option<(i64, DateTime<Utc>, String, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT version, created_at, created_by, updated_at FROM config.secrets WHERE name = $1",
-    )
-    .bind(name)
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some((version, created_at, created_by, updated_at)) = row else {
-        return Ok(None);
-    };
-    let versions: Vec<(i64, DateTime<Utc>, String)> = sqlx::query_as(
-        "SELECT version, created_at, created_by FROM config.secret_versions \
-         WHERE secret = $1 ORDER BY version DESC",
+    Ok(secret_views(conn, Some(name)).await?.into_iter().next())
+}
+
+/// The metadata of secret `name` (`None`: of every secret, by name), in three
+/// queries whatever their number.
+async fn secret_views(
+    conn: &mut PgConnection,
+    name: Option<&str>,
+) -> Result<Vec<SecretView>, Error> {
+    type Row = (String, i64, DateTime<Utc>, String, DateTime<Utc>);
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT name, version, created_at, created_by, updated_at FROM config.secrets \
+         WHERE $1::text IS NULL OR name = $1 ORDER BY name",
     )
     .bind(name)
     .fetch_all(&mut *conn)
     .await?;
-    Ok(Some(SecretView {
-        name: name.to_owned(),
-        version,
-        created_at,
-        created_by,
-        updated_at,
-        versions: versions
-            .into_iter()
-            .map(|(version, created_at, created_by)| SecretVersion {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let versions: Vec<(String, i64, DateTime<Utc>, String)> = sqlx::query_as(
+        "SELECT secret, version, created_at, created_by FROM config.secret_versions \
+         WHERE $1::text IS NULL OR secret = $1 ORDER BY secret, version DESC",
+    )
+    .bind(name)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut versions_of: BTreeMap<String, Vec<SecretVersion>> = BTreeMap::new();
+    for (secret, version, created_at, created_by) in versions {
+        versions_of.entry(secret).or_default().push(SecretVersion {
+            version,
+            created_at,
+            created_by,
+        });
+    }
+    let mut grants_of: BTreeMap<String, Vec<GrantView>> = BTreeMap::new();
+    for g in grants(conn, None, name).await? {
+        grants_of.entry(g.secret.clone()).or_default().push(g);
+    }
+    Ok(rows
+        .into_iter()
+        .map(
+            |(name, version, created_at, created_by, updated_at)| SecretView {
+                versions: versions_of.remove(&name).unwrap_or_default(),
+                grants: grants_of.remove(&name).unwrap_or_default(),
+                name,
                 version,
                 created_at,
                 created_by,
-            })
-            .collect(),
-        grants: grants(conn, None, Some(name)).await?,
-    }))
+                updated_at,
+            },
+        )
+        .collect())
 }
 
 async fn grants(

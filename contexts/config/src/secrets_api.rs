@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{IF_MATCH, created_status, with_etag};
+use crate::api::{IF_MATCH, created_status};
 use crate::secrets::{GrantView, RotationReport, SecretView};
 use crate::{Config, Error};
 
@@ -75,13 +75,12 @@ async fn list_secrets(State(config): State<Arc<Config>>) -> Result<Json<SecretLi
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "The ETag you hold: 304 while it is current"),
     ),
     responses((status = 200, description = "The secret's metadata", body = SecretView, headers(("ETag" = String, description = "`\"<version>\"`"))),
-        NotModified, BadRequest, NotFound))]
+        NotModified, NotFound))]
 async fn get_secret(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    Preconditions::from_headers(&headers)?;
     let Some(secret) = config.secret(&name).await? else {
         return Err(Error::NotFound(format!(
             "no secret `{}`",
@@ -89,10 +88,7 @@ async fn get_secret(
         ))
         .into());
     };
-    if etag::not_modified(&headers, secret.version) {
-        return Ok(etag::not_modified_response(secret.version));
-    }
-    Ok(with_etag(StatusCode::OK, secret.version, secret))
+    Ok(etag::conditional_get(&headers, secret.version, &secret))
 }
 
 /// Write a new version of a secret (creating it): encrypted at rest, then
@@ -118,7 +114,11 @@ async fn put_secret(
 ) -> Result<Response, Problem> {
     let pre = Preconditions::from_headers(&headers)?;
     let (secret, created) = config.put_secret(&name, &body.value, &pre, &audit).await?;
-    Ok(with_etag(created_status(created), secret.version, secret))
+    Ok(etag::with_etag(
+        created_status(created),
+        secret.version,
+        secret,
+    ))
 }
 
 /// Delete a secret, its versions and its grants: its files leave every node.
@@ -181,13 +181,12 @@ fn no_grant(module: &str, secret: &str) -> Problem {
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "The ETag you hold: 304 while it is current"),
     ),
     responses((status = 200, description = "The grant", body = GrantView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
-        NotModified, BadRequest, NotFound))]
+        NotModified, NotFound))]
 async fn get_grant(
     State(config): State<Arc<Config>>,
     Path((module, secret)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    Preconditions::from_headers(&headers)?;
     let Some(grant) = config
         .grants(&module, Some(&secret))
         .await?
@@ -196,10 +195,7 @@ async fn get_grant(
     else {
         return Err(no_grant(&module, &secret));
     };
-    if etag::not_modified(&headers, grant.revision) {
-        return Ok(etag::not_modified_response(grant.revision));
-    }
-    Ok(with_etag(StatusCode::OK, grant.revision, grant))
+    Ok(etag::conditional_get(&headers, grant.revision, &grant))
 }
 
 /// Grant a secret to a module: every node that runs it receives the value,
@@ -227,7 +223,11 @@ async fn put_grant(
     let (grant, created) = config
         .put_grant(&module, &secret, body.file.as_deref(), &pre, &audit)
         .await?;
-    Ok(with_etag(created_status(created), grant.revision, grant))
+    Ok(etag::with_etag(
+        created_status(created),
+        grant.revision,
+        grant,
+    ))
 }
 
 /// Revoke a grant: the secret's file leaves the module's nodes.

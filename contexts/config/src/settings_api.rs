@@ -21,7 +21,7 @@ use utoipa::IntoParams;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{IF_MATCH, created_status, with_etag};
+use crate::api::{IF_MATCH, created_status};
 use crate::layers::{EffectiveView, LayerView};
 use crate::settings::{Scope, Values};
 use crate::{Config, Error};
@@ -72,14 +72,10 @@ fn scope_of(kind: &str, name: String) -> Result<Scope, Problem> {
 }
 
 async fn get(config: &Config, scope: Scope, headers: &HeaderMap) -> Result<Response, Problem> {
-    Preconditions::from_headers(headers)?;
     let Some(layer) = config.layer(&scope).await? else {
         return Err(Error::NotFound(format!("no settings layer `{}`", scope.path())).into());
     };
-    if etag::not_modified(headers, layer.revision) {
-        return Ok(etag::not_modified_response(layer.revision));
-    }
-    Ok(with_etag(StatusCode::OK, layer.revision, layer))
+    Ok(etag::conditional_get(headers, layer.revision, &layer))
 }
 
 async fn put(
@@ -93,7 +89,11 @@ async fn put(
     let (layer, created) = config
         .put_layer(&scope, body.selector, body.values, &pre, audit)
         .await?;
-    Ok(with_etag(created_status(created), layer.revision, layer))
+    Ok(etag::with_etag(
+        created_status(created),
+        layer.revision,
+        layer,
+    ))
 }
 
 async fn delete(
@@ -120,7 +120,7 @@ async fn list_layers(State(config): State<Arc<Config>>) -> Result<Json<LayerList
 #[utoipa::path(get, path = "/v1/settings/global", tag = "config",
     params(("If-None-Match" = Option<String>, Header, nullable = false, description = "The ETag you hold: 304 while it is current")),
     responses((status = 200, description = "The layer", body = LayerView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
-        NotModified, BadRequest, NotFound))]
+        NotModified, NotFound))]
 async fn get_global(
     State(config): State<Arc<Config>>,
     headers: HeaderMap,
@@ -168,7 +168,7 @@ async fn delete_global(
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "The ETag you hold: 304 while it is current"),
     ),
     responses((status = 200, description = "The layer", body = LayerView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
-        NotModified, BadRequest, NotFound, Unprocessable))]
+        NotModified, NotFound, Unprocessable))]
 async fn get_layer(
     State(config): State<Arc<Config>>,
     Path((kind, name)): Path<(String, String)>,

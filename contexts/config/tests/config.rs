@@ -50,7 +50,7 @@ async fn setup() -> Fixture {
         .await
         .unwrap();
     let keyring = mesh_config::Keyring::load(Some(env.master_keys_path())).unwrap();
-    let config = Arc::new(Config::with_keyring(
+    let config = Arc::new(Config::new(
         pool.clone(),
         OutboxSignal::default(),
         ConfigSettings::default(),
@@ -1605,7 +1605,7 @@ async fn master_key_rotation_keeps_secrets_readable_and_delivered_values_unchang
         "what nodes hold did not change"
     );
 
-    let restarted = Config::with_keyring(
+    let restarted = Config::new(
         f.pool.clone(),
         OutboxSignal::default(),
         ConfigSettings::default(),
@@ -1637,7 +1637,7 @@ async fn master_key_rotation_keeps_secrets_readable_and_delivered_values_unchang
 #[tokio::test]
 async fn concurrent_writers_one_wins_the_other_gets_412_and_a_current_get_is_304() {
     let f = setup().await;
-    request(&f, "PUT", "/v1/secrets/s", r#"{"value": "v"}"#).await;
+    // In this order: the grant's secret exists before the grant.
     let cases = [
         (
             "/v1/files/f",
@@ -1662,20 +1662,20 @@ async fn concurrent_writers_one_wins_the_other_gets_412_and_a_current_get_is_304
         ("/v1/modules/app/grants/s", r#"{}"#, r#"{"file": "other"}"#),
     ];
     for (uri, one, two) in cases {
-        let (status, _, _, etag) =
+        let (status, _, _, created) =
             request_with(&f, "PUT", uri, one, &[("if-none-match", "*")]).await;
-        assert!(
-            status == StatusCode::CREATED || uri == "/v1/secrets/s",
-            "{uri}: {status}"
-        );
-        let (status, _, _, etag) = match etag {
-            Some(_) if uri != "/v1/secrets/s" => {
-                (status, String::new(), serde_json::Value::Null, etag)
-            }
-            _ => request_with(&f, "GET", uri, "", &[]).await,
-        };
-        assert!(status.is_success(), "{uri}: {status}");
+        assert_eq!(status, StatusCode::CREATED, "{uri}");
+        // Only creates: a second create is refused.
+        let (status, _, _, _) = request_with(&f, "PUT", uri, one, &[("if-none-match", "*")]).await;
+        assert_eq!(status, StatusCode::PRECONDITION_FAILED, "{uri}");
+        let (status, _, _, etag) = request_with(&f, "GET", uri, "", &[]).await;
+        assert_eq!(status, StatusCode::OK, "{uri}");
         let etag = etag.unwrap();
+        assert_eq!(
+            Some(&etag),
+            created.as_ref(),
+            "{uri}: the PUT's ETag is the GET's"
+        );
         // A GET with the current tag: 304.
         let (status, _, _, _) = request_with(&f, "GET", uri, "", &[("if-none-match", &etag)]).await;
         assert_eq!(status, StatusCode::NOT_MODIFIED, "{uri}");
@@ -1752,5 +1752,66 @@ async fn a_viewer_reads_a_files_metadata_not_its_content() {
     .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem["field"], "path");
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_batch_of_module_events_keeps_each_modules_newest() {
+    let f = setup().await;
+    let (a, b, c) = three_nodes(&f).await;
+    request(&f, "PUT", "/v1/settings/global", r#"{"values": {"X": 1}}"#).await;
+    let event = |module: &str, version: i64, nodes: &[&NodeId]| {
+        RecordEvent::new(RecordKind::ModulePlaced(mesh_protocol::ModulePlacement {
+            module: module.to_owned(),
+            version,
+            nodes: nodes.iter().map(|n| (*n).clone()).collect(),
+            settings_files: serde_json::from_value(
+                serde_json::json!([{"name": "s.env", "format": "env"}]),
+            )
+            .unwrap(),
+        }))
+    };
+    // Newer before older, a module placed then removed, all in one batch.
+    route_events(
+        &f,
+        &[
+            event("app", 2, &[&a, &b]),
+            event("app", 1, &[&c]),
+            event("gone", 1, &[&c]),
+            RecordEvent::new(RecordKind::ModuleRemoved(mesh_protocol::ModuleRemoved {
+                module: "gone".into(),
+                version: 2,
+            })),
+        ],
+    )
+    .await;
+    let rows: Vec<(String, i64, bool, Vec<String>)> = sqlx::query_as(
+        "SELECT module, version, removed, nodes FROM config.modules ORDER BY module",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            ("app".into(), 2, false, vec![a.to_string(), b.to_string()]),
+            ("gone".into(), 2, true, vec![]),
+        ]
+    );
+    let decl = newest(&f, 0).await;
+    assert_eq!(
+        decl.keys().cloned().collect::<Vec<_>>(),
+        vec![a.to_string(), b.to_string()]
+    );
+    assert!(file_content(&decl[a.as_str()], "/modules/app/s.env").is_some());
+    // Moving the module later re-declares where it left and where it went.
+    let before = last_outbox_id(&f).await;
+    route_events(&f, &[event("app", 3, &[&b, &c])]).await;
+    let decl = newest(&f, before).await;
+    assert_eq!(
+        decl.keys().cloned().collect::<Vec<_>>(),
+        vec![a.to_string(), c.to_string()]
+    );
+    assert!(decl[a.as_str()].items.files.is_empty());
     f.env.teardown().await.unwrap();
 }

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use axum::Json;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
-use axum::http::header::{ETAG, IF_MATCH};
+use axum::http::header::IF_MATCH;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use mesh_plumbing::api::Problem;
-use mesh_plumbing::etag::{Precondition, check_write, etag, not_modified, precondition};
+use mesh_plumbing::etag::{Precondition, check_write, conditional_get, precondition, with_etag};
 use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, NotFound, NotModified, PreconditionFailed, PreconditionRequired,
     Unprocessable,
@@ -115,15 +115,13 @@ struct LabelsResponse {
     revision: i64,
 }
 
-fn labels_answer(id: &NodeId, labels: NodeLabels) -> Response {
-    let tag = etag(labels.revision);
-    let body = LabelsResponse {
+fn labels_body(id: &NodeId, labels: NodeLabels) -> LabelsResponse {
+    LabelsResponse {
         id: id.to_string(),
         labels: labels.view,
         version: labels.version,
         revision: labels.revision,
-    };
-    ([(ETAG, tag)], Json(body)).into_response()
+    }
 }
 
 /// A node's labels (reported, operator, effective) with the operator labels'
@@ -152,10 +150,12 @@ async fn get_labels(
         .node_labels(&id)
         .await?
         .ok_or_else(|| Error::NodeNotFound(id.to_string()))?;
-    if not_modified(&headers, labels.revision) {
-        return Ok((StatusCode::NOT_MODIFIED, [(ETAG, etag(labels.revision))]).into_response());
-    }
-    Ok(labels_answer(&id, labels))
+    let revision = labels.revision;
+    Ok(conditional_get(
+        &headers,
+        revision,
+        labels_body(&id, labels),
+    ))
 }
 
 /// Replace a node's operator labels. Needs `If-Match`: the ETag of the
@@ -190,7 +190,12 @@ async fn put_labels(
     let labels = inventory
         .set_operator_labels(&id, body.labels, if_match.as_ref(), &audit)
         .await?;
-    Ok(labels_answer(&id, labels))
+    let revision = labels.revision;
+    Ok(with_etag(
+        StatusCode::OK,
+        revision,
+        labels_body(&id, labels),
+    ))
 }
 
 /// A node's labels as the labels routes show them.

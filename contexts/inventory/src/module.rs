@@ -60,20 +60,7 @@ pub fn validate_name(name: &str) -> Result<(), Error> {
         field: "name".to_owned(),
         reason: format!("`{}`: {reason}", name.chars().take(80).collect::<String>()),
     };
-    let ok = !name.is_empty()
-        && name.len() <= 48
-        && name
-            .bytes()
-            .next()
-            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    if !ok {
-        return Err(invalid(
-            "1 to 48 characters of a-z 0-9 -, starting with a letter or digit",
-        ));
-    }
+    mesh_protocol::validate_module_name("name", name)?;
     if let Some((_, tail)) = name.rsplit_once('-')
         && !tail.is_empty()
         && tail.bytes().all(|b| b.is_ascii_digit())

@@ -17,7 +17,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use mesh_plumbing::api::{ApiJson, Problem};
 use mesh_plumbing::audit::{self, Audit};
-use mesh_plumbing::etag::{Precondition, check_write, etag, not_modified, precondition};
+use mesh_plumbing::etag::{Precondition, check_write, conditional_get, etag, precondition};
 use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, Conflict, NotFound, NotModified, PreconditionFailed,
     PreconditionRequired, Unprocessable,
@@ -61,8 +61,7 @@ fn parse_name(name: &str) -> Result<(), Problem> {
 }
 
 fn with_etag(status: StatusCode, view: ModuleView) -> Response {
-    let tag = etag(view.revision);
-    (status, [(ETAG, tag)], Json(view)).into_response()
+    mesh_plumbing::etag::with_etag(status, view.revision, view)
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -146,10 +145,7 @@ async fn get_module(
         .module(&name)
         .await?
         .ok_or_else(|| Problem::not_found(format!("no module `{name}`")))?;
-    if not_modified(&headers, view.revision) {
-        return Ok((StatusCode::NOT_MODIFIED, [(ETAG, etag(view.revision))]).into_response());
-    }
-    Ok(with_etag(StatusCode::OK, view))
+    Ok(conditional_get(&headers, view.revision, &view))
 }
 
 /// Create or replace a module, then reconcile the fleet. Replacing needs

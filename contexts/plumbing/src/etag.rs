@@ -168,6 +168,26 @@ pub fn not_modified_response(revision: i64) -> Response {
     (StatusCode::NOT_MODIFIED, [(header::ETAG, etag(revision))]).into_response()
 }
 
+/// A JSON answer carrying the ETag of `revision`.
+pub fn with_etag(status: StatusCode, revision: i64, body: impl serde::Serialize) -> Response {
+    (status, [(header::ETAG, etag(revision))], axum::Json(body)).into_response()
+}
+
+/// The answer of a `GET` of a resource at `revision`: 304 when the request's
+/// `If-None-Match` names it (an unreadable `If-None-Match` matches nothing),
+/// else 200 with `body` and the ETag.
+pub fn conditional_get(
+    headers: &HeaderMap,
+    revision: i64,
+    body: impl serde::Serialize,
+) -> Response {
+    if not_modified(headers, revision) {
+        not_modified_response(revision)
+    } else {
+        with_etag(StatusCode::OK, revision, body)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
