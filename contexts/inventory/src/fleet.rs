@@ -656,7 +656,11 @@ async fn publish_placements(
     }
     if !names.is_empty() {
         sqlx::query(
-            "INSERT INTO inventory.module_placements AS p (module, nodes, settings_files, version)              SELECT u.module, u.nodes::jsonb, u.files::jsonb, u.version              FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[]) AS u(module, nodes, files, version)              ON CONFLICT (module) DO UPDATE SET nodes = excluded.nodes,              settings_files = excluded.settings_files, version = excluded.version, published_at = now()",
+            "INSERT INTO inventory.module_placements AS p (module, nodes, settings_files, version) \
+             SELECT u.module, u.nodes::jsonb, u.files::jsonb, u.version \
+             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[]) AS u(module, nodes, files, version) \
+             ON CONFLICT (module) DO UPDATE SET nodes = excluded.nodes, \
+             settings_files = excluded.settings_files, version = excluded.version, published_at = now()",
         )
         .bind(&names)
         .bind(&nodes)
