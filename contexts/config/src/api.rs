@@ -4,9 +4,8 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::{Path, State};
-use axum::http::header::ETAG;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use mesh_plumbing::api::{Problem, Role};
 use mesh_plumbing::etag::{self, Preconditions};
 use mesh_plumbing::openapi::{
@@ -122,26 +121,13 @@ async fn get_file(
     audit: Audit,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    Preconditions::from_headers(&headers)?;
     let Some(mut file) = config.file(&name).await? else {
         return Err(Error::FileNotFound(name.chars().take(80).collect()).into());
     };
-    if etag::not_modified(&headers, file.revision) {
-        return Ok(etag::not_modified_response(file.revision));
-    }
     if audit.principal().role < Role::Operator {
         file.content = None;
     }
-    Ok(with_etag(StatusCode::OK, file.revision, file))
-}
-
-/// A JSON answer with the ETag of `revision`.
-pub(crate) fn with_etag(
-    status: StatusCode,
-    revision: i64,
-    body: impl serde::Serialize,
-) -> Response {
-    (status, [(ETAG, etag::etag(revision))], Json(body)).into_response()
+    Ok(etag::conditional_get(&headers, file.revision, &file))
 }
 
 /// Declare a file (create or replace) for one node or every node a selector
