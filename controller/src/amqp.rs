@@ -66,7 +66,9 @@ pub(crate) fn report_queue_bound(kind: ReportKind) -> FieldTable {
         ReportKind::Heartbeat => bounded(HEARTBEAT_QUEUE_MAX_LEN, "drop-head"),
         // Losing a hello or an applied report is not acceptable: refuse the publish,
         // the agent keeps it buffered and retries.
-        ReportKind::Hello | ReportKind::Applied => bounded(REPORT_QUEUE_MAX_LEN, "reject-publish"),
+        ReportKind::Hello | ReportKind::Applied | ReportKind::Certificates => {
+            bounded(REPORT_QUEUE_MAX_LEN, "reject-publish")
+        }
         // A units report is a node's whole list, superseded by its next one.
         ReportKind::Units => bounded(UNITS_QUEUE_MAX_LEN, "drop-head"),
     }

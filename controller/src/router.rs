@@ -42,6 +42,10 @@ impl Contexts {
             // applied: what the node applied of each section (inventory records it
             // for every section; decision 0015).
             ReportKind::Applied => run(&*self.inventory, batch, true).await,
+            // certificates: CSRs and held certificates (connectivity).
+            ReportKind::Certificates => Err(HandlerError::Permanent(
+                "no context handles certificates in this version".to_owned(),
+            )),
         }
     }
 

@@ -668,6 +668,7 @@ pub fn hello(
             agent_version: "test".into(),
             public_key: None,
             seal_key: None,
+            overlay: None,
             applied: Default::default(),
             protocol: None,
         }),

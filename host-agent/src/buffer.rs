@@ -57,7 +57,10 @@ impl ReportBuffer {
     /// Add a report; returns the reports dropped to make room (or superseded).
     pub fn push(&mut self, report: Outgoing) -> Vec<Outgoing> {
         let mut dropped = Vec::new();
-        if matches!(report.kind, ReportKind::Hello | ReportKind::Units) {
+        if matches!(
+            report.kind,
+            ReportKind::Hello | ReportKind::Units | ReportKind::Certificates
+        ) {
             let mut i = 0;
             while i < self.entries.len() {
                 if self.entries[i].report.kind == report.kind && !self.entries[i].in_flight {

@@ -23,6 +23,7 @@ pub fn hello(
         agent_version: AGENT_VERSION.to_owned(),
         public_key: None,
         seal_key,
+        overlay: None,
         applied,
         protocol: Some(ProtocolRange::THIS),
     }

@@ -696,6 +696,7 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
             files: vec![file("/srv/svc/app.conf", "port=8080\n", 0o644)],
             units,
             secrets: vec![],
+            ..Default::default()
         },
     };
     publish_raw(

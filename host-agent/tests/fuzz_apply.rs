@@ -133,7 +133,7 @@ proptest! {
             let decl = Declaration {
                 section: Section::Config,
                 generation: i as u64 + 1,
-                items: DeclarationItems { heartbeat: None, files, units: vec![], secrets: vec![] },
+                items: DeclarationItems { heartbeat: None, files, units: vec![], secrets: vec![], ..Default::default() },
             };
             let report = applier.apply(&decl, &prev);
             if let Some(state) = report.state {

@@ -238,6 +238,17 @@ pub struct DeclarationItems {
     /// An agent older than plans ignores it and is judged by its own interval.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heartbeat: Option<HeartbeatPlan>,
+    /// The node's WireGuard interface and peers (the connectivity section).
+    /// Absent when not declared, so older digests stay; an agent older than
+    /// the overlay ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay: Option<crate::OverlayPlan>,
+    /// The node's nftables ruleset (the connectivity section).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub firewall: Option<crate::FirewallPlan>,
+    /// Certificates issued to the node for its CSRs (the connectivity section).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub certificates: Vec<crate::CertificateItem>,
 }
 
 /// The heartbeat interval and grace the controller asks of a node.
@@ -296,6 +307,29 @@ impl DeclarationItems {
         if let Some(plan) = &self.heartbeat {
             plan.validate("body.items.heartbeat")?;
         }
+        if let Some(plan) = &self.overlay {
+            plan.validate("body.items.overlay")?;
+        }
+        if let Some(plan) = &self.firewall {
+            plan.validate("body.items.firewall")?;
+        }
+        if self.certificates.len() > crate::MAX_CERTIFICATES {
+            return Err(DecodeError::invalid(
+                "body.items.certificates",
+                format!("more than {} certificates", crate::MAX_CERTIFICATES),
+            ));
+        }
+        let mut certs = BTreeSet::new();
+        for (i, c) in self.certificates.iter().enumerate() {
+            let field = format!("body.items.certificates[{i}]");
+            c.validate(&field)?;
+            if !certs.insert(c.name.as_str()) {
+                return Err(DecodeError::invalid(
+                    format!("{field}.name"),
+                    format!("`{}` is declared twice", c.name),
+                ));
+            }
+        }
         let mut names = BTreeSet::new();
         for (i, u) in self.units.iter().enumerate() {
             let field = format!("body.items.units[{i}]");
@@ -339,6 +373,7 @@ pub fn digest_items(items: &DeclarationItems) -> String {
     sorted.files.sort_by(|a, b| a.path.cmp(&b.path));
     sorted.units.sort_by(|a, b| a.name.cmp(&b.name));
     sorted.secrets.sort_by(|a, b| a.path.cmp(&b.path));
+    sorted.certificates.sort_by(|a, b| a.name.cmp(&b.name));
     let bytes = serde_json::to_vec(&sorted).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }

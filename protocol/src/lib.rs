@@ -12,6 +12,7 @@
 //!
 //! docs/protocol.md is the contract this crate implements.
 
+mod connectivity;
 mod declaration;
 mod envelope;
 mod error;
@@ -25,6 +26,13 @@ pub mod signing;
 pub mod topology;
 mod unit;
 
+pub use connectivity::{
+    CertificateItem, CertificateRequest, Certificates, FirewallPlan, HeldCertificate,
+    MAX_CERTIFICATES, MAX_PEERS, MAX_PEM_BYTES, MAX_PORTS, MAX_RULESET_BYTES, ModulePort,
+    NODE_CERTIFICATE, OverlayFacts, OverlayPeer, OverlayPlan, PortProtocol,
+    validate_certificate_name, validate_cidr, validate_dns_name, validate_endpoint, validate_ports,
+    validate_wireguard_key,
+};
 pub use declaration::{
     Declaration, DeclarationItems, FileItem, FileMode, HeartbeatPlan, MAX_SEALED_BYTES,
     SealedFileItem, Section, digest_items, validate_path, validate_section_name,

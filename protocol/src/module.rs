@@ -139,6 +139,10 @@ pub struct ModulePlacement {
     pub nodes: Vec<NodeId>,
     #[serde(default)]
     pub settings_files: Vec<SettingsFile>,
+    /// The module's ports: who may reach each over the overlay, and which
+    /// are exposed publicly (connectivity). Absent when the module declares none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<crate::ModulePort>,
 }
 
 impl ModulePlacement {
@@ -150,7 +154,8 @@ impl ModulePlacement {
                 "must be sorted and without duplicates",
             ));
         }
-        validate_settings_files("body.settings_files", &self.settings_files)
+        validate_settings_files("body.settings_files", &self.settings_files)?;
+        crate::validate_ports("body.ports", &self.ports)
     }
 }
 

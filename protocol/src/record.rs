@@ -397,6 +397,7 @@ mod tests {
                     name: "app.env".into(),
                     format: crate::SettingsFormat::Env,
                 }],
+                ports: Vec::new(),
             }),
             RecordKind::ModuleRemoved(ModuleRemoved {
                 module: "web".into(),

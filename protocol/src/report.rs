@@ -48,14 +48,16 @@ pub enum ReportKind {
     Heartbeat,
     Applied,
     Units,
+    Certificates,
 }
 
 impl ReportKind {
-    pub const ALL: [ReportKind; 4] = [
+    pub const ALL: [ReportKind; 5] = [
         ReportKind::Hello,
         ReportKind::Heartbeat,
         ReportKind::Applied,
         ReportKind::Units,
+        ReportKind::Certificates,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -64,6 +66,7 @@ impl ReportKind {
             ReportKind::Heartbeat => "heartbeat",
             ReportKind::Applied => "applied",
             ReportKind::Units => "units",
+            ReportKind::Certificates => "certificates",
         }
     }
 
@@ -82,6 +85,7 @@ pub enum Report {
     Heartbeat(Heartbeat),
     Applied(Applied),
     Units(crate::Units),
+    Certificates(crate::Certificates),
 }
 
 impl Report {
@@ -91,6 +95,7 @@ impl Report {
             Report::Heartbeat(_) => ReportKind::Heartbeat,
             Report::Applied(_) => ReportKind::Applied,
             Report::Units(_) => ReportKind::Units,
+            Report::Certificates(_) => ReportKind::Certificates,
         }
     }
 }
@@ -106,6 +111,7 @@ impl Body for Report {
             Report::Heartbeat(b) => serde_json::to_value(b),
             Report::Applied(b) => serde_json::to_value(b),
             Report::Units(b) => serde_json::to_value(b),
+            Report::Certificates(b) => serde_json::to_value(b),
         };
         v.unwrap_or(serde_json::Value::Null)
     }
@@ -120,6 +126,7 @@ impl Body for Report {
             ReportKind::Heartbeat => Report::Heartbeat(parse_body(kind, body, unknown)?),
             ReportKind::Applied => Report::Applied(parse_body(kind, body, unknown)?),
             ReportKind::Units => Report::Units(parse_body(kind, body, unknown)?),
+            ReportKind::Certificates => Report::Certificates(parse_body(kind, body, unknown)?),
         };
         report.validate()?;
         Ok(report)
@@ -138,6 +145,7 @@ impl Report {
                 }
                 Ok(())
             }
+            Report::Certificates(c) => c.validate(),
         }
     }
 }
@@ -163,6 +171,10 @@ pub struct Hello {
     /// which no secret can be declared.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seal_key: Option<String>,
+    /// The node's WireGuard public key and endpoint (connectivity); absent: an
+    /// agent older than the overlay, or one configured without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay: Option<crate::OverlayFacts>,
     #[serde(deserialize_with = "lenient_generations")]
     pub applied: AppliedGenerations,
     /// The envelope versions the agent speaks; absent (an agent older than
@@ -196,6 +208,9 @@ impl Hello {
         if let Some(key) = &self.seal_key {
             crate::sealing::SealPublicKey::from_hex(key)
                 .map_err(|e| DecodeError::invalid("body.seal_key", e.to_string()))?;
+        }
+        if let Some(overlay) = &self.overlay {
+            overlay.validate("body.overlay")?;
         }
         for (field, value, max) in [
             ("body.hostname", &self.hostname, 255),

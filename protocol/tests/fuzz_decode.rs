@@ -90,6 +90,7 @@ fn valid_envelopes() -> Vec<Value> {
             agent_version: "1".into(),
             public_key: None,
             seal_key: Some(seal_key().public().to_hex()),
+            overlay: None,
             applied: applied.clone(),
             protocol: None,
         }),
@@ -134,6 +135,7 @@ fn valid_envelopes() -> Vec<Value> {
                 )
                 .expect("seal"),
             }],
+            ..Default::default()
         },
     };
     out.push(serde_json::from_slice(&Envelope::new(node(), 4, decl).encode()).expect("json"));

@@ -225,6 +225,7 @@ fn hello(node: &NodeId, config_applied: u64) -> Envelope<Report> {
             agent_version: "0.1.0".into(),
             public_key: None,
             seal_key: None,
+            overlay: None,
             applied: [(Section::Config, config_applied)].into_iter().collect(),
             protocol: None,
         }),
@@ -1213,6 +1214,7 @@ async fn placed(
         version,
         nodes: nodes.iter().map(|n| (*n).clone()).collect(),
         settings_files: files,
+        ports: Vec::new(),
     }));
     route_events(f, &[event]).await;
 }
@@ -1769,6 +1771,7 @@ async fn a_batch_of_module_events_keeps_each_modules_newest() {
                 serde_json::json!([{"name": "s.env", "format": "env"}]),
             )
             .unwrap(),
+            ports: Vec::new(),
         }))
     };
     // Newer before older, a module placed then removed, all in one batch.

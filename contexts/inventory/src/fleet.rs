@@ -637,6 +637,7 @@ async fn publish_placements(
                 version,
                 nodes: ids,
                 settings_files: p.settings_files.clone(),
+                ports: Vec::new(),
             },
         )));
         names.push((*name).to_owned());

@@ -99,6 +99,7 @@ impl Fixture {
                 agent_version: "test".into(),
                 public_key: None,
                 seal_key: None,
+                overlay: None,
                 applied: Default::default(),
                 protocol: None,
             }),

@@ -83,6 +83,7 @@ fn hello(node: &NodeId, seq: u64, l: Labels, applied: &[(Section, u64)]) -> Enve
             agent_version: "0.1.0".into(),
             public_key: None,
             seal_key: None,
+            overlay: None,
             applied: applied.iter().copied().collect(),
             protocol: None,
         }),
