@@ -868,5 +868,9 @@ pub async fn add_node(
             vhost,
         )?),
         controller_key: controller_key.clone(),
+        // A node added without the controller reaches the broker on loopback
+        // (the local mesh): plain, no CA.
+        ca_certificate: None,
+        api_url: None,
     })
 }

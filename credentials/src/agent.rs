@@ -9,15 +9,27 @@ use crate::CredentialsError;
 use crate::file::{check_url, from_toml, read_required, read_text, to_toml};
 
 /// The agent's `<state_dir>/credentials.toml` (mode 0600): its node id, its
-/// broker URL (the node's own broker user and password), and the controller's
-/// declaration-signing public key. Written at enrolment (`mesh-agent join`, or
-/// `mesh-bundle node-add`, or the test kit), read once when the agent starts.
+/// broker URL (the node's own broker user and password), the controller's
+/// declaration-signing public key, and — for a node joined over the network —
+/// the mesh CA's certificate it pinned at its join and the API's URL. Written at
+/// enrolment (`mesh-agent join`, or `mesh-bundle node-add`, or the test kit),
+/// read once when the agent starts.
 ///
 /// ```toml
 /// node = "node-a"
-/// broker_url = "amqp://node-a:…@127.0.0.1:5672/mesh"
+/// broker_url = "amqps://node-a:…@192.0.2.2:5671/mesh"
 /// controller_key = "…64 hex digits…"
+/// api_url = "https://192.0.2.2:7443"
+/// ca_certificate = """
+/// -----BEGIN CERTIFICATE-----
+/// …
+/// """
 /// ```
+///
+/// An `amqps://` broker URL needs `ca_certificate`: the agent verifies the
+/// broker against it and nothing else (no system roots). A plain `amqp://` URL
+/// must name a loopback host (the local mesh, tests): the broker's plain
+/// listener is on loopback only.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AgentCredentials {
     /// This node's id, which is also its broker user.
@@ -28,6 +40,12 @@ pub struct AgentCredentials {
     /// The controller's declaration-signing public key, received at enrolment:
     /// a declaration whose signature does not verify against it is not applied.
     pub controller_key: PublicKey,
+    /// The mesh CA's certificate (PEM), pinned at the join (its public key's
+    /// hash was in the join command): the only trust anchor the agent verifies
+    /// the broker and the API with. `None` for a loopback-only node.
+    pub ca_certificate: Option<String>,
+    /// The API's URL (`https://…`) the node was handed at its join.
+    pub api_url: Option<String>,
 }
 
 /// The file as TOML has it; every field optional so that a missing one is named
@@ -39,6 +57,8 @@ struct RawFile {
     node: Option<String>,
     broker_url: Option<String>,
     controller_key: Option<String>,
+    api_url: Option<String>,
+    ca_certificate: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -46,6 +66,10 @@ struct FileRef<'a> {
     node: &'a str,
     broker_url: &'a str,
     controller_key: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    api_url: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ca_certificate: Option<&'a str>,
 }
 
 impl AgentCredentials {
@@ -98,10 +122,37 @@ impl AgentCredentials {
         })?;
         let controller_key =
             PublicKey::from_hex(&key).map_err(|e| invalid("controller_key", e.to_string()))?;
+        if let Some(pem) = &raw.ca_certificate {
+            crate::pki::CertInfo::parse(pem)
+                .map_err(|e| invalid("ca_certificate", e.to_string()))?;
+        }
+        let host = parsed.host_str().unwrap_or_default();
+        match parsed.scheme() {
+            "amqps" if raw.ca_certificate.is_none() => {
+                return Err(invalid(
+                    "broker_url",
+                    "an amqps:// broker needs `ca_certificate` (the mesh CA the broker is verified against; join again)".into(),
+                ));
+            }
+            "amqp" if !crate::advertise::is_loopback_host(host) => {
+                return Err(invalid(
+                    "broker_url",
+                    format!(
+                        "plain amqp:// is for loopback only, not `{host}`: use the amqps:// endpoint the join hands out"
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        if let Some(api) = &raw.api_url {
+            crate::advertise::check_api_url(api).map_err(|reason| invalid("api_url", reason))?;
+        }
         Ok(AgentCredentials {
             node,
             broker_url: Secret::new(url),
             controller_key,
+            ca_certificate: raw.ca_certificate,
+            api_url: raw.api_url,
         })
     }
 
@@ -117,6 +168,8 @@ impl AgentCredentials {
                 node: self.node.as_str(),
                 broker_url: self.broker_url.expose(),
                 controller_key: &key,
+                api_url: self.api_url.as_deref(),
+                ca_certificate: self.ca_certificate.as_deref(),
             },
             &path,
         )?;
@@ -181,6 +234,8 @@ mod tests {
             node: NodeId::parse("node-a").unwrap(),
             broker_url: Secret::new("amqp://node-a:s3cret@127.0.0.1:5672/mesh".into()),
             controller_key: PublicKey::from_hex(&key()).unwrap(),
+            ca_certificate: None,
+            api_url: None,
         };
         assert!(c.write(dir.path()).unwrap());
         assert!(!c.write(dir.path()).unwrap());
@@ -205,6 +260,46 @@ mod tests {
             AgentCredentials::load_if_exists(other.path()).unwrap(),
             None
         );
+    }
+
+    #[test]
+    fn amqps_needs_the_ca_and_plain_amqp_needs_loopback() {
+        let ca = crate::pki::MeshCa::generate("test mesh CA").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let c = AgentCredentials {
+            node: NodeId::parse("node-a").unwrap(),
+            broker_url: Secret::new("amqps://node-a:s3cret@192.0.2.2:5671/mesh".into()),
+            controller_key: PublicKey::from_hex(&key()).unwrap(),
+            ca_certificate: Some(ca.certificate_pem().to_owned()),
+            api_url: Some("https://192.0.2.2:7443".into()),
+        };
+        assert!(c.write(dir.path()).unwrap());
+        assert_eq!(AgentCredentials::load(dir.path()).unwrap(), c);
+
+        let no_ca = AgentCredentials {
+            ca_certificate: None,
+            ..c.clone()
+        };
+        let err = no_ca.write(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("`broker_url`") && err.contains("ca_certificate"), "{err}");
+        let plain_remote = AgentCredentials {
+            broker_url: Secret::new("amqp://node-a:s3cret@192.0.2.2:5672/mesh".into()),
+            ..c.clone()
+        };
+        let err = plain_remote.write(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("loopback") && !err.contains("s3cret"), "{err}");
+        let bad_ca = AgentCredentials {
+            ca_certificate: Some("-----BEGIN CERTIFICATE-----\nxx\n".into()),
+            ..c.clone()
+        };
+        let err = bad_ca.write(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("`ca_certificate`"), "{err}");
+        let plain_api = AgentCredentials {
+            api_url: Some("http://192.0.2.2:7700".into()),
+            ..c
+        };
+        let err = plain_api.write(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("`api_url`"), "{err}");
     }
 
     #[test]

@@ -20,6 +20,10 @@ use crate::file::{check_url, expose, expose_map, from_toml, read_required, read_
 /// signing_key_file = "/etc/mesh/controller-signing.key"
 /// master_keys_file = "/etc/mesh/secrets-master.toml"
 /// bootstrap_admin_token_sha256 = "…64 hex digits…"
+/// ca_certificate_file = "/etc/mesh/ca.pem"
+/// ca_key_file = "/etc/mesh/ca.key"
+/// advertise_api = "https://192.0.2.2:7443"
+/// advertise_broker = "192.0.2.2:5671"
 ///
 /// [broker_management]
 /// url = "http://127.0.0.1:15672"
@@ -52,6 +56,27 @@ pub struct ControllerCredentials {
     /// The management API account node users are created with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub broker_management: Option<BrokerManagement>,
+    /// The mesh CA's certificate (PEM, mode 0644): what every node pins at its
+    /// join and verifies the broker and the API against. Written once by
+    /// `mesh-bundle up`. Without it (an older file) the controller serves no
+    /// HTTPS and hands nodes no CA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_certificate_file: Option<PathBuf>,
+    /// The mesh CA's private key (PEM, mode 0600, owned by root: the
+    /// controller's user). Only the controller's process reads it: it issues
+    /// the API's certificate from it and signs nodes' certificates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_key_file: Option<PathBuf>,
+    /// The API's URL nodes and operators reach from other machines,
+    /// `https://<address>:<port>` (bundle/up: this host's primary IPv4, or
+    /// `MESH_ADVERTISE`). The controller's own settings may override it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertise_api: Option<String>,
+    /// The broker's AMQPS endpoint nodes are handed, `<address>:<port>`
+    /// (bundle/up: the same address, port 5671). The controller's own settings
+    /// may override it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertise_broker: Option<String>,
     /// Context name → `postgres://<role>:<password>@host:port/<database>`.
     #[serde(serialize_with = "expose_map")]
     pub databases: BTreeMap<String, Secret<String>>,
@@ -80,6 +105,10 @@ impl PartialEq for ControllerCredentials {
             && self.master_keys_file == other.master_keys_file
             && self.bootstrap_admin_token_sha256 == other.bootstrap_admin_token_sha256
             && self.broker_management == other.broker_management
+            && self.ca_certificate_file == other.ca_certificate_file
+            && self.ca_key_file == other.ca_key_file
+            && self.advertise_api == other.advertise_api
+            && self.advertise_broker == other.advertise_broker
             && self.databases == other.databases
     }
 }
@@ -102,6 +131,10 @@ impl ControllerCredentials {
             master_keys_file: None,
             bootstrap_admin_token_sha256: None,
             broker_management: None,
+            ca_certificate_file: None,
+            ca_key_file: None,
+            advertise_api: None,
+            advertise_broker: None,
             databases,
             path: PathBuf::from(Self::FILE),
         }
@@ -158,6 +191,25 @@ impl ControllerCredentials {
         }
         if let Some(m) = &self.broker_management {
             check_url(path, "broker_management.url", &m.url, &["http", "https"])?;
+        }
+        if self.ca_certificate_file.is_some() != self.ca_key_file.is_some() {
+            return Err(CredentialsError::invalid(
+                path,
+                if self.ca_key_file.is_some() {
+                    "ca_certificate_file"
+                } else {
+                    "ca_key_file"
+                },
+                "the CA needs both ca_certificate_file and ca_key_file (run bundle/up again)",
+            ));
+        }
+        if let Some(api) = &self.advertise_api {
+            crate::advertise::check_api_url(api)
+                .map_err(|reason| CredentialsError::invalid(path, "advertise_api", reason))?;
+        }
+        if let Some(broker) = &self.advertise_broker {
+            crate::advertise::check_host_port(broker)
+                .map_err(|reason| CredentialsError::invalid(path, "advertise_broker", reason))?;
         }
         if let Some(hash) = &self.bootstrap_admin_token_sha256
             && (hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()))
@@ -218,6 +270,41 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(text.contains("[broker_management]"), "{text}");
         assert_eq!(ControllerCredentials::load(&path).unwrap(), c);
+
+        // The CA and the advertised endpoints (a file without them still reads:
+        // above).
+        c.ca_certificate_file = Some("/etc/mesh/ca.pem".into());
+        c.ca_key_file = Some("/etc/mesh/ca.key".into());
+        c.advertise_api = Some("https://192.0.2.2:7443".into());
+        c.advertise_broker = Some("192.0.2.2:5671".into());
+        assert!(c.write(&path).unwrap());
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            text.contains("ca_certificate_file = \"/etc/mesh/ca.pem\"\nca_key_file = \"/etc/mesh/ca.key\"\nadvertise_api = \"https://192.0.2.2:7443\"\nadvertise_broker = \"192.0.2.2:5671\"\n"),
+            "{text}"
+        );
+        assert_eq!(ControllerCredentials::load(&path).unwrap(), c);
+    }
+
+    #[test]
+    fn ca_and_advertise_fields_are_checked() {
+        let path = Path::new("/etc/mesh/controller-credentials.toml");
+        let base = "broker_url = \"amqp://c:hunter2@h/mesh\"\n";
+        let db = "[databases]\ninventory = \"postgres://i:hunter2@h/m\"\n";
+        for (extra, field) in [
+            ("ca_certificate_file = \"/etc/mesh/ca.pem\"\n", "`ca_key_file`"),
+            ("ca_key_file = \"/etc/mesh/ca.key\"\n", "`ca_certificate_file`"),
+            ("advertise_api = \"http://192.0.2.2:7443\"\n", "`advertise_api`"),
+            ("advertise_api = \"https://192.0.2.2:7443/v1\"\n", "`advertise_api`"),
+            ("advertise_broker = \"192.0.2.2\"\n", "`advertise_broker`"),
+            ("advertise_broker = \"amqps://192.0.2.2:5671\"\n", "`advertise_broker`"),
+        ] {
+            let err = ControllerCredentials::parse(&format!("{base}{extra}{db}"), path)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{extra:?}: `{err}` lacks {field}");
+            assert!(!err.contains("hunter2"), "{err}");
+        }
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! | `/etc/mesh/admin-token` | [`key::read_token`], [`key::write_token`] | `mesh-bundle up` | `mesh-bundle up`; the operator (`cat`) |
 //! | `<state>/credentials.toml` | [`AgentCredentials`] | `mesh-agent join`, `mesh-bundle node-add`, the test kit | `mesh-agent run`, the e2e harness |
 //! | `<state>/node.key` | [`key`] | `mesh-agent join` | (tests) |
+//! | `/etc/mesh/ca.pem`, `/etc/mesh/ca.key` | the mesh CA (`pki`) | `mesh-bundle up` (once) | the controller (the key: only it); the CA certificate also goes to every node at its join |
 //! | `/etc/mesh/secrets-master.toml` | [`MasterKeys`] | `mesh-bundle up`, the test kit; the controller when it rotates the master key | the controller (config's secrets) |
 //!
 //! Secrets are [`Secret`]s: their `Debug` and `Display` print `[redacted]`, and
@@ -22,6 +23,7 @@
 //! client, no runtime (docs/decisions/0022-credential-files-in-their-own-crate.md).
 
 mod admin;
+pub mod advertise;
 mod agent;
 mod controller;
 mod file;

@@ -108,6 +108,8 @@ impl NodeCredentials {
             broker_url: mesh_credentials::Secret::new(self.broker_url.clone()),
             controller_key: PublicKey::from_hex(&self.controller_key)
                 .context("the controller key of a test node")?,
+            ca_certificate: None,
+            api_url: None,
         })
     }
 
