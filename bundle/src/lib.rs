@@ -10,6 +10,7 @@
 
 pub mod probe;
 pub mod provision;
+pub mod tls;
 
 /// Every bounded context of the mesh. Each owns the PostgreSQL schema of the same
 /// name and connects as its own role `<prefix>_<context>`.

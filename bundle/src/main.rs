@@ -2,8 +2,11 @@
 //!
 //! - `mesh-bundle probe`: the conformance probe of PostgreSQL and the broker
 //!   (exit 1 naming the failed check);
+//! - `mesh-bundle tls`: the mesh CA (made once) and the broker's server
+//!   certificate (issued again when a third of its lifetime remains);
 //! - `mesh-bundle up`: writes the admin credentials file, provisions the production
-//!   names with them and writes the controller credentials file. Idempotent.
+//!   names with them and writes the controller credentials file (naming the CA
+//!   and the advertised endpoints). Idempotent.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -63,6 +66,20 @@ enum Command {
     },
     /// Create a node's broker user and its agent's credentials file.
     NodeAdd(NodeAdd),
+    /// Make the mesh CA once ($MESH_ETC/ca.pem, ca.key 0600) and issue the
+    /// broker's TLS certificate into --broker-dir when it is missing, not this
+    /// CA's, for other names, or has a third of its lifetime or less left.
+    Tls {
+        /// Directory of the credential files (default /etc/mesh).
+        #[arg(long, env = "MESH_ETC")]
+        etc: Option<PathBuf>,
+        /// Where RabbitMQ reads ca.pem, broker.pem and broker.key.
+        #[arg(long, default_value = mesh_bundle::tls::BROKER_TLS_DIR)]
+        broker_dir: PathBuf,
+        /// The address nodes reach this host at (a name in the certificate).
+        #[arg(long, env = "MESH_ADVERTISE")]
+        advertise: Option<String>,
+    },
     /// Write the admin credentials; provision db `mesh`, roles, schemas, vhost
     /// `mesh`, user `mesh_controller`; write the controller credentials.
     Up {
@@ -77,7 +94,80 @@ enum Command {
         /// Password of the RabbitMQ user mesh-admin.
         #[arg(long, env = "MESH_ADMIN_RABBITMQ_PASSWORD", hide_env_values = true)]
         admin_rabbitmq_password: String,
+        /// The address nodes reach this host at: written to the controller's
+        /// credentials as `advertise_api` (https://<address>:<api-port>) and
+        /// `advertise_broker` (<address>:<amqps-port>). Default: none (a mesh
+        /// on loopback only).
+        #[arg(long, env = "MESH_ADVERTISE")]
+        advertise: Option<String>,
+        /// The port of the controller's HTTPS API in `advertise_api`.
+        #[arg(long, default_value_t = 7443)]
+        api_port: u16,
+        /// The broker's AMQPS port in `advertise_broker`.
+        #[arg(long, default_value_t = 5671)]
+        amqps_port: u16,
     },
+}
+
+/// `mesh-bundle tls`: the CA and the broker's certificate. Prints what it did;
+/// the line `broker certificate: issued` tells bundle/up that RabbitMQ must
+/// re-read its files.
+fn tls(etc: Option<PathBuf>, broker_dir: &std::path::Path, advertise: Option<&str>) -> anyhow::Result<()> {
+    use mesh_bundle::tls;
+    let etc = etc.unwrap_or_else(etc_dir);
+    let (ca, made) = tls::ensure_ca(&etc)?;
+    let (cert, _) = tls::ca_paths(&etc);
+    println!(
+        "  {:<8} {} ({})",
+        if made { "changed" } else { "ok" },
+        cert.display(),
+        if made { "mesh CA created" } else { "mesh CA exists" }
+    );
+    println!("  ok       CA pin {}", ca.pin());
+    let hostname = tls::hostname();
+    let names = tls::broker_names(advertise, hostname.as_deref());
+    let got = tls::ensure_broker_certificate(
+        &ca,
+        broker_dir,
+        &names,
+        tls::BROKER_CERT_LIFETIME,
+        chrono::Utc::now(),
+    )?;
+    match &got.issued_because {
+        Some(why) => println!(
+            "  changed  broker certificate: issued for {} ({why}); valid until {}, issued again from {}",
+            names.join(", "),
+            got.not_after,
+            got.renew_at
+        ),
+        None => println!(
+            "  ok       broker certificate for {} valid until {}, issued again from {}",
+            names.join(", "),
+            got.not_after,
+            got.renew_at
+        ),
+    }
+    if got.ca_copy_written {
+        println!("  changed  {}/{} written", broker_dir.display(), tls::CA_CERT_FILE);
+    }
+    Ok(())
+}
+
+/// `https://<address>:<port>` and `<address>:<port>`, brackets around IPv6.
+fn advertised(address: &str, api_port: u16, amqps_port: u16) -> anyhow::Result<(String, String)> {
+    let address = address.trim();
+    let host = if address.parse::<std::net::Ipv6Addr>().is_ok() {
+        format!("[{address}]")
+    } else {
+        address.to_owned()
+    };
+    let api = format!("https://{host}:{api_port}");
+    let broker = format!("{host}:{amqps_port}");
+    mesh_credentials::advertise::check_api_url(&api)
+        .map_err(|e| anyhow::anyhow!("MESH_ADVERTISE / --advertise: {e}"))?;
+    mesh_credentials::advertise::check_host_port(&broker)
+        .map_err(|e| anyhow::anyhow!("MESH_ADVERTISE / --advertise: {e}"))?;
+    Ok((api, broker))
 }
 
 /// Without the controller (before it runs, or for the local mesh): create a
@@ -195,16 +285,33 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Tls {
+            etc,
+            broker_dir,
+            advertise,
+        } => match tls(etc, &broker_dir, advertise.as_deref()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mesh-bundle tls failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Up {
             endpoints,
             etc,
             admin_pg_password,
             admin_rabbitmq_password,
+            advertise,
+            api_port,
+            amqps_port,
         } => match up(
             &endpoints,
             etc,
             &admin_pg_password,
             &admin_rabbitmq_password,
+            advertise
+                .as_deref()
+                .map(|a| (a, api_port, amqps_port)),
         )
         .await
         {
@@ -222,6 +329,7 @@ async fn up(
     etc: Option<PathBuf>,
     pg_pw: &str,
     mq_pw: &str,
+    advertise: Option<(&str, u16, u16)>,
 ) -> anyhow::Result<()> {
     let etc = etc.unwrap_or_else(etc_dir);
     let admin = admin_for(endpoints, "mesh_admin", pg_pw, "mesh-admin", mq_pw);
@@ -305,6 +413,21 @@ async fn up(
     creds.signing_key_file = Some(key_path);
     creds.master_keys_file = Some(master_path);
     creds.bootstrap_admin_token_sha256 = Some(mesh_protocol::token_sha256_hex(token.expose()));
+    // The mesh CA (`mesh-bundle tls` made it; made here too if it did not run):
+    // the controller serves HTTPS with it and hands its certificate to nodes.
+    let (_, made) = mesh_bundle::tls::ensure_ca(&etc)?;
+    if made {
+        println!("  changed  {} created", etc.join(mesh_bundle::tls::CA_CERT_FILE).display());
+        changes += 1;
+    }
+    let (ca_cert, ca_key) = mesh_bundle::tls::ca_paths(&etc);
+    creds.ca_certificate_file = Some(ca_cert);
+    creds.ca_key_file = Some(ca_key);
+    if let Some((address, api_port, amqps_port)) = advertise {
+        let (api, broker) = advertised(address, api_port, amqps_port)?;
+        creds.advertise_api = Some(api);
+        creds.advertise_broker = Some(broker);
+    }
     if creds.write(&controller_path)? {
         println!("  changed  {} written", controller_path.display());
         changes += 1;
