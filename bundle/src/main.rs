@@ -112,7 +112,11 @@ enum Command {
 /// `mesh-bundle tls`: the CA and the broker's certificate. Prints what it did;
 /// the line `broker certificate: issued` tells bundle/up that RabbitMQ must
 /// re-read its files.
-fn tls(etc: Option<PathBuf>, broker_dir: &std::path::Path, advertise: Option<&str>) -> anyhow::Result<()> {
+fn tls(
+    etc: Option<PathBuf>,
+    broker_dir: &std::path::Path,
+    advertise: Option<&str>,
+) -> anyhow::Result<()> {
     use mesh_bundle::tls;
     let etc = etc.unwrap_or_else(etc_dir);
     let (ca, made) = tls::ensure_ca(&etc)?;
@@ -121,7 +125,11 @@ fn tls(etc: Option<PathBuf>, broker_dir: &std::path::Path, advertise: Option<&st
         "  {:<8} {} ({})",
         if made { "changed" } else { "ok" },
         cert.display(),
-        if made { "mesh CA created" } else { "mesh CA exists" }
+        if made {
+            "mesh CA created"
+        } else {
+            "mesh CA exists"
+        }
     );
     println!("  ok       CA pin {}", ca.pin());
     let hostname = tls::hostname();
@@ -148,7 +156,11 @@ fn tls(etc: Option<PathBuf>, broker_dir: &std::path::Path, advertise: Option<&st
         ),
     }
     if got.ca_copy_written {
-        println!("  changed  {}/{} written", broker_dir.display(), tls::CA_CERT_FILE);
+        println!(
+            "  changed  {}/{} written",
+            broker_dir.display(),
+            tls::CA_CERT_FILE
+        );
     }
     Ok(())
 }
@@ -309,9 +321,7 @@ async fn main() -> ExitCode {
             etc,
             &admin_pg_password,
             &admin_rabbitmq_password,
-            advertise
-                .as_deref()
-                .map(|a| (a, api_port, amqps_port)),
+            advertise.as_deref().map(|a| (a, api_port, amqps_port)),
         )
         .await
         {
@@ -417,7 +427,10 @@ async fn up(
     // the controller serves HTTPS with it and hands its certificate to nodes.
     let (_, made) = mesh_bundle::tls::ensure_ca(&etc)?;
     if made {
-        println!("  changed  {} created", etc.join(mesh_bundle::tls::CA_CERT_FILE).display());
+        println!(
+            "  changed  {} created",
+            etc.join(mesh_bundle::tls::CA_CERT_FILE).display()
+        );
         changes += 1;
     }
     let (ca_cert, ca_key) = mesh_bundle::tls::ca_paths(&etc);

@@ -140,7 +140,12 @@ fn reissue_reason(
     };
     match pki::public_key_der(&key) {
         Ok(k) if k == info.public_key_der => {}
-        _ => return Some(format!("{} is not the certificate's key", key_path.display())),
+        _ => {
+            return Some(format!(
+                "{} is not the certificate's key",
+                key_path.display()
+            ));
+        }
     }
     if let Err(e) = pki::verify_chain(&pem, ca.certificate_pem()) {
         return Some(format!("it is not valid for this CA: {e}"));
@@ -197,8 +202,8 @@ pub fn ensure_broker_certificate(
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).map_err(io(path))
     };
     // Public files (0644): written (atomically) only when their content differs.
-    let ca_copy_written = std::fs::read_to_string(&ca_path).ok().as_deref()
-        != Some(ca.certificate_pem());
+    let ca_copy_written =
+        std::fs::read_to_string(&ca_path).ok().as_deref() != Some(ca.certificate_pem());
     if ca_copy_written {
         mesh_credentials::write_secret_file(&ca_path, ca.certificate_pem())?;
         public(&ca_path)?;
@@ -249,7 +254,10 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         std::fs::remove_file(dir.path().join(CA_KEY_FILE)).unwrap();
         let err = ensure_ca(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("ca.key") && err.contains("join again"), "{err}");
+        assert!(
+            err.contains("ca.key") && err.contains("join again"),
+            "{err}"
+        );
     }
 
     #[test]

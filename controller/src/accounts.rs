@@ -13,14 +13,19 @@ use crate::config::{ConfigError, Credentials};
 pub struct RabbitAccounts {
     api: Management,
     vhost: String,
-    /// `scheme://host:port` nodes connect to (the controller's own broker address).
+    /// `scheme://host:port` nodes connect to: the advertised AMQPS endpoint,
+    /// else the controller's own broker address (a loopback-only mesh).
     base: String,
 }
 
 impl RabbitAccounts {
-    /// From the controller's credentials: the management account, and the vhost,
-    /// host and port of its own broker URL (nodes reach the same broker).
-    pub fn from_credentials(creds: &Credentials) -> Result<RabbitAccounts, ConfigError> {
+    /// From the controller's credentials: the management account, and the vhost
+    /// of its own broker URL. Nodes are handed `amqps://<advertised_broker>`,
+    /// or, without one, the host and port of the controller's own URL.
+    pub fn from_credentials(
+        creds: &Credentials,
+        advertised_broker: Option<&str>,
+    ) -> Result<RabbitAccounts, ConfigError> {
         let m = creds.broker_management()?;
         let bad = |message: String| ConfigError::Parse {
             path: "broker_url".into(),
@@ -32,9 +37,10 @@ impl RabbitAccounts {
             .map_err(|e| bad(format!("broker_url vhost: {e}")))?
             .into_owned();
         let host = url.host_str().unwrap_or("127.0.0.1");
-        let base = match url.port() {
-            Some(p) => format!("{}://{host}:{p}", url.scheme()),
-            None => format!("{}://{host}", url.scheme()),
+        let base = match (advertised_broker, url.port()) {
+            (Some(endpoint), _) => format!("amqps://{endpoint}"),
+            (None, Some(p)) => format!("{}://{host}:{p}", url.scheme()),
+            (None, None) => format!("{}://{host}", url.scheme()),
         };
         Ok(RabbitAccounts {
             api: Management::new(&m.url, &m.user, m.password.expose()),

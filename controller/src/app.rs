@@ -43,6 +43,74 @@ pub enum AppError {
     },
     #[error("serving the API: {0}")]
     Serve(std::io::Error),
+    #[error("the API's HTTPS listener: {0}")]
+    Tls(String),
+}
+
+/// The HTTPS listener and its certificate, when the credentials name the
+/// mesh CA and an address to listen on is known (`api_listen_tls`, else the
+/// advertised API's port); otherwise `None`, with a log line saying why.
+async fn https_listener(
+    settings: &Settings,
+    creds: &Credentials,
+    shutdown: CancellationToken,
+) -> Result<Option<(crate::tls::TlsListener, crate::tls::ApiCertificate)>, AppError> {
+    let Some(ca) = creds.mesh_ca()? else {
+        tracing::warn!(
+            "HTTPS off: the credentials name no mesh CA (ca_certificate_file, ca_key_file; run bundle/up again); the API is on loopback only"
+        );
+        return Ok(None);
+    };
+    let advertised = crate::config::Advertised::of(settings, creds);
+    let Some(addr) = advertised.tls_listen(settings) else {
+        tracing::warn!(
+            "HTTPS off: neither api_listen_tls nor advertise_api is set; the API is on loopback only"
+        );
+        return Ok(None);
+    };
+    let mut names: Vec<String> = Vec::new();
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_ascii_lowercase());
+    let listen_ip = (!addr.ip().is_unspecified()).then(|| addr.ip().to_string());
+    for n in [
+        advertised.api_host(),
+        listen_ip,
+        Some("127.0.0.1".into()),
+        Some("localhost".into()),
+        hostname,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        if !n.is_empty() && !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    let lifetime = Duration::from_secs(settings.api_certificate_lifetime_secs);
+    let certificate = crate::tls::ApiCertificate::issue(ca, names, lifetime)
+        .map_err(|e| AppError::Tls(e.to_string()))?;
+    let config = certificate
+        .server_config()
+        .map_err(|e| AppError::Tls(e.to_string()))?;
+    let tcp = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| AppError::Bind { addr, source })?;
+    let listener = crate::tls::TlsListener::new(tcp, config, shutdown).map_err(AppError::Serve)?;
+    tracing::info!(
+        addr = %listener_addr(&listener),
+        advertise_api = advertised.api.as_deref().unwrap_or("-"),
+        names = ?certificate.names(),
+        not_after = %certificate.not_after(),
+        "API listening (HTTPS)"
+    );
+    Ok(Some((listener, certificate)))
+}
+
+fn listener_addr(l: &crate::tls::TlsListener) -> String {
+    axum::serve::Listener::local_addr(l)
+        .map(|a| a.to_string())
+        .unwrap_or_default()
 }
 
 /// Apply every context's migrations and return what was applied. Holds the
@@ -116,7 +184,7 @@ async fn run_fenced(
             source,
         })?;
     let addr = listener.local_addr().map_err(AppError::Serve)?;
-    tracing::info!(%addr, "API listening");
+    tracing::info!(%addr, "API listening (plain HTTP, loopback only)");
     let app = api::router(ApiState {
         contexts: contexts.clone(),
         registry: Arc::new(registry),
@@ -125,6 +193,21 @@ async fn run_fenced(
         metrics: metrics.clone(),
     });
 
+    if let Some((tls, certificate)) = https_listener(&settings, &creds, shutdown.clone()).await? {
+        let tls_app = app.clone();
+        let api_shutdown = shutdown.clone();
+        tasks.spawn(async move {
+            let served = axum::serve(tls, tls_app)
+                .with_graceful_shutdown(api_shutdown.cancelled_owned())
+                .await;
+            ("api-https", served.map_err(|e| e.to_string()))
+        });
+        let renew_shutdown = shutdown.clone();
+        tasks.spawn(async move {
+            certificate.renew(renew_shutdown).await;
+            ("api-certificate", Ok(()))
+        });
+    }
     let api_shutdown = shutdown.clone();
     tasks.spawn(async move {
         let served = axum::serve(listener, app)

@@ -35,14 +35,37 @@ pub enum ConfigError {
 }
 
 /// The controller's settings.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
     /// File with the broker URL and one database URL per context, written by
     /// `bundle/up`. Default `/etc/mesh/controller-credentials.toml`.
     pub credentials: PathBuf,
-    /// Address the HTTP API listens on. Default `127.0.0.1:7700`.
+    /// Address the plain-HTTP API listens on: loopback only (this host's
+    /// operators, the local mesh, tests); anything else is refused, since a
+    /// join token, a node's broker password and every bearer token would cross
+    /// the network in cleartext. Default `127.0.0.1:7700`.
     pub api_listen: SocketAddr,
+    /// Address the HTTPS API listens on (rustls; a certificate the controller
+    /// issues itself from the mesh CA). Default: `0.0.0.0` and the port of
+    /// `advertise_api`, when the credentials name a CA; without a CA there is
+    /// no HTTPS listener.
+    pub api_listen_tls: Option<SocketAddr>,
+    /// The API's URL other machines reach, `https://<address>:<port>`: handed
+    /// to nodes at their join, printed in join commands, and a name in the
+    /// API's certificate. Default: `advertise_api` of the credentials file
+    /// (bundle/up writes this host's primary address there); none on a
+    /// loopback-only mesh.
+    pub advertise_api: Option<String>,
+    /// The broker's AMQPS endpoint nodes are handed, `<address>:<port>`.
+    /// Default: `advertise_broker` of the credentials file; without either,
+    /// nodes are handed the controller's own broker address (a loopback-only
+    /// mesh).
+    pub advertise_broker: Option<String>,
+    /// Lifetime of the API's TLS certificate, in seconds: issued from the mesh
+    /// CA at start and again at two thirds of it, in the background (new
+    /// connections get the new one). Default 86400 (one day).
+    pub api_certificate_lifetime_secs: u64,
     /// Unacknowledged deliveries the broker may push per report queue (AMQP
     /// prefetch). Bounds the controller's memory. Default 1000.
     pub prefetch: u16,
@@ -111,6 +134,10 @@ impl Default for Settings {
         Settings {
             credentials: PathBuf::from("/etc/mesh/controller-credentials.toml"),
             api_listen: SocketAddr::from(([127, 0, 0, 1], 7700)),
+            api_listen_tls: None,
+            advertise_api: None,
+            advertise_broker: None,
+            api_certificate_lifetime_secs: 86_400,
             prefetch: 1000,
             batch_max: 200,
             batch_wait_ms: 20,
@@ -164,6 +191,37 @@ impl Settings {
 
     /// Check what the types do not.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if !self.api_listen.ip().is_loopback() {
+            return Err(ConfigError::Invalid {
+                field: "api_listen",
+                message: format!(
+                    "{} is not a loopback address: the plain-HTTP API is for this host only (tokens would cross the network in cleartext); other machines use the HTTPS listener, api_listen_tls",
+                    self.api_listen
+                ),
+            });
+        }
+        if let Some(api) = &self.advertise_api {
+            mesh_credentials::advertise::check_api_url(api).map_err(|message| {
+                ConfigError::Invalid {
+                    field: "advertise_api",
+                    message,
+                }
+            })?;
+        }
+        if let Some(broker) = &self.advertise_broker {
+            mesh_credentials::advertise::check_host_port(broker).map_err(|message| {
+                ConfigError::Invalid {
+                    field: "advertise_broker",
+                    message,
+                }
+            })?;
+        }
+        if !(60..=365 * 86_400).contains(&self.api_certificate_lifetime_secs) {
+            return Err(ConfigError::Invalid {
+                field: "api_certificate_lifetime_secs",
+                message: "must be between 60 and 31536000 seconds".into(),
+            });
+        }
         if !(0.0..=1.0).contains(&self.max_unreachable_share) {
             return Err(ConfigError::Invalid {
                 field: "max_unreachable_share",
@@ -259,6 +317,21 @@ impl Credentials {
         Ok(mesh_credentials::key::read_signing_key(path)?)
     }
 
+    /// The mesh CA, from `ca_certificate_file` and `ca_key_file`; `None` when
+    /// the credentials name none (an older file: no HTTPS, no CA for nodes).
+    /// The key is read here, into the controller's memory, and nowhere else.
+    pub fn mesh_ca(&self) -> Result<Option<mesh_credentials::pki::MeshCa>, ConfigError> {
+        match (&self.ca_certificate_file, &self.ca_key_file) {
+            (Some(cert), Some(key)) => mesh_credentials::pki::MeshCa::load(cert, key)
+                .map(Some)
+                .map_err(|e| ConfigError::Parse {
+                    path: self.path().to_owned(),
+                    message: format!("the mesh CA (ca_certificate_file, ca_key_file): {e}"),
+                }),
+            _ => Ok(None),
+        }
+    }
+
     /// The management API account, required to enrol and revoke nodes.
     pub fn broker_management(&self) -> Result<&BrokerManagement, ConfigError> {
         self.0
@@ -290,9 +363,91 @@ impl Credentials {
     }
 }
 
+/// Where the controller is reached from other machines, after the settings
+/// (first) and the credentials file (bundle/up's defaults) were consulted.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Advertised {
+    /// `https://<address>:<port>`.
+    pub api: Option<String>,
+    /// `<address>:<port>` of the broker's AMQPS listener.
+    pub broker: Option<String>,
+}
+
+impl Advertised {
+    pub fn of(settings: &Settings, creds: &ControllerCredentials) -> Advertised {
+        Advertised {
+            api: settings
+                .advertise_api
+                .clone()
+                .or_else(|| creds.advertise_api.clone()),
+            broker: settings
+                .advertise_broker
+                .clone()
+                .or_else(|| creds.advertise_broker.clone()),
+        }
+    }
+
+    /// The HTTPS listener's address: `api_listen_tls`, else `0.0.0.0` on the
+    /// advertised API's port, else none.
+    pub fn tls_listen(&self, settings: &Settings) -> Option<SocketAddr> {
+        settings.api_listen_tls.or_else(|| {
+            let url = url::Url::parse(self.api.as_deref()?).ok()?;
+            Some(SocketAddr::from((
+                [0, 0, 0, 0],
+                url.port_or_known_default()?,
+            )))
+        })
+    }
+
+    /// The API's host (a name or an IP address): a name in its certificate.
+    pub fn api_host(&self) -> Option<String> {
+        let url = url::Url::parse(self.api.as_deref()?).ok()?;
+        url.host_str()
+            .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plain_api_only_on_loopback_and_advertised_endpoints_checked() {
+        let s = |text: &str| toml::from_str::<Settings>(text).unwrap().validate();
+        assert!(s("api_listen = \"127.0.0.1:7700\"").is_ok());
+        let err = s("api_listen = \"0.0.0.0:7700\"").unwrap_err().to_string();
+        assert!(
+            err.contains("api_listen") && err.contains("loopback"),
+            "{err}"
+        );
+        let err = s("advertise_api = \"http://192.0.2.2:7700\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("advertise_api") && err.contains("https"),
+            "{err}"
+        );
+        let err = s("advertise_broker = \"192.0.2.2\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("advertise_broker"), "{err}");
+
+        let settings: Settings = toml::from_str("advertise_broker = \"10.0.0.1:5671\"").unwrap();
+        let mut creds = ControllerCredentials::new(
+            Secret::new("amqp://c:pw@127.0.0.1:5672/mesh".into()),
+            Default::default(),
+        );
+        creds.advertise_api = Some("https://192.0.2.2:7443".into());
+        creds.advertise_broker = Some("192.0.2.2:5671".into());
+        let a = Advertised::of(&settings, &creds);
+        assert_eq!(a.api.as_deref(), Some("https://192.0.2.2:7443"));
+        assert_eq!(a.broker.as_deref(), Some("10.0.0.1:5671"), "settings first");
+        assert_eq!(
+            a.tls_listen(&settings),
+            Some("0.0.0.0:7443".parse().unwrap())
+        );
+        assert_eq!(a.api_host().as_deref(), Some("192.0.2.2"));
+    }
 
     #[test]
     fn unknown_setting_is_named() {

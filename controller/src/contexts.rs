@@ -127,11 +127,30 @@ impl Contexts {
             config_settings,
             keyring,
         );
+        // What a joining node is handed: the advertised endpoints and the mesh
+        // CA, or, without a CA, the controller's own (loopback) broker address.
+        let mut identity_settings =
+            mesh_identity::IdentitySettings::new(creds.signer()?.public_key_hex());
+        let advertised = crate::config::Advertised::of(settings, creds);
+        let mut node_broker = None;
+        if let Some(ca) = creds.mesh_ca()? {
+            identity_settings.ca_pin = Some(ca.pin());
+            identity_settings.ca_certificate = Some(ca.certificate_pem().to_owned());
+            identity_settings.api_url = advertised.api.clone();
+            node_broker = advertised.broker.clone();
+        } else if advertised.api.is_some() || advertised.broker.is_some() {
+            tracing::warn!(
+                "advertised endpoints are set but the credentials name no mesh CA: nodes are handed the controller's own broker address (run bundle/up again)"
+            );
+        }
         let identity = Identity::new(
             pool(creds, Identity::SCHEMA, settings.pool_size).await?,
             signal,
-            mesh_identity::IdentitySettings::new(creds.signer()?.public_key_hex()),
-            Arc::new(crate::accounts::RabbitAccounts::from_credentials(creds)?),
+            identity_settings,
+            Arc::new(crate::accounts::RabbitAccounts::from_credentials(
+                creds,
+                node_broker.as_deref(),
+            )?),
         );
         Ok(Contexts {
             inventory: Arc::new(inventory),

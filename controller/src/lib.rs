@@ -20,4 +20,5 @@ pub mod openapi;
 pub mod pipeline;
 pub mod relay;
 pub mod router;
+pub mod tls;
 pub mod upgrade;

@@ -31,6 +31,9 @@ enum Command {
     },
     /// Apply every context's migrations, each as its own role, and exit.
     Migrate,
+    /// Print the effective settings (after the file, the environment and the
+    /// credentials' advertised endpoints) as TOML, and exit. No secret in it.
+    Config,
 }
 
 #[tokio::main]
@@ -43,12 +46,34 @@ async fn main() -> anyhow::Result<()> {
         // Colour only on a terminal: journald and log files get plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
+    // One crypto provider for every TLS connection of the process (decision
+    // 0027); the HTTPS listener also names it explicitly.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let mut settings = Settings::load(cli.config.as_deref()).context("loading settings")?;
     if let Some(c) = cli.credentials {
         settings.credentials = c;
     }
     match cli.command {
+        Command::Config => {
+            let creds = mesh_controller::config::Credentials::load(&settings.credentials)?;
+            let advertised = mesh_controller::config::Advertised::of(&settings, &creds);
+            let mut effective = settings.clone();
+            effective.advertise_api = advertised.api.clone();
+            effective.advertise_broker = advertised.broker.clone();
+            if creds.mesh_ca()?.is_some() {
+                effective.api_listen_tls = advertised.tls_listen(&settings);
+            }
+            print!(
+                "{}",
+                toml::to_string(&effective).context("encoding the settings")?
+            );
+            if effective.api_listen_tls.is_none() {
+                println!(
+                    "# HTTPS off: no mesh CA in the credentials, or no advertise_api / api_listen_tls"
+                );
+            }
+        }
         Command::Migrate => {
             for (context, applied) in app::migrate(&settings).await? {
                 println!(

@@ -46,7 +46,9 @@ pub fn check_api_url(value: &str) -> Result<url::Url, String> {
 /// and a port, no scheme. Returns `(host, port)`; the error says what is wrong.
 pub fn check_host_port(value: &str) -> Result<(String, u16), String> {
     if value.contains("://") {
-        return Err(format!("`{value}`: must be <host>:<port>, without a scheme"));
+        return Err(format!(
+            "`{value}`: must be <host>:<port>, without a scheme"
+        ));
     }
     let (host, port) = value
         .rsplit_once(':')
@@ -80,7 +82,14 @@ mod tests {
 
     #[test]
     fn loopback() {
-        for h in ["localhost", "LOCALHOST", "127.0.0.1", "127.1.2.3", "::1", "[::1]"] {
+        for h in [
+            "localhost",
+            "LOCALHOST",
+            "127.0.0.1",
+            "127.1.2.3",
+            "::1",
+            "[::1]",
+        ] {
             assert!(is_loopback_host(h), "{h}");
         }
         for h in ["192.0.2.2", "10.0.0.1", "example.org", "::2", "0.0.0.0", ""] {

@@ -281,7 +281,10 @@ mod tests {
             ..c.clone()
         };
         let err = no_ca.write(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("`broker_url`") && err.contains("ca_certificate"), "{err}");
+        assert!(
+            err.contains("`broker_url`") && err.contains("ca_certificate"),
+            "{err}"
+        );
         let plain_remote = AgentCredentials {
             broker_url: Secret::new("amqp://node-a:s3cret@192.0.2.2:5672/mesh".into()),
             ..c.clone()

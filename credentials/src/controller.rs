@@ -292,12 +292,27 @@ mod tests {
         let base = "broker_url = \"amqp://c:hunter2@h/mesh\"\n";
         let db = "[databases]\ninventory = \"postgres://i:hunter2@h/m\"\n";
         for (extra, field) in [
-            ("ca_certificate_file = \"/etc/mesh/ca.pem\"\n", "`ca_key_file`"),
-            ("ca_key_file = \"/etc/mesh/ca.key\"\n", "`ca_certificate_file`"),
-            ("advertise_api = \"http://192.0.2.2:7443\"\n", "`advertise_api`"),
-            ("advertise_api = \"https://192.0.2.2:7443/v1\"\n", "`advertise_api`"),
+            (
+                "ca_certificate_file = \"/etc/mesh/ca.pem\"\n",
+                "`ca_key_file`",
+            ),
+            (
+                "ca_key_file = \"/etc/mesh/ca.key\"\n",
+                "`ca_certificate_file`",
+            ),
+            (
+                "advertise_api = \"http://192.0.2.2:7443\"\n",
+                "`advertise_api`",
+            ),
+            (
+                "advertise_api = \"https://192.0.2.2:7443/v1\"\n",
+                "`advertise_api`",
+            ),
             ("advertise_broker = \"192.0.2.2\"\n", "`advertise_broker`"),
-            ("advertise_broker = \"amqps://192.0.2.2:5671\"\n", "`advertise_broker`"),
+            (
+                "advertise_broker = \"amqps://192.0.2.2:5671\"\n",
+                "`advertise_broker`",
+            ),
         ] {
             let err = ControllerCredentials::parse(&format!("{base}{extra}{db}"), path)
                 .unwrap_err()

@@ -158,12 +158,12 @@ impl Agent {
         let mut connected_before = false;
 
         loop {
-            let url = self.creds.broker_url.expose().clone();
             let props = ConnectionProperties::default()
                 .with_connection_name(format!("mesh-agent {}", self.creds.node).into());
+            let creds = self.creds.clone();
             let connect = tokio::time::timeout(
                 CONNECT_TIMEOUT,
-                connect(&url, self.config.amqp_heartbeat, props),
+                crate::broker::connect(&creds, self.config.amqp_heartbeat, props),
             );
             tokio::pin!(connect);
             let attempt = loop {
@@ -873,22 +873,6 @@ fn truncate(s: &str, max_chars: usize) -> String {
     } else {
         s.chars().take(max_chars).collect::<String>() + "…"
     }
-}
-
-/// Connect to `url`, asking for an AMQP heartbeat of `heartbeat` unless the
-/// URL names one.
-async fn connect(
-    url: &str,
-    heartbeat: Duration,
-    props: ConnectionProperties,
-) -> Result<Connection, lapin::Error> {
-    let mut uri: lapin::uri::AMQPUri = url
-        .parse()
-        .map_err(|e: String| lapin::Error::from(std::io::Error::other(e)))?;
-    if uri.query.heartbeat.is_none() {
-        uri.query.heartbeat = Some(u16::try_from(heartbeat.as_secs()).unwrap_or(u16::MAX));
-    }
-    Connection::connect_uri(uri, props).await
 }
 
 async fn open_publisher(conn: &Connection) -> Result<Channel, lapin::Error> {

@@ -36,6 +36,7 @@
 
 mod agent;
 pub mod apply;
+pub mod broker;
 pub mod buffer;
 pub mod config;
 pub mod credentials;

@@ -32,8 +32,9 @@ enum LogFormat {
 enum Command {
     /// Run the agent until SIGTERM or SIGINT.
     Run(RunArgs),
-    /// Enrol this node with a join token (from `meshctl node add <id>`): make
-    /// the node's key pair, get its broker credentials, write credentials.toml.
+    /// Enrol this node with a join token and the mesh CA's hash (the command
+    /// `meshctl node add <id>` prints): make the node's key pair, get its broker
+    /// credentials over HTTPS pinned to the CA, write credentials.toml.
     Join(JoinArgs),
     /// Stop every unit this node runs (SIGTERM to each unit's process group,
     /// SIGKILL after the stop timeout) and exit: decommissioning. The agent
@@ -77,9 +78,16 @@ async fn drain_local(args: DrainArgs) -> anyhow::Result<()> {
 
 #[derive(clap::Args)]
 struct JoinArgs {
-    /// The controller's API, e.g. http://10.0.0.1:7700.
+    /// The controller's API, e.g. https://10.0.0.1:7443 (plain http:// only
+    /// for a loopback API).
     #[arg(long, env = "MESH_API")]
     api: String,
+    /// The mesh CA's public key hash, sha256:<64 hex digits> (as kubeadm's
+    /// --discovery-token-ca-cert-hash): the join refuses a controller whose
+    /// certificate chain has no CA with this key, before it sends the token.
+    /// Required with an https:// API.
+    #[arg(long, env = "MESH_CA_HASH")]
+    ca_hash: Option<String>,
     /// The join token (single use). Prefer the environment variable: a flag is
     /// visible in the process list.
     #[arg(long, env = "MESH_JOIN_TOKEN", hide_env_values = true)]
@@ -103,11 +111,19 @@ async fn join(args: JoinArgs) -> anyhow::Result<()> {
     let node = mesh_host_agent::credentials::NodeId::parse(&node)
         .with_context(|| format!("node id `{node}`"))?;
     let token = mesh_host_agent::Secret::new(args.token);
-    let joined = mesh_host_agent::join::join(&args.api, &token, &node, &args.state_dir).await?;
+    let joined = mesh_host_agent::join::join(
+        &args.api,
+        &token,
+        args.ca_hash.as_deref(),
+        &node,
+        &args.state_dir,
+    )
+    .await?;
     tracing::info!(
         node = %joined.node,
         credentials = %joined.credentials.display(),
         public_key = %joined.public_key,
+        broker = %joined.broker,
         "joined; start the agent with `mesh-agent run`"
     );
     println!(
@@ -184,6 +200,9 @@ fn main() -> std::process::ExitCode {
         return mesh_host_agent::units::shim::main();
     }
     init_logging(cli.log_format);
+    // One crypto provider for every TLS connection of the process (decision
+    // 0027); the agent's own clients also name it explicitly.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

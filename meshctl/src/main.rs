@@ -3,6 +3,11 @@
 //! Every command is one API request with the operator's bearer token
 //! (`--token` / `MESH_TOKEN`) against `--api` / `MESH_API`. Secrets it receives
 //! (join tokens, API tokens) are printed once, on stdout, and nowhere else.
+//!
+//! An `https://` API is verified against the mesh CA (`--ca` / `MESH_CA`,
+//! default `/etc/mesh/ca.pem`) and nothing else: no system roots, never
+//! skipped. Plain `http://` is accepted for a loopback API only (the bearer
+//! token would otherwise cross the network in cleartext).
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
@@ -26,6 +31,14 @@ struct Cli {
     /// Your API token (bundle/up wrote the first admin token to /etc/mesh/admin-token).
     #[arg(long, env = "MESH_TOKEN", hide_env_values = true, global = true)]
     token: Option<String>,
+    /// The mesh CA's certificate (PEM) an https:// API is verified against.
+    #[arg(
+        long,
+        env = "MESH_CA",
+        default_value = "/etc/mesh/ca.pem",
+        global = true
+    )]
+    ca: std::path::PathBuf,
     #[command(subcommand)]
     command: Command,
 }
@@ -52,12 +65,17 @@ enum Command {
 #[derive(Subcommand)]
 enum NodeCommand {
     /// Create a single-use join token for node <id> and print it; on the node:
-    /// `MESH_JOIN_TOKEN=<token> mesh-agent join --api <api> --node <id>`.
+    /// `MESH_JOIN_TOKEN=<token> mesh-agent join --api <advertised API>
+    /// --ca-hash sha256:<CA pin> --node <id>`.
     Add {
         id: String,
         /// Validity in seconds (default 3600).
         #[arg(long)]
         ttl: Option<u64>,
+        /// Print the whole join command, token included, on stdout (instead
+        /// of the token alone).
+        #[arg(long)]
+        join_command: bool,
     },
     /// Revoke node <id>: delete its broker user, close its connections (admin).
     Revoke { id: String },
@@ -115,19 +133,64 @@ impl Api {
     }
 }
 
+/// The HTTP client for `api`: an https:// API verified against the CA in
+/// `ca` alone; plain http:// only to a loopback host.
+fn client(api: &str, ca: &std::path::Path) -> anyhow::Result<reqwest::Client> {
+    let url = reqwest::Url::parse(api).with_context(|| format!("--api `{api}` is not a URL"))?;
+    let builder = reqwest::Client::builder().timeout(std::time::Duration::from_secs(30));
+    match url.scheme() {
+        "https" => {
+            let pem = std::fs::read(ca).with_context(|| {
+                format!(
+                    "reading the mesh CA {} (--ca / MESH_CA) to verify {api}",
+                    ca.display()
+                )
+            })?;
+            let cert = reqwest::Certificate::from_pem(&pem)
+                .with_context(|| format!("{} is not a PEM certificate", ca.display()))?;
+            Ok(builder
+                .use_rustls_tls()
+                .tls_built_in_root_certs(false)
+                .add_root_certificate(cert)
+                .https_only(true)
+                .build()?)
+        }
+        "http" => {
+            let host = url.host_str().unwrap_or_default();
+            let loopback = host == "localhost"
+                || host
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback());
+            if !loopback {
+                bail!(
+                    "--api `{api}`: plain http:// would send your token in cleartext; it is for a loopback API only (use the controller's https:// URL and --ca)"
+                );
+            }
+            Ok(builder.build()?)
+        }
+        other => bail!("--api `{api}`: scheme `{other}` is neither https nor http"),
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // The one crypto provider (ring) of every TLS connection (decision 0027).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let api = Api {
-        http: reqwest::Client::builder()
-            .timeout(std::time::Duration::from_secs(30))
-            .build()?,
+        http: client(&cli.api, &cli.ca)?,
         base: cli.api.trim_end_matches('/').to_owned(),
         token: cli.token,
     };
     use reqwest::Method;
     match cli.command {
-        Command::Node(NodeCommand::Add { id, ttl }) => {
+        Command::Node(NodeCommand::Add {
+            id,
+            ttl,
+            join_command,
+        }) => {
             let body = match ttl {
                 Some(t) => json!({ "ttl_secs": t }),
                 None => json!({}),
@@ -140,12 +203,23 @@ async fn main() -> anyhow::Result<()> {
                 )
                 .await?;
             let token = v["token"].as_str().context("no token in the answer")?;
+            // The advertised API and the CA's pin when the mesh has them; a
+            // loopback-only mesh joins over the API this command used.
+            let join_api = v["api_url"].as_str().unwrap_or(&api.base);
+            let pin = v["ca_hash"]
+                .as_str()
+                .map(|h| format!(" --ca-hash {h}"))
+                .unwrap_or_default();
+            let command = format!("mesh-agent join --api {join_api}{pin} --node {id}");
             eprintln!(
-                "join token for {id} (single use, expires {}); on the node run:\n  MESH_JOIN_TOKEN=<token> mesh-agent join --api {} --node {id}",
+                "join token for {id} (single use, expires {}); on the node run:\n  MESH_JOIN_TOKEN=<token> {command}",
                 v["expires_at"].as_str().unwrap_or("?"),
-                api.base
             );
-            println!("{token}");
+            if join_command {
+                println!("{command} --token {token}");
+            } else {
+                println!("{token}");
+            }
         }
         Command::Node(NodeCommand::Revoke { id }) => {
             let v = api

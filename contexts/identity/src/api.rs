@@ -45,6 +45,12 @@ struct JoinTokenCreated {
     /// Shown once; give it to the node's `mesh-agent join`.
     token: String,
     expires_at: DateTime<Utc>,
+    /// The API's advertised URL, for `mesh-agent join --api` (absent on a
+    /// loopback-only mesh).
+    api_url: Option<String>,
+    /// The mesh CA's pin, `sha256:<hex>` of its public key, for `mesh-agent
+    /// join --ca-hash` (absent without a CA).
+    ca_hash: Option<String>,
 }
 
 /// Answer of `POST /v1/join` (the document's schema).
@@ -56,6 +62,10 @@ struct JoinAnswer {
     broker_url: String,
     /// The key every declaration to the node is signed with (hex).
     controller_key: String,
+    /// The API's advertised URL (absent on a loopback-only mesh).
+    api_url: Option<String>,
+    /// The mesh CA's certificate, PEM (absent without a CA).
+    ca_certificate: Option<String>,
 }
 
 fn node_id(id: &str) -> Result<NodeId, Problem> {
@@ -110,6 +120,8 @@ async fn create_join_token(
             "node": created.node,
             "token": created.token.expose(),
             "expires_at": created.expires_at,
+            "api_url": identity.settings().api_url,
+            "ca_hash": identity.settings().ca_pin,
         })),
     ))
 }
@@ -141,6 +153,8 @@ async fn join(
             "node": enrolled.node,
             "broker_url": enrolled.broker_url.expose(),
             "controller_key": enrolled.controller_key,
+            "api_url": enrolled.api_url,
+            "ca_certificate": enrolled.ca_certificate,
         })),
     ))
 }

@@ -86,6 +86,16 @@ pub struct IdentitySettings {
     pub controller_key: String,
     /// Largest page `GET /v1/audit` and `GET /v1/tokens` return. Default 1000.
     pub max_page: i64,
+    /// The API's advertised `https://` URL: handed to a node at its join and
+    /// named in the join command a join token's answer carries. Default none
+    /// (a loopback-only mesh).
+    pub api_url: Option<String>,
+    /// The mesh CA's certificate (PEM), handed to a node at its join (the node
+    /// keeps the one its pinned handshake proved; this copy must match it).
+    pub ca_certificate: Option<String>,
+    /// The mesh CA's pin, `sha256:<hex>` of its public key: what a join
+    /// command carries (`--ca-hash`).
+    pub ca_pin: Option<String>,
 }
 
 impl IdentitySettings {
@@ -95,6 +105,9 @@ impl IdentitySettings {
             join_token_max_ttl: Duration::from_secs(7 * 24 * 3600),
             controller_key,
             max_page: 1000,
+            api_url: None,
+            ca_certificate: None,
+            ca_pin: None,
         }
     }
 }

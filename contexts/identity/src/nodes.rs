@@ -40,12 +40,15 @@ pub struct JoinRequest {
 }
 
 /// What a node receives when it joined: how to reach the broker (its own user
-/// and password) and the key every declaration to it is signed with.
+/// and password, at the advertised AMQPS endpoint), the key every declaration
+/// to it is signed with, the API's URL and the mesh CA.
 #[derive(Debug, Clone)]
 pub struct Enrolled {
     pub node: NodeId,
     pub broker_url: Secret<String>,
     pub controller_key: String,
+    pub api_url: Option<String>,
+    pub ca_certificate: Option<String>,
 }
 
 /// A node identity as listed (no secret in it).
@@ -192,6 +195,8 @@ impl Identity {
             broker_url: Secret::new(self.accounts.node_broker_url(&node, &password)),
             node,
             controller_key: self.settings.controller_key.clone(),
+            api_url: self.settings.api_url.clone(),
+            ca_certificate: self.settings.ca_certificate.clone(),
         })
     }
 

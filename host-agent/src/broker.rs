@@ -1,0 +1,152 @@
+//! The agent's broker connection: AMQPS verified against the mesh CA, or plain
+//! AMQP to a loopback broker.
+//!
+//! An `amqps://` URL is connected with rustls (the `ring` provider) trusting
+//! exactly one certificate: the mesh CA the node pinned at its join
+//! ([`AgentCredentials::ca_certificate`]). No system roots, no bundled roots:
+//! a broker whose certificate does not chain to the mesh CA, or does not name
+//! the host the URL names, fails the handshake and is refused before the
+//! node's password is sent. A plain `amqp://` URL is accepted only for a
+//! loopback host (the local mesh, tests): the broker's plain listener is on
+//! loopback only (docs/decisions/0027).
+
+use std::time::Duration;
+
+use lapin::tcp::OwnedTLSConfig;
+use lapin::uri::{AMQPScheme, AMQPUri};
+use lapin::{Connection, ConnectionProperties};
+use mesh_credentials::AgentCredentials;
+use mesh_credentials::advertise::is_loopback_host;
+
+/// Why the agent could not open its broker connection.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// The URL is not an AMQP URL (never echoed: it holds the password).
+    #[error("the broker URL in the credentials is not an AMQP URL: {0}")]
+    BadUrl(String),
+    #[error(
+        "plain amqp:// to {host} refused: plain AMQP is for a loopback broker only; the node needs the amqps:// endpoint and the mesh CA (join again)"
+    )]
+    PlainNotLoopback { host: String },
+    #[error(
+        "amqps:// to {host} needs the mesh CA (`ca_certificate` in the credentials); join again"
+    )]
+    NoCa { host: String },
+    /// The TLS handshake failed on the broker's certificate.
+    #[error(
+        "the broker at {endpoint} presented a certificate that does not verify against the mesh CA ({detail}): refused, nothing was sent"
+    )]
+    Untrusted { endpoint: String, detail: String },
+    #[error("broker at {endpoint}: {source}")]
+    Amqp {
+        endpoint: String,
+        source: lapin::Error,
+    },
+}
+
+/// Connects as the node of `creds`, asking for an AMQP heartbeat of
+/// `heartbeat` unless the URL names one.
+pub async fn connect(
+    creds: &AgentCredentials,
+    heartbeat: Duration,
+    props: ConnectionProperties,
+) -> Result<Connection, BrokerError> {
+    let mut uri: AMQPUri = creds
+        .broker_url
+        .expose()
+        .parse()
+        .map_err(|e: String| BrokerError::BadUrl(scrub(&e)))?;
+    if uri.query.heartbeat.is_none() {
+        uri.query.heartbeat = Some(u16::try_from(heartbeat.as_secs()).unwrap_or(u16::MAX));
+    }
+    let host = uri.authority.host.clone();
+    let endpoint = format!("{}:{}", host, uri.authority.port);
+    let tls = match uri.scheme {
+        AMQPScheme::AMQP => {
+            if !is_loopback_host(&host) {
+                return Err(BrokerError::PlainNotLoopback { host });
+            }
+            OwnedTLSConfig::default()
+        }
+        AMQPScheme::AMQPS => {
+            let ca = creds
+                .ca_certificate
+                .clone()
+                .ok_or_else(|| BrokerError::NoCa { host: host.clone() })?;
+            OwnedTLSConfig {
+                identity: None,
+                // The only trust anchor: lapin's rustls connector starts from an
+                // empty root store (no root store feature is enabled).
+                cert_chain: Some(ca),
+            }
+        }
+    };
+    let runtime = lapin::runtime::default_runtime().map_err(|source| BrokerError::Amqp {
+        endpoint: endpoint.clone(),
+        source,
+    })?;
+    Connection::connect_uri_with_config(uri, props, tls, runtime)
+        .await
+        .map_err(|source| classify(endpoint, source))
+}
+
+/// A handshake refused on the certificate reads as [`BrokerError::Untrusted`].
+fn classify(endpoint: String, source: lapin::Error) -> BrokerError {
+    let text = source.to_string();
+    if let Some(at) = text.find("invalid peer certificate") {
+        return BrokerError::Untrusted {
+            endpoint,
+            detail: text[at..].to_owned(),
+        };
+    }
+    BrokerError::Amqp { endpoint, source }
+}
+
+/// lapin's URL parse errors may quote the URL: keep only the words before it.
+fn scrub(e: &str) -> String {
+    match e.find("amqp") {
+        Some(at) => e[..at].trim_end_matches([' ', ':', '"', '`']).to_owned(),
+        None => e.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mesh_protocol::{NodeId, PublicKey, Secret};
+
+    fn creds(url: &str, ca: Option<String>) -> AgentCredentials {
+        AgentCredentials {
+            node: NodeId::parse("node-a").unwrap(),
+            broker_url: Secret::new(url.into()),
+            controller_key: PublicKey::from_hex(
+                &mesh_protocol::DeclarationSigner::from_seed([1; 32]).public_key_hex(),
+            )
+            .unwrap(),
+            ca_certificate: ca,
+            api_url: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn plain_amqp_only_to_loopback_and_amqps_only_with_the_ca() {
+        let err = connect(
+            &creds("amqp://node-a:pw@192.0.2.2:5672/mesh", None),
+            Duration::from_secs(10),
+            ConnectionProperties::default(),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("loopback") && !err.contains("pw"), "{err}");
+        let err = connect(
+            &creds("amqps://node-a:pw@192.0.2.2:5671/mesh", None),
+            Duration::from_secs(10),
+            ConnectionProperties::default(),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("mesh CA") && !err.contains("pw"), "{err}");
+    }
+}
