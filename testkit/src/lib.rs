@@ -58,6 +58,70 @@ pub fn admin_credentials() -> anyhow::Result<AdminCredentials> {
     )
 }
 
+/// The bundle's TLS, which the broker's one TLS listener is set up with: the
+/// mesh CA `bundle/up` made and the endpoint its broker certificate names.
+#[derive(Clone, Debug)]
+pub struct BundleTls {
+    /// `$MESH_ETC/ca.pem`.
+    pub ca_certificate_file: PathBuf,
+    /// `$MESH_ETC/ca.key` (0600).
+    pub ca_key_file: PathBuf,
+    /// The advertised address the broker's certificate names (not loopback
+    /// unless the bundle was told to).
+    pub advertise_host: String,
+    /// The broker's AMQPS port.
+    pub amqps_port: u16,
+}
+
+impl BundleTls {
+    /// The CA's certificate (PEM).
+    pub fn ca_pem(&self) -> anyhow::Result<String> {
+        std::fs::read_to_string(&self.ca_certificate_file)
+            .with_context(|| format!("reading {}", self.ca_certificate_file.display()))
+    }
+
+    /// The CA, key included (a test controller serves HTTPS with it).
+    pub fn ca(&self) -> anyhow::Result<mesh_credentials::pki::MeshCa> {
+        Ok(mesh_credentials::pki::MeshCa::load(
+            &self.ca_certificate_file,
+            &self.ca_key_file,
+        )?)
+    }
+}
+
+/// The bundle's CA and advertised broker endpoint, for tests that connect to
+/// the broker over AMQPS: its TLS listener has one certificate, issued by the
+/// CA `bundle/up` made (`$MESH_ETC`, default /etc/mesh). An error says to run
+/// `bundle/up` when it has not run (CI runs it first).
+pub fn bundle_tls() -> anyhow::Result<BundleTls> {
+    let etc = mesh_credentials::etc_dir();
+    let ca_certificate_file = etc.join("ca.pem");
+    let ca_key_file = etc.join("ca.key");
+    let creds_path = etc.join(ControllerCredentials::FILE);
+    for f in [&ca_certificate_file, &ca_key_file, &creds_path] {
+        anyhow::ensure!(
+            f.exists(),
+            "{} is missing: run `bash bundle/up` first (the broker's TLS listener has the one certificate the bundle's CA issues)",
+            f.display()
+        );
+    }
+    let creds = ControllerCredentials::load(&creds_path)?;
+    let broker = creds.advertise_broker.with_context(|| {
+        format!(
+            "{}: no advertise_broker: run `bash bundle/up` again",
+            creds_path.display()
+        )
+    })?;
+    let (advertise_host, amqps_port) = mesh_credentials::advertise::check_host_port(&broker)
+        .map_err(|e| anyhow::anyhow!("{}: advertise_broker: {e}", creds_path.display()))?;
+    Ok(BundleTls {
+        ca_certificate_file,
+        ca_key_file,
+        advertise_host,
+        amqps_port,
+    })
+}
+
 /// One test's isolated environment.
 pub struct TestEnv {
     id: String,
@@ -144,6 +208,10 @@ impl TestEnv {
         MasterKeys::new(vec![MasterKey::new("m-test", rand::random())])
             .write(&env.master_keys_path())
             .context("writing the test secrets master keyring")?;
+        let (ca_cert, ca_key) = env.ca_paths();
+        mesh_credentials::pki::MeshCa::generate(&format!("mesh CA {}", env.id))
+            .and_then(|ca| ca.write(&ca_cert, &ca_key))
+            .context("writing the test mesh CA")?;
         // On failure `env` is dropped, which removes whatever was created.
         provision::provision(&env.admin, &env.names, &env.secrets)
             .await
@@ -189,7 +257,25 @@ impl TestEnv {
         c.signing_key_file = Some(self.signing_key_path());
         c.master_keys_file = Some(self.master_keys_path());
         c.bootstrap_admin_token_sha256 = Some(mesh_protocol::token_sha256_hex(&self.admin_token));
+        let (ca_cert, ca_key) = self.ca_paths();
+        c.ca_certificate_file = Some(ca_cert);
+        c.ca_key_file = Some(ca_key);
         c
+    }
+
+    /// This environment's own mesh CA: (certificate, key) files, the key mode
+    /// 0600. Named in [`TestEnv::controller_credentials`]; what the controller
+    /// signs with (its HTTPS certificate, nodes' certificates). The broker's
+    /// TLS listener does not know it: a test that connects over AMQPS uses
+    /// [`bundle_tls`] instead.
+    pub fn ca_paths(&self) -> (PathBuf, PathBuf) {
+        (self.key_dir.join("ca.pem"), self.key_dir.join("ca.key"))
+    }
+
+    /// This environment's mesh CA, loaded.
+    pub fn ca(&self) -> anyhow::Result<mesh_credentials::pki::MeshCa> {
+        let (cert, key) = self.ca_paths();
+        Ok(mesh_credentials::pki::MeshCa::load(&cert, &key)?)
     }
 
     /// Where this environment's controller signing key is (mode 0600).
