@@ -15,6 +15,7 @@ use anyhow::{Context as _, anyhow, bail};
 use mesh_testkit::{NodeCredentials, TestEnv};
 use serde_json::Value;
 
+pub mod netns;
 pub mod sim;
 
 /// Path of a workspace binary next to the test executable's directory.
@@ -73,6 +74,13 @@ fn free_port() -> anyhow::Result<u16> {
 pub struct Proc(Child);
 
 impl Proc {
+    /// Spawn `cmd`; the process is killed when the handle is dropped.
+    pub fn spawn(cmd: &mut Command) -> anyhow::Result<Proc> {
+        Ok(Proc(
+            cmd.spawn().with_context(|| format!("spawning {cmd:?}"))?,
+        ))
+    }
+
     pub fn kill(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
