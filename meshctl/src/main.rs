@@ -205,11 +205,10 @@ async fn main() -> anyhow::Result<()> {
             let token = v["token"].as_str().context("no token in the answer")?;
             // The advertised API and the CA's pin when the mesh has them; a
             // loopback-only mesh joins over the API this command used.
-            let join_api = v["api_url"].as_str().unwrap_or(&api.base);
-            let pin = v["ca_hash"]
-                .as_str()
-                .map(|h| format!(" --ca-hash {h}"))
-                .unwrap_or_default();
+            let (join_api, pin) = match (v["api_url"].as_str(), v["ca_hash"].as_str()) {
+                (Some(url), Some(hash)) => (url, format!(" --ca-hash {hash}")),
+                _ => (api.base.as_str(), String::new()),
+            };
             let command = format!("mesh-agent join --api {join_api}{pin} --node {id}");
             eprintln!(
                 "join token for {id} (single use, expires {}); on the node run:\n  MESH_JOIN_TOKEN=<token> {command}",
