@@ -95,6 +95,10 @@ pub(crate) struct Agent {
     /// configured interval); `retime` is set when it changed.
     plan: Option<HeartbeatPlan>,
     retime: bool,
+    /// The overlay and firewall of the connectivity section; `changes`: item
+    /// outcomes a periodic check changed, to state again.
+    connectivity: Option<crate::connectivity::Shared>,
+    connectivity_changes: Option<tokio::sync::mpsc::Receiver<Vec<ItemOutcome>>>,
 }
 
 impl Agent {
@@ -124,6 +128,8 @@ impl Agent {
         Agent {
             plan,
             retime: false,
+            connectivity: None,
+            connectivity_changes: None,
             config,
             creds,
             store,
@@ -133,6 +139,18 @@ impl Agent {
             units,
             reporter,
         }
+    }
+
+    /// Apply the connectivity section's overlay and firewall with `c`, and
+    /// state again what its checks change.
+    pub(crate) fn with_connectivity(
+        mut self,
+        c: crate::connectivity::Shared,
+        changes: tokio::sync::mpsc::Receiver<Vec<ItemOutcome>>,
+    ) -> Self {
+        self.connectivity = Some(c);
+        self.connectivity_changes = Some(changes);
+        self
     }
 
     /// Run until `shutdown` resolves, then leave the units running for the next
@@ -324,6 +342,7 @@ impl Agent {
                     }
                 }
                 () = self.reporter.due() => self.push_units(),
+                Some(items) = next_change(&mut self.connectivity_changes) => self.restate_connectivity(items),
                 _ = heartbeat.tick() => {
                     if let Some(confirm) = self.beat(&publisher).await {
                         beats.push(confirm);
@@ -612,6 +631,8 @@ impl Agent {
         };
         let decl = env.body;
         let plan = (decl.section == Section::Inventory).then_some(decl.items.heartbeat);
+        let plans = (decl.section == Section::Connectivity)
+            .then(|| (decl.items.overlay.clone(), decl.items.firewall.clone()));
         let prev = self.store.section(decl.section);
         let applier = self.applier.clone();
         let section = decl.section;
@@ -631,6 +652,27 @@ impl Agent {
                     };
                 }
             };
+        let mut report = report;
+        // The overlay and firewall follow the section's files, unless nothing
+        // of it may be applied (rejected) or it is not newer (stale).
+        if let (Some((overlay, firewall)), Some(c), false, false) = (
+            plans,
+            &self.connectivity,
+            report.stale,
+            report.outcome == Outcome::Rejected,
+        ) {
+            let items = c.apply(overlay, firewall).await;
+            if report.error.is_none()
+                && let Some(bad) = items.iter().find(|i| !i.ok)
+            {
+                report.error = Some(format!(
+                    "{}: {}",
+                    bad.item,
+                    bad.error.as_deref().unwrap_or("not applied")
+                ));
+            }
+            report.items.extend(items);
+        }
         let label = if report.stale {
             "stale"
         } else {
@@ -706,9 +748,39 @@ impl Agent {
             &self.config.labels,
             self.store.applied_generations(),
             self.applier.seal_public_key().map(|k| k.to_hex()),
+            self.connectivity.as_ref().and_then(|c| c.facts()),
         );
         let out = self.envelope(Report::Hello(hello));
         self.push(out);
+    }
+
+    /// State the connectivity section's overlay and firewall items again, at
+    /// the generation applied, when a check changed their outcome.
+    fn restate_connectivity(&mut self, items: Vec<ItemOutcome>) {
+        let generation = self.store.section(Section::Connectivity).generation;
+        if generation == 0 {
+            return;
+        }
+        let error = items.iter().find(|i| !i.ok).map(|i| {
+            format!(
+                "{}: {}",
+                i.item,
+                i.error.as_deref().unwrap_or("not applied")
+            )
+        });
+        info!(
+            generation,
+            ok = error.is_none(),
+            "connectivity changed; stating it again"
+        );
+        self.push_applied(Applied {
+            section: Some(Section::Connectivity),
+            generation: Some(generation),
+            outcome: Outcome::Applied,
+            items,
+            error,
+            unsupported_section: None,
+        });
     }
 
     /// State every unit, now (after a connect, and when [`Reporter::due`]).
@@ -921,6 +993,15 @@ async fn start_consumer(
             let _ = ch.close(200, "retrying".into()).await;
             Err(e)
         }
+    }
+}
+
+async fn next_change(
+    changes: &mut Option<tokio::sync::mpsc::Receiver<Vec<ItemOutcome>>>,
+) -> Option<Vec<ItemOutcome>> {
+    match changes {
+        Some(c) => c.recv().await,
+        None => std::future::pending().await,
     }
 }
 
