@@ -99,6 +99,8 @@ pub(crate) struct Agent {
     /// outcomes a periodic check changed, to state again.
     connectivity: Option<crate::connectivity::Shared>,
     connectivity_changes: Option<tokio::sync::mpsc::Receiver<Vec<ItemOutcome>>>,
+    /// The node's certificates (none: not set up, as in some tests).
+    certs: Option<crate::certs::Certs>,
 }
 
 impl Agent {
@@ -130,6 +132,7 @@ impl Agent {
             retime: false,
             connectivity: None,
             connectivity_changes: None,
+            certs: None,
             config,
             creds,
             store,
@@ -150,6 +153,12 @@ impl Agent {
     ) -> Self {
         self.connectivity = Some(c);
         self.connectivity_changes = Some(changes);
+        self
+    }
+
+    /// Ask for, install and renew the node's certificates with `certs`.
+    pub(crate) fn with_certs(mut self, certs: crate::certs::Certs) -> Self {
+        self.certs = Some(certs);
         self
     }
 
@@ -268,6 +277,7 @@ impl Agent {
         self.buffer.reset_in_flight();
         self.push_hello();
         self.push_units();
+        self.push_certificates(true);
         let mut events = conn.events_listener();
         let mut confirms: FuturesUnordered<ConfirmFuture> = FuturesUnordered::new();
         // Heartbeats' confirms: awaited only so that lapin lets go of them (a
@@ -313,6 +323,7 @@ impl Agent {
                 }
             }
 
+            let certs_due = self.certs_due();
             tokio::select! {
                 () = &mut *shutdown => {
                     if let Some((ch, _)) = consumer.take() {
@@ -343,6 +354,7 @@ impl Agent {
                 }
                 () = self.reporter.due() => self.push_units(),
                 Some(items) = next_change(&mut self.connectivity_changes) => self.restate_connectivity(items),
+                () = sleep_until(certs_due), if self.certs.is_some() => self.push_certificates(false),
                 _ = heartbeat.tick() => {
                     if let Some(confirm) = self.beat(&publisher).await {
                         beats.push(confirm);
@@ -633,6 +645,7 @@ impl Agent {
         let plan = (decl.section == Section::Inventory).then_some(decl.items.heartbeat);
         let plans = (decl.section == Section::Connectivity)
             .then(|| (decl.items.overlay.clone(), decl.items.firewall.clone()));
+        let certs_declared = decl.items.certificates.clone();
         let prev = self.store.section(decl.section);
         let applier = self.applier.clone();
         let section = decl.section;
@@ -673,6 +686,24 @@ impl Agent {
             }
             report.items.extend(items);
         }
+        if section == Section::Connectivity
+            && !report.stale
+            && report.outcome != Outcome::Rejected
+            && let Some(certs) = &mut self.certs
+        {
+            let items = certs.install(&certs_declared);
+            if report.error.is_none()
+                && let Some(bad) = items.iter().find(|i| !i.ok)
+            {
+                report.error = Some(format!(
+                    "{}: {}",
+                    bad.item,
+                    bad.error.as_deref().unwrap_or("not applied")
+                ));
+            }
+            report.items.extend(items);
+            self.push_certificates(true);
+        }
         let label = if report.stale {
             "stale"
         } else {
@@ -705,6 +736,12 @@ impl Agent {
             // Level-triggered: the supervisor compares the whole list with what runs.
             if let Some(units) = units {
                 self.units.declare(&units);
+                // A certificate per module the node runs.
+                if let Some(certs) = &mut self.certs
+                    && certs.set_modules(units.iter().map(|u| u.module.as_str()))
+                {
+                    self.push_certificates(true);
+                }
             }
         }
         Applied {
@@ -781,6 +818,30 @@ impl Agent {
             error,
             unsupported_section: None,
         });
+    }
+
+    /// State the certificates asked for and held: on connect and after a
+    /// change (`force`), and when a renewal falls due.
+    fn push_certificates(&mut self, force: bool) {
+        let Some(certs) = &mut self.certs else {
+            return;
+        };
+        if let Some(report) = certs.report(chrono::Utc::now(), force) {
+            for r in &report.requests {
+                info!(name = %r.name, "asking for a certificate");
+            }
+            let out = self.envelope(Report::Certificates(report));
+            self.push(out);
+        }
+    }
+
+    /// When the next certificate falls due (far away when none will).
+    fn certs_due(&self) -> Instant {
+        let due = self.certs.as_ref().and_then(crate::certs::Certs::next_due);
+        let wait = due.map_or(Duration::from_secs(3600), |at| {
+            (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO)
+        });
+        Instant::now() + wait.max(Duration::from_millis(50))
     }
 
     /// State every unit, now (after a connect, and when [`Reporter::due`]).

@@ -42,6 +42,7 @@
 mod agent;
 pub mod apply;
 pub mod buffer;
+pub mod certs;
 pub mod command;
 pub mod config;
 pub mod connectivity;
@@ -75,6 +76,8 @@ pub enum AgentError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Connectivity(#[from] connectivity::ConnectivityError),
+    #[error(transparent)]
+    Certs(#[from] certs::CertError),
     #[error("root {path}: {error}")]
     Root {
         path: std::path::PathBuf,
@@ -122,6 +125,14 @@ pub async fn run(
         );
     }
     let connectivity = connectivity::Shared::new(connectivity);
+    let mut certs = certs::Certs::open(creds.node.clone(), &config.state_dir, &config.root)?;
+    certs.set_modules(
+        store
+            .section(mesh_protocol::Section::Inventory)
+            .units
+            .iter()
+            .map(|u| u.module.as_str()),
+    );
     let metrics = metrics::Metrics::new();
 
     let (stop_metrics, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -168,7 +179,8 @@ pub async fn run(
     let (changes_tx, changes) = tokio::sync::mpsc::channel(4);
     let checks = connectivity.spawn_checks(config.overlay.check_interval, changes_tx);
     let agent = agent::Agent::new(config, creds, store, applier, metrics, supervisor)
-        .with_connectivity(connectivity, changes);
+        .with_connectivity(connectivity, changes)
+        .with_certs(certs);
     let shutdown = std::pin::pin!(shutdown);
     agent.run(shutdown).await;
     checks.abort();

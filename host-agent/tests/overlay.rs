@@ -771,3 +771,153 @@ async fn overlay(env: &TestEnv, dirs: &[tempfile::TempDir]) -> anyhow::Result<()
     drop(lab);
     Ok(())
 }
+
+/// Sign `csr` with the CA for `secs` seconds from now (no backdating: the
+/// renewal point is then exactly two thirds from now).
+fn issue_short(
+    ca_pem: &str,
+    ca_key: &str,
+    name: &str,
+    csr: &str,
+    secs: i64,
+) -> anyhow::Result<mesh_protocol::CertificateItem> {
+    let issuer = rcgen::Issuer::from_ca_cert_pem(ca_pem, rcgen::KeyPair::from_pem(ca_key)?)?;
+    let mut params = rcgen::CertificateSigningRequestParams::from_pem(csr)?;
+    let now = time::OffsetDateTime::now_utc().replace_nanosecond(0)?;
+    params.params.not_before = now;
+    params.params.not_after = now + time::Duration::seconds(secs);
+    let serial: [u8; 8] = rand::random();
+    let mut serial = serial.to_vec();
+    serial[0] = (serial[0] & 0x7f) | 0x40;
+    params.params.serial_number = Some(rcgen::SerialNumber::from_slice(&serial));
+    let cert = params.signed_by(&issuer)?;
+    let pem = cert.pem();
+    let info = mesh_credentials::pki::CertInfo::parse(&pem)?;
+    Ok(mesh_protocol::CertificateItem {
+        name: name.into(),
+        serial: info.serial,
+        not_after: info.not_after,
+        certificate: pem,
+        ca: ca_pem.into(),
+    })
+}
+
+/// The node asks with a CSR of its own key, installs what is issued, renews
+/// at two thirds of the lifetime, and when no renewal comes keeps its
+/// certificate and says so. The agent runs in-process; no namespace needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificates_are_asked_installed_and_renewed_at_two_thirds() -> anyhow::Result<()> {
+    use mesh_credentials::pki;
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("d").await?;
+    let node = creds.node.clone();
+    let (_admin, ch, consumer) = controller_side(&env).await?;
+    let mut reports = Reports {
+        consumer,
+        seen: Vec::new(),
+    };
+    declaration_queue_for(&ch, &node).await?;
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let mut config = mesh_host_agent::Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        heartbeat_interval: Duration::from_millis(500),
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(500),
+        ..mesh_host_agent::Config::default()
+    };
+    config.overlay.enabled = false;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config, async {
+        let _ = stopped.await;
+    }));
+
+    let ca = pki::MeshCa::generate("test mesh CA")?;
+    let ca_dir = tempfile::tempdir()?;
+    ca.write(&ca_dir.path().join("ca.pem"), &ca_dir.path().join("ca.key"))?;
+    let ca_key = std::fs::read_to_string(ca_dir.path().join("ca.key"))?;
+    let ca_pem = ca.certificate_pem().to_owned();
+    let csr_of = |r: &Report| match r {
+        Report::Certificates(c) => c
+            .requests
+            .iter()
+            .find(|q| q.name == "node")
+            .map(|q| q.csr.clone()),
+        _ => None,
+    };
+
+    // 1. The first request; the CSR is for the node, signed by its own key.
+    let csr = wait_report(&mut reports, "certificate request", &node, csr_of).await?;
+    let parsed = pki::Csr::parse(&csr)?;
+    assert_eq!(parsed.common_name(), Some(node.as_str()));
+    let key = std::fs::read_to_string(state.path().join("certs/node.key"))?;
+    assert_eq!(parsed.public_key_der(), pki::public_key_der(&key)?);
+
+    let tls = root.path().join("etc/mesh/tls");
+    let mut generation = 0;
+    let mut serial = String::new();
+    let mut csr = csr;
+    // 2. Issue twice; each time the renewal comes at two thirds.
+    for _ in 0..2 {
+        let item = issue_short(&ca_pem, &ca_key, "node", &csr, 6)?;
+        let info = pki::CertInfo::parse(&item.certificate)?;
+        generation += 1;
+        declare(
+            &ch,
+            env.signer(),
+            &node,
+            generation,
+            DeclarationItems {
+                certificates: vec![item.clone()],
+                ..Default::default()
+            },
+        )
+        .await?;
+        let a = wait_applied(&mut reports, &node, generation).await?;
+        item_ok(&a, "certificate:node")?;
+        assert_eq!(
+            std::fs::read_to_string(tls.join("node.pem"))?,
+            item.certificate
+        );
+        assert_eq!(std::fs::read_to_string(tls.join("ca.pem"))?, ca_pem);
+        let key_mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(tls.join("node.key"))?.permissions(),
+        );
+        assert_eq!(key_mode & 0o777, 0o600);
+        serial = item.serial.clone();
+        csr = wait_report(&mut reports, "renewal request", &node, csr_of).await?;
+        let asked = chrono::Utc::now();
+        let renew_at = info.renew_at();
+        assert!(
+            asked >= renew_at - chrono::TimeDelta::milliseconds(100),
+            "asked at {asked}, before two thirds ({renew_at})"
+        );
+        assert!(
+            asked < renew_at + chrono::TimeDelta::milliseconds(1500),
+            "asked at {asked}, long after two thirds ({renew_at})"
+        );
+        assert!(asked < info.not_after);
+    }
+
+    // 3. No renewal comes: the certificate is kept and the delay stated.
+    let held = wait_report(&mut reports, "renew_error", &node, |r| match r {
+        Report::Certificates(c) => c
+            .held
+            .iter()
+            .find(|h| h.name == "node" && h.renew_error.is_some())
+            .cloned(),
+        _ => None,
+    })
+    .await?;
+    assert_eq!(held.serial, serial);
+    let why = held.renew_error.unwrap_or_default();
+    assert!(why.contains("no new certificate yet"), "{why}");
+    assert!(tls.join("node.pem").exists());
+
+    let _ = stop.send(());
+    timeout(DEADLINE, agent).await???;
+    env.teardown().await?;
+    Ok(())
+}
