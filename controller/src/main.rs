@@ -85,6 +85,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Run { api_listen } => {
             if let Some(addr) = api_listen {
                 settings.api_listen = addr;
+                settings.validate().context("--api-listen")?;
             }
             let shutdown = CancellationToken::new();
             tokio::spawn(signals(shutdown.clone()));
