@@ -72,13 +72,19 @@ pub struct ApiCertificate {
     not_after: DateTime<Utc>,
 }
 
+/// A certificate for `names` from `ca`, with when to renew it: two thirds of
+/// the way from now to its end. (Not [`CertInfo::renew_at`]: certificates
+/// start five minutes early for clocks a little behind, which would put the
+/// renewal of a short-lived one in the past.)
 fn certified(
     ca: &MeshCa,
     names: &[String],
     lifetime: Duration,
-) -> Result<(Arc<CertifiedKey>, CertInfo), TlsError> {
+) -> Result<(Arc<CertifiedKey>, CertInfo, DateTime<Utc>), TlsError> {
+    let issued_at = Utc::now();
     let issued = ca.issue_server(names, lifetime)?;
     let info = CertInfo::parse(&issued.certificate_pem)?;
+    let renew_at = issued_at + (info.not_after - issued_at) * 2 / 3;
     let rustls_err = |e: &dyn std::fmt::Display| TlsError::Rustls(e.to_string());
     let leaf = CertificateDer::from_pem_slice(issued.certificate_pem.as_bytes())
         .map_err(|e| rustls_err(&e))?;
@@ -93,6 +99,7 @@ fn certified(
     Ok((
         Arc::new(CertifiedKey::new(vec![leaf, ca_der], signing)),
         info,
+        renew_at,
     ))
 }
 
@@ -103,13 +110,13 @@ impl ApiCertificate {
         names: Vec<String>,
         lifetime: Duration,
     ) -> Result<ApiCertificate, TlsError> {
-        let (key, info) = certified(&ca, &names, lifetime)?;
+        let (key, info, renew_at) = certified(&ca, &names, lifetime)?;
         Ok(ApiCertificate {
             ca,
             names,
             lifetime,
             current: Arc::new(Swap(RwLock::new(key))),
-            renew_at: info.renew_at(),
+            renew_at,
             not_after: info.not_after,
         })
     }
@@ -133,6 +140,11 @@ impl ApiCertificate {
         &self.names
     }
 
+    /// When [`ApiCertificate::renew`] issues the next one.
+    pub fn renew_at(&self) -> DateTime<Utc> {
+        self.renew_at
+    }
+
     /// Issues the certificate again at two thirds of its lifetime, until
     /// `shutdown`. A failure is logged and retried a minute later; the old
     /// certificate stays in place meanwhile.
@@ -146,11 +158,11 @@ impl ApiCertificate {
                 () = tokio::time::sleep(wait) => {}
             }
             match certified(&self.ca, &self.names, self.lifetime) {
-                Ok((key, info)) => {
+                Ok((key, info, renew_at)) => {
                     if let Ok(mut current) = self.current.0.write() {
                         *current = key;
                     }
-                    self.renew_at = info.renew_at();
+                    self.renew_at = renew_at;
                     self.not_after = info.not_after;
                     tracing::info!(serial = %info.serial, not_after = %info.not_after, "API certificate renewed");
                 }
