@@ -454,3 +454,27 @@ async fn up(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::advertised;
+
+    #[test]
+    fn advertised_endpoints_of_an_address() {
+        assert_eq!(
+            advertised("192.0.2.2", 7443, 5671).unwrap(),
+            ("https://192.0.2.2:7443".into(), "192.0.2.2:5671".into())
+        );
+        assert_eq!(
+            advertised("2001:db8::2", 7443, 5671).unwrap(),
+            (
+                "https://[2001:db8::2]:7443".into(),
+                "[2001:db8::2]:5671".into()
+            )
+        );
+        let err = advertised("not an address!", 7443, 5671)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MESH_ADVERTISE"), "{err}");
+    }
+}
