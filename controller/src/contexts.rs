@@ -138,6 +138,11 @@ impl Contexts {
             identity_settings.ca_certificate = Some(ca.certificate_pem().to_owned());
             identity_settings.api_url = advertised.api.clone();
             node_broker = advertised.broker.clone();
+            if advertised.api.is_some() && node_broker.is_none() {
+                tracing::warn!(
+                    "advertise_api is set but advertise_broker is not: nodes joining from other machines are refused the loopback broker address (set advertise_broker; bundle/up does)"
+                );
+            }
         } else if advertised.api.is_some() || advertised.broker.is_some() {
             tracing::warn!(
                 "advertised endpoints are set but the credentials name no mesh CA: nodes are handed the controller's own broker address (run bundle/up again)"

@@ -398,6 +398,16 @@ pub async fn join(
     }
     let controller_key = PublicKey::from_hex(&answer.controller_key)
         .map_err(|e| JoinError::BadAnswer(format!("controller_key: {e}")))?;
+    // A node joining over the network must be handed an endpoint it can reach.
+    let broker_host = url::Url::parse(answer.broker_url.expose())
+        .ok()
+        .and_then(|u| u.host_str().map(str::to_owned))
+        .unwrap_or_default();
+    if !is_loopback_host(&host) && is_loopback_host(&broker_host) {
+        return Err(JoinError::BadAnswer(format!(
+            "the controller handed a loopback broker ({broker_host}) to a node joining from another machine: set advertise_broker on the controller (bundle/up does), then join again with a new token"
+        )));
+    }
     // The CA the node keeps: over HTTPS, the one the handshake proved (the
     // answer's copy, if any, must be that one); over loopback HTTP, the answer's.
     let ca_certificate = match &pinned {
