@@ -137,6 +137,7 @@ async fn a_second_host_joins_over_https_and_applies_a_declaration_over_amqps() -
     let out = host
         .tokio_command(&bin("mesh-agent")?)
         .args(join_args(&command, &state_dir)?)
+        .env("RUST_LOG", "debug")
         .stdin(Stdio::null())
         .output()
         .await?;
@@ -146,6 +147,15 @@ async fn a_second_host_joins_over_https_and_applies_a_declaration_over_amqps() -
         String::from_utf8_lossy(&out.stderr)
     );
     let joined = AgentCredentials::load(&state_dir)?;
+    let token = command.rsplit(' ').next().unwrap_or_default();
+    let password = joined.password().context("a broker password")?;
+    for printed in [&out.stdout, &out.stderr] {
+        let printed = String::from_utf8_lossy(printed);
+        assert!(
+            !printed.contains(token) && !printed.contains(password.expose().as_str()),
+            "the join printed a secret at debug level: {printed}"
+        );
+    }
     let url = url::Url::parse(joined.broker_url.expose())?;
     assert_eq!(url.scheme(), "amqps");
     assert_eq!(
@@ -213,6 +223,12 @@ async fn a_second_host_joins_over_https_and_applies_a_declaration_over_amqps() -
             mesh.log_of("agent-far.err")
         )
     })?;
+
+    let agent_log = mesh.log_of("agent-far") + &mesh.log_of("agent-far.err");
+    assert!(
+        !agent_log.contains(password.expose().as_str()),
+        "the agent logged its password"
+    );
 
     // The broker saw the node over TLS, from the second host's address.
     let admin = mesh.env.admin_credentials();
