@@ -27,6 +27,7 @@ mod controller;
 mod file;
 pub mod key;
 mod master;
+pub mod pki;
 
 use std::path::PathBuf;
 
