@@ -1405,7 +1405,7 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
             )
             .await?;
             let mut events = 0;
-            for context in ["config", "inventory", "identity"] {
+            for context in ["config", "inventory", "identity", "connectivity"] {
                 let queue = mesh_protocol::topology::record_queue(context);
                 events += mesh_e2e::sim::queue_depth(&mesh.env, &queue).await?;
             }
