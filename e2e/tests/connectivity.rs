@@ -6,7 +6,7 @@
 //! endpoints and allowed IPs; a revoked node disappears from every one.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
@@ -121,23 +121,25 @@ async fn five_nodes_peer_with_the_other_four_and_a_revoked_one_leaves_every_conf
     // Every node is declared the other four, with their keys, endpoints and
     // addresses.
     let mut newest: Vec<Option<(u64, DeclarationItems)>> = vec![None; 5];
-    wait_for("every node declared its four peers", WITHIN, || {
-        let (nodes, newest, ch) = (&nodes, &mut newest, &ch);
-        async move {
-            for (i, (_, _, copy)) in nodes.iter().enumerate() {
-                newest_connectivity(ch, copy, &mut newest[i]).await?;
-            }
-            Ok(newest
-                .iter()
-                .all(|n| {
-                    n.as_ref()
-                        .and_then(|(_, items)| items.overlay.as_ref())
-                        .is_some_and(|o| o.peers.len() == 4)
-                })
-                .then_some(()))
+    let deadline = Instant::now() + WITHIN;
+    loop {
+        for (i, (_, _, copy)) in nodes.iter().enumerate() {
+            newest_connectivity(&ch, copy, &mut newest[i]).await?;
         }
-    })
-    .await?;
+        let done = newest.iter().all(|n| {
+            n.as_ref()
+                .and_then(|(_, items)| items.overlay.as_ref())
+                .is_some_and(|o| o.peers.len() == 4)
+        });
+        if done {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "timed out waiting for every node to be declared its four peers: {newest:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     for (i, (node, _, _)) in nodes.iter().enumerate() {
         let Some((_, items)) = &newest[i] else {
             anyhow::bail!("no section for {node}");
@@ -182,31 +184,36 @@ async fn five_nodes_peer_with_the_other_four_and_a_revoked_one_leaves_every_conf
     let gone = nodes[2].0.clone();
     let status = mesh.delete(&format!("/v1/nodes/{gone}")).await?;
     anyhow::ensure!(status == 204 || status == 200, "revoke: {status}");
-    wait_for("the revoked node gone from every config", WITHIN, || {
-        let (nodes, newest, ch, gone) = (&nodes, &mut newest, &ch, &gone);
-        async move {
-            let mut done = true;
-            for (i, (node, _, copy)) in nodes.iter().enumerate() {
-                if node == gone {
-                    continue;
-                }
-                newest_connectivity(ch, copy, &mut newest[i]).await?;
-                let Some((_, items)) = &newest[i] else {
-                    return Ok(None);
-                };
-                let peers_ok = items.overlay.as_ref().is_some_and(|o| {
-                    o.peers.len() == 3 && o.peers.iter().all(|p| p.node.as_str() != gone)
-                });
-                let names_ok = items
-                    .files
-                    .iter()
-                    .all(|f| !f.content.contains(gone.as_str()));
-                done &= peers_ok && names_ok;
+    let deadline = Instant::now() + WITHIN;
+    loop {
+        let mut done = true;
+        for (i, (node, _, copy)) in nodes.iter().enumerate() {
+            if *node == gone {
+                continue;
             }
-            Ok(done.then_some(()))
+            newest_connectivity(&ch, copy, &mut newest[i]).await?;
+            let Some((_, items)) = &newest[i] else {
+                done = false;
+                continue;
+            };
+            let peers_ok = items.overlay.as_ref().is_some_and(|o| {
+                o.peers.len() == 3 && o.peers.iter().all(|p| p.node.as_str() != gone)
+            });
+            let names_ok = items
+                .files
+                .iter()
+                .all(|f| !f.content.contains(gone.as_str()));
+            done &= peers_ok && names_ok;
         }
-    })
-    .await?;
+        if done {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "timed out waiting for {gone} to leave every config: {newest:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let (_, view) = mesh.get("/v1/overlay").await?;
     anyhow::ensure!(
         view["nodes"]

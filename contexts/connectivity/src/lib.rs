@@ -37,6 +37,8 @@ use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
+use crate::reconcile::Scope;
+
 pub use error::Error;
 pub use mesh_plumbing::section::Declared as ReconcileReport;
 pub use plan::{Cidr, HOSTS_PATH, HUB_LABEL, INTERFACE, PlanSettings, Policy, TABLE};
@@ -229,16 +231,20 @@ impl Connectivity {
         SECTIONS
             .on_heartbeat(tx, reports, self.settings.resend_after)
             .await?;
-        let mut changed = reports::hellos(tx, reports).await?;
+        let mut scope = reports::hellos(tx, reports).await?;
         for env in reports {
             if let Report::Certificates(body) = &env.body {
-                let _span = tracing::info_span!("certificates", node = %env.node, id = %env.id);
-                changed |= certs::report(tx, &self.settings, &env.node, body).await?;
+                use tracing::Instrument as _;
+                let span = tracing::info_span!("certificates", node = %env.node, id = %env.id);
+                if certs::report(tx, &self.settings, &env.node, body)
+                    .instrument(span)
+                    .await?
+                {
+                    scope.add(Scope::Nodes([env.node.clone()].into()));
+                }
             }
         }
-        if changed {
-            reconcile::reconcile(tx, &self.settings).await?;
-        }
+        reconcile::reconcile(tx, &self.settings, &scope).await?;
         Ok(())
     }
 
@@ -247,6 +253,7 @@ impl Connectivity {
         let mut labels = Vec::new();
         let mut modules = Vec::new();
         let mut changed = false;
+        let mut scope = Scope::none();
         for event in events {
             match &event.kind {
                 RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body) => labels.push(body),
@@ -265,11 +272,13 @@ impl Connectivity {
                 }
             }
         }
-        changed |= reports::labels(tx, &labels).await?;
+        let hub_and_spoke = self.settings.plan.policy == Policy::HubAndSpoke;
+        scope.add(reports::labels(tx, &labels, hub_and_spoke).await?);
         changed |= reports::modules(tx, &modules).await?;
         if changed {
-            reconcile::reconcile(tx, &self.settings).await?;
+            scope = Scope::All;
         }
+        reconcile::reconcile(tx, &self.settings, &scope).await?;
         Ok(())
     }
 }

@@ -207,12 +207,59 @@ async fn certificates(
     Ok(out)
 }
 
+/// Whose sections a change recomputes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// Every node: what changed is in every node's section (a node joined or
+    /// left the overlay, a module moved, a label under hub-and-spoke).
+    All,
+    /// Only these nodes: what changed is in their own sections alone (a node
+    /// off the overlay first heard of, a certificate signed for it).
+    Nodes(BTreeSet<NodeId>),
+}
+
+impl Scope {
+    pub(crate) fn none() -> Scope {
+        Scope::Nodes(BTreeSet::new())
+    }
+
+    /// Widen to include `other`.
+    pub(crate) fn add(&mut self, other: Scope) {
+        match (&mut *self, other) {
+            (Scope::All, _) => {}
+            (_, Scope::All) => *self = Scope::All,
+            (Scope::Nodes(a), Scope::Nodes(b)) => a.extend(b),
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        matches!(self, Scope::Nodes(n) if n.is_empty())
+    }
+
+    fn holds(&self, node: &NodeId) -> bool {
+        match self {
+            Scope::All => true,
+            Scope::Nodes(n) => n.contains(node),
+        }
+    }
+}
+
 /// The desired connectivity section of every node not revoked, inside `tx`
 /// (the caller holds [`lock`]): the names file for all, the overlay and the
 /// packet filter for those on the overlay, and their current certificates.
 pub(crate) async fn desired(
     tx: &mut PgConnection,
     settings: &Settings,
+) -> Result<Vec<(NodeId, Items)>, Error> {
+    desired_of(tx, settings, &Scope::All).await
+}
+
+/// [`desired`] of the nodes of `scope` only (the snapshot is the whole
+/// mesh's: the names file and peers are every node's).
+async fn desired_of(
+    tx: &mut PgConnection,
+    settings: &Settings,
+    scope: &Scope,
 ) -> Result<Vec<(NodeId, Items)>, Error> {
     allocate(tx, settings).await?;
     let snapshot = snapshot(tx).await?;
@@ -223,7 +270,7 @@ pub(crate) async fn desired(
         mode: FileMode::new(0o644)?,
     };
     let mut desired = Vec::with_capacity(snapshot.nodes.len());
-    for id in snapshot.nodes.keys() {
+    for id in snapshot.nodes.keys().filter(|n| scope.holds(n)) {
         let items = DeclarationItems {
             files: vec![hosts.clone()],
             overlay: snapshot.overlay(id, &settings.plan),
@@ -236,13 +283,17 @@ pub(crate) async fn desired(
     Ok(desired)
 }
 
-/// Recompute every node's section and declare what changed (the caller
+/// Recompute the sections of `scope` and declare what changed (the caller
 /// holds [`lock`]).
 pub(crate) async fn reconcile(
     tx: &mut PgConnection,
     settings: &Settings,
+    scope: &Scope,
 ) -> Result<Declared, Error> {
-    let desired = desired(tx, settings).await?;
+    if scope.is_empty() {
+        return Ok(Declared::default());
+    }
+    let desired = desired_of(tx, settings, scope).await?;
     let report = SECTIONS.declare(tx, desired).await?;
     if !report.too_large.is_empty() {
         tracing::error!(nodes = ?report.too_large, "connectivity sections an agent would refuse");

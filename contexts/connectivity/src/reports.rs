@@ -12,16 +12,18 @@ use sqlx::PgConnection;
 use sqlx::types::Json;
 
 use crate::Error;
+use crate::reconcile::{Scope, node_id};
 
 /// Keep what each hello of the batch states of the overlay (the node is the
 /// broker-verified sender of the envelope, never a field of the body; a node
 /// named twice counts with its last hello). A hello without overlay facts
 /// clears them: the node is off the overlay until it states a key again.
-/// Returns whether anything changed.
+/// Returns whose sections changed: every node's when a node on the overlay
+/// (before or now) changed, else only those of the nodes first heard of.
 pub(crate) async fn hellos(
     tx: &mut PgConnection,
     reports: &[Envelope<Report>],
-) -> Result<bool, Error> {
+) -> Result<Scope, Error> {
     let mut facts: BTreeMap<&str, (Option<&str>, Option<&str>)> = BTreeMap::new();
     for env in reports {
         if let Report::Hello(h) = &env.body
@@ -38,7 +40,7 @@ pub(crate) async fn hellos(
         }
     }
     if facts.is_empty() {
-        return Ok(false);
+        return Ok(Scope::none());
     }
     let n = facts.len();
     let (mut nodes, mut keys, mut endpoints) = (
@@ -51,9 +53,18 @@ pub(crate) async fn hellos(
         keys.push(key);
         endpoints.push(endpoint);
     }
+    // What was stated before (the caller holds the context's lock: nothing
+    // changes it in between).
+    let before: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT node, public_key FROM connectivity.nodes WHERE node = ANY($1)")
+            .bind(&nodes)
+            .fetch_all(&mut *tx)
+            .await?;
+    let had_key: BTreeMap<String, bool> =
+        before.into_iter().map(|(n, k)| (n, k.is_some())).collect();
     // Keys unique and sorted: rows locked in key order. A new node, or one
     // whose facts changed, comes back.
-    let changed: Vec<String> = sqlx::query_scalar(
+    let changed: Vec<(String, Option<String>, bool)> = sqlx::query_as(
         "INSERT INTO connectivity.nodes AS n (node, public_key, endpoint, key_at) \
          SELECT u.node, u.key, u.endpoint, now() \
          FROM UNNEST($1::text[], $2::text[], $3::text[]) AS u(node, key, endpoint) ORDER BY u.node \
@@ -61,26 +72,38 @@ pub(crate) async fn hellos(
              endpoint = excluded.endpoint, key_at = now() \
          WHERE n.public_key IS DISTINCT FROM excluded.public_key \
             OR n.endpoint IS DISTINCT FROM excluded.endpoint \
-         RETURNING node",
+         RETURNING node, public_key, revoked_at IS NOT NULL",
     )
     .bind(&nodes)
     .bind(&keys)
     .bind(&endpoints)
     .fetch_all(&mut *tx)
     .await?;
-    if !changed.is_empty() {
-        tracing::info!(nodes = changed.len(), "overlay facts changed");
+    let mut scope = Scope::none();
+    for (node, key, revoked) in changed {
+        if revoked {
+            continue;
+        }
+        if key.is_some() || had_key.get(&node).copied().unwrap_or(false) {
+            tracing::info!(%node, "overlay facts changed");
+            scope.add(Scope::All);
+        } else {
+            scope.add(Scope::Nodes([node_id(&node)?].into()));
+        }
     }
-    Ok(!changed.is_empty())
+    Ok(scope)
 }
 
 /// `inventory.node.joined` / `.updated`: keep each node's labels when the
 /// event is newer than what is stored (a node first heard of this way is
-/// known from now on). Returns whether anything changed.
+/// known from now on). Returns whose sections changed: labels change
+/// sections only under hub-and-spoke (every node's then); a node first heard
+/// of gets its own.
 pub(crate) async fn labels(
     tx: &mut PgConnection,
     bodies: &[&NodeLabelsChanged],
-) -> Result<bool, Error> {
+    hub_and_spoke: bool,
+) -> Result<Scope, Error> {
     let mut newest: BTreeMap<&str, &NodeLabelsChanged> = BTreeMap::new();
     for body in bodies {
         match newest.get(body.node.as_str()) {
@@ -91,7 +114,7 @@ pub(crate) async fn labels(
         }
     }
     if newest.is_empty() {
-        return Ok(false);
+        return Ok(Scope::none());
     }
     let (mut nodes, mut labels, mut versions) = (Vec::new(), Vec::new(), Vec::new());
     for (node, body) in &newest {
@@ -112,7 +135,17 @@ pub(crate) async fn labels(
     .bind(&versions)
     .fetch_all(&mut *tx)
     .await?;
-    Ok(!newer.is_empty())
+    if newer.is_empty() {
+        return Ok(Scope::none());
+    }
+    if hub_and_spoke {
+        return Ok(Scope::All);
+    }
+    let mut nodes = std::collections::BTreeSet::new();
+    for n in newer {
+        nodes.insert(node_id(&n)?);
+    }
+    Ok(Scope::Nodes(nodes))
 }
 
 /// `identity.node.enrolled` / `.revoked`, the newest (`at`) winning. A

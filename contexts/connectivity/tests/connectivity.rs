@@ -234,6 +234,23 @@ async fn five_nodes_peer_with_each_other_revoked_ones_leave_and_addresses_last()
         );
     }
 
+    // A node off the overlay (no key) gets its own section only: nobody
+    // else's changes.
+    let before: Vec<i64> = {
+        let mut g = Vec::new();
+        for n in &nodes {
+            g.push(f.generation(n).await);
+        }
+        g
+    };
+    let keyless = f.node("k");
+    f.hello(&keyless, None, None).await;
+    let items = f.items(&keyless).await;
+    assert!(items.overlay.is_none() && items.firewall.is_none());
+    assert!(!f.hosts(&keyless).await.contains(keyless.as_str()));
+    for (n, g) in nodes.iter().zip(&before) {
+        assert_eq!(f.generation(n).await, *g, "{n}");
+    }
     // A hello that states the same facts declares nothing new.
     let g = f.generation(&nodes[0]).await;
     f.hello(&nodes[0], Some(key(0)), Some("192.0.2.1:51820"))
