@@ -797,7 +797,7 @@ async fn heartbeat_depth(mesh: &Mesh) -> anyhow::Result<u32> {
 /// Outbox rows not yet confirmed by the broker, in config's and inventory's.
 async fn unsent(mesh: &Mesh) -> anyhow::Result<i64> {
     let mut n = 0;
-    for context in ["config", "inventory"] {
+    for context in ["config", "inventory", "connectivity"] {
         let sql = format!("SELECT count(*) FROM {context}.outbox WHERE sent_at IS NULL");
         n += scalar(&mesh.env, context, &sql).await?;
     }

@@ -18,7 +18,9 @@
 //! identical to one already signed (same node, name and CSR) is signed again
 //! only once the certificate it got has lived half its lifetime (the agent
 //! renews at two thirds); before that the request is answered with the
-//! certificate already issued.
+//! certificate already issued. Whatever the CSR, a node and name get at
+//! most one new certificate per [`MIN_REISSUE`] (a minute): a request within
+//! it is refused, saying so.
 
 use chrono::{DateTime, Utc};
 use mesh_credentials::pki::Csr;
@@ -27,6 +29,9 @@ use sha2::{Digest, Sha256};
 use sqlx::PgConnection;
 
 use crate::{Error, Settings};
+
+/// The shortest time between two certificates of one node and name.
+pub const MIN_REISSUE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// What became of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -189,6 +194,24 @@ async fn sign(
     .await?;
     if young.is_some() {
         return Ok(Outcome::AlreadySigned);
+    }
+    // At most one new certificate per node and name a minute, whatever the
+    // CSR: a node minting certificates with fresh keys in a loop is bounded.
+    let recent: Option<String> = sqlx::query_scalar(
+        "SELECT serial FROM connectivity.certificates \
+         WHERE node = $1 AND name = $2 AND revoked_at IS NULL \
+           AND issued_at > now() - make_interval(secs => $3) LIMIT 1",
+    )
+    .bind(node.as_str())
+    .bind(name)
+    .bind(MIN_REISSUE.as_secs_f64())
+    .fetch_optional(&mut *tx)
+    .await?;
+    if recent.is_some() {
+        return Ok(Outcome::Refused(format!(
+            "a certificate for `{name}` was issued less than {} s ago: ask again later",
+            MIN_REISSUE.as_secs()
+        )));
     }
     let Some(ca) = settings.ca.as_deref() else {
         return Ok(Outcome::Waiting);

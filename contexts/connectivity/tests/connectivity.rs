@@ -655,6 +655,25 @@ async fn csrs_are_signed_for_the_sender_only_and_once() {
     );
     f.handle(&[again]).await;
     assert_eq!(f.certificate_count().await, 1);
+    // A fresh key at once: refused (one new certificate a minute), nothing signed.
+    let fresh = pki::new_key().unwrap();
+    let rekey = f.envelope(
+        &a,
+        Report::Certificates(Certificates {
+            requests: vec![request(
+                "node",
+                pki::csr(fresh.expose(), a.as_str(), &names).unwrap(),
+            )],
+            held: vec![],
+        }),
+    );
+    f.handle(&[rekey]).await;
+    assert_eq!(f.certificate_count().await, 1);
+    let view = f.conn.certificates_view(Some(a.as_str())).await.unwrap();
+    assert!(
+        view.requests[0].reason.contains("ask again later"),
+        "{view:?}"
+    );
 
     // b asks for a's name: refused, recorded, nothing signed.
     let key_b = pki::new_key().unwrap();
