@@ -262,6 +262,22 @@ async fn five_nodes_peer_with_each_other_revoked_ones_leave_and_addresses_last()
     let b = f.items(&nodes[1]).await.overlay.unwrap();
     assert_eq!(b.peers[0].endpoint.as_deref(), Some("198.51.100.1:51820"));
 
+    // Judged unreachable, a node stays everyone's peer: nothing is declared.
+    let mut gens = Vec::new();
+    for n in &nodes {
+        gens.push(f.generation(n).await);
+    }
+    f.event(RecordKind::NodeUnreachable(mesh_protocol::NodeLiveness {
+        node: nodes[3].clone(),
+        state: mesh_protocol::LivenessState::Unreachable,
+        at: Utc::now(),
+        last_heard: None,
+    }))
+    .await;
+    for (n, g) in nodes.iter().zip(&gens) {
+        assert_eq!(f.generation(n).await, *g, "{n}");
+    }
+
     // Revoke c: it leaves every config and the names, its address is freed.
     let c = nodes[2].clone();
     let gen_c = f.generation(&c).await;
