@@ -95,6 +95,12 @@ pub(crate) struct Agent {
     /// configured interval); `retime` is set when it changed.
     plan: Option<HeartbeatPlan>,
     retime: bool,
+    /// The overlay and firewall of the connectivity section; `changes`: item
+    /// outcomes a periodic check changed, to state again.
+    connectivity: Option<crate::connectivity::Shared>,
+    connectivity_changes: Option<tokio::sync::mpsc::Receiver<Vec<ItemOutcome>>>,
+    /// The node's certificates (none: not set up, as in some tests).
+    certs: Option<crate::certs::Certs>,
 }
 
 impl Agent {
@@ -124,6 +130,9 @@ impl Agent {
         Agent {
             plan,
             retime: false,
+            connectivity: None,
+            connectivity_changes: None,
+            certs: None,
             config,
             creds,
             store,
@@ -133,6 +142,24 @@ impl Agent {
             units,
             reporter,
         }
+    }
+
+    /// Apply the connectivity section's overlay and firewall with `c`, and
+    /// state again what its checks change.
+    pub(crate) fn with_connectivity(
+        mut self,
+        c: crate::connectivity::Shared,
+        changes: tokio::sync::mpsc::Receiver<Vec<ItemOutcome>>,
+    ) -> Self {
+        self.connectivity = Some(c);
+        self.connectivity_changes = Some(changes);
+        self
+    }
+
+    /// Ask for, install and renew the node's certificates with `certs`.
+    pub(crate) fn with_certs(mut self, certs: crate::certs::Certs) -> Self {
+        self.certs = Some(certs);
+        self
     }
 
     /// Run until `shutdown` resolves, then leave the units running for the next
@@ -250,6 +277,7 @@ impl Agent {
         self.buffer.reset_in_flight();
         self.push_hello();
         self.push_units();
+        self.push_certificates(true);
         let mut events = conn.events_listener();
         let mut confirms: FuturesUnordered<ConfirmFuture> = FuturesUnordered::new();
         // Heartbeats' confirms: awaited only so that lapin lets go of them (a
@@ -295,6 +323,7 @@ impl Agent {
                 }
             }
 
+            let certs_due = self.certs_due();
             tokio::select! {
                 () = &mut *shutdown => {
                     if let Some((ch, _)) = consumer.take() {
@@ -324,6 +353,8 @@ impl Agent {
                     }
                 }
                 () = self.reporter.due() => self.push_units(),
+                Some(items) = next_change(&mut self.connectivity_changes) => self.restate_connectivity(items),
+                () = sleep_until(certs_due), if self.certs.is_some() => self.push_certificates(false),
                 _ = heartbeat.tick() => {
                     if let Some(confirm) = self.beat(&publisher).await {
                         beats.push(confirm);
@@ -612,6 +643,9 @@ impl Agent {
         };
         let decl = env.body;
         let plan = (decl.section == Section::Inventory).then_some(decl.items.heartbeat);
+        let plans = (decl.section == Section::Connectivity)
+            .then(|| (decl.items.overlay.clone(), decl.items.firewall.clone()));
+        let certs_declared = decl.items.certificates.clone();
         let prev = self.store.section(decl.section);
         let applier = self.applier.clone();
         let section = decl.section;
@@ -631,6 +665,45 @@ impl Agent {
                     };
                 }
             };
+        let mut report = report;
+        // The overlay and firewall follow the section's files, unless nothing
+        // of it may be applied (rejected) or it is not newer (stale).
+        if let (Some((overlay, firewall)), Some(c), false, false) = (
+            plans,
+            &self.connectivity,
+            report.stale,
+            report.outcome == Outcome::Rejected,
+        ) {
+            let items = c.apply(overlay, firewall).await;
+            if report.error.is_none()
+                && let Some(bad) = items.iter().find(|i| !i.ok)
+            {
+                report.error = Some(format!(
+                    "{}: {}",
+                    bad.item,
+                    bad.error.as_deref().unwrap_or("not applied")
+                ));
+            }
+            report.items.extend(items);
+        }
+        if section == Section::Connectivity
+            && !report.stale
+            && report.outcome != Outcome::Rejected
+            && let Some(certs) = &mut self.certs
+        {
+            let items = certs.install(&certs_declared);
+            if report.error.is_none()
+                && let Some(bad) = items.iter().find(|i| !i.ok)
+            {
+                report.error = Some(format!(
+                    "{}: {}",
+                    bad.item,
+                    bad.error.as_deref().unwrap_or("not applied")
+                ));
+            }
+            report.items.extend(items);
+            self.push_certificates(true);
+        }
         let label = if report.stale {
             "stale"
         } else {
@@ -663,6 +736,12 @@ impl Agent {
             // Level-triggered: the supervisor compares the whole list with what runs.
             if let Some(units) = units {
                 self.units.declare(&units);
+                // A certificate per module the node runs.
+                if let Some(certs) = &mut self.certs
+                    && certs.set_modules(units.iter().map(|u| u.module.as_str()))
+                {
+                    self.push_certificates(true);
+                }
             }
         }
         Applied {
@@ -706,9 +785,63 @@ impl Agent {
             &self.config.labels,
             self.store.applied_generations(),
             self.applier.seal_public_key().map(|k| k.to_hex()),
+            self.connectivity.as_ref().and_then(|c| c.facts()),
         );
         let out = self.envelope(Report::Hello(hello));
         self.push(out);
+    }
+
+    /// State the connectivity section's overlay and firewall items again, at
+    /// the generation applied, when a check changed their outcome.
+    fn restate_connectivity(&mut self, items: Vec<ItemOutcome>) {
+        let generation = self.store.section(Section::Connectivity).generation;
+        if generation == 0 {
+            return;
+        }
+        let error = items.iter().find(|i| !i.ok).map(|i| {
+            format!(
+                "{}: {}",
+                i.item,
+                i.error.as_deref().unwrap_or("not applied")
+            )
+        });
+        info!(
+            generation,
+            ok = error.is_none(),
+            "connectivity changed; stating it again"
+        );
+        self.push_applied(Applied {
+            section: Some(Section::Connectivity),
+            generation: Some(generation),
+            outcome: Outcome::Applied,
+            items,
+            error,
+            unsupported_section: None,
+        });
+    }
+
+    /// State the certificates asked for and held: on connect and after a
+    /// change (`force`), and when a renewal falls due.
+    fn push_certificates(&mut self, force: bool) {
+        let Some(certs) = &mut self.certs else {
+            return;
+        };
+        if let Some(report) = certs.report(chrono::Utc::now(), force) {
+            for r in &report.requests {
+                info!(name = %r.name, "asking for a certificate");
+            }
+            let out = self.envelope(Report::Certificates(report));
+            self.push(out);
+        }
+    }
+
+    /// When the next certificate falls due (far away when none will).
+    fn certs_due(&self) -> Instant {
+        let due = self.certs.as_ref().and_then(crate::certs::Certs::next_due);
+        let wait = due.map_or(Duration::from_secs(3600), |at| {
+            (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO)
+        });
+        Instant::now() + wait.max(Duration::from_millis(50))
     }
 
     /// State every unit, now (after a connect, and when [`Reporter::due`]).
@@ -921,6 +1054,15 @@ async fn start_consumer(
             let _ = ch.close(200, "retrying".into()).await;
             Err(e)
         }
+    }
+}
+
+async fn next_change(
+    changes: &mut Option<tokio::sync::mpsc::Receiver<Vec<ItemOutcome>>>,
+) -> Option<Vec<ItemOutcome>> {
+    match changes {
+        Some(c) => c.recv().await,
+        None => std::future::pending().await,
     }
 }
 

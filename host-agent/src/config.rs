@@ -100,6 +100,112 @@ pub struct Config {
     /// The unit supervisor: the `[units]` table (stop timeout, restart backoff,
     /// log rotation). Defaults in [`crate::units::UnitsConfig`].
     pub units: crate::units::UnitsConfig,
+    /// The WireGuard overlay: the `[overlay]` table (the endpoint stated in
+    /// hello, the tools). Defaults in [`OverlayConfig`].
+    pub overlay: OverlayConfig,
+    /// The packet filter: the `[firewall]` table. Defaults in [`FirewallConfig`].
+    pub firewall: FirewallConfig,
+}
+
+/// The `[overlay]` table: how the node takes part in the WireGuard overlay
+/// the connectivity section declares.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OverlayConfig {
+    /// Take part: make the node's WireGuard key (`<state_dir>/wireguard.key`),
+    /// state its public key in hello, apply the declared interface. Off: no
+    /// key, no overlay facts, a declared interface reported not applied.
+    /// Default true.
+    pub enabled: bool,
+    /// Where peers reach this node, stated in hello: `"ip:port"`, or `"ip"`
+    /// (the port is then `listen_port`). Default: none (the node is reached
+    /// only by peers it contacts first).
+    pub endpoint: Option<String>,
+    /// The port stated with an endpoint given as a bare address; the
+    /// controller is expected to declare it as the interface's listen port.
+    /// Default 51820.
+    pub listen_port: u16,
+    /// Use the kernel's WireGuard when `ip link add … type wireguard` works;
+    /// false: always wireguard-go. Default true.
+    pub kernel: bool,
+    /// The userspace implementation (a path, or a name looked up in `PATH`).
+    /// Default `wireguard-go`.
+    pub wireguard_go: PathBuf,
+    /// wireguard-tools' `wg`. Default `wg`.
+    pub wg: PathBuf,
+    /// iproute2's `ip`. Default `ip`.
+    pub ip: PathBuf,
+    /// How often the applied interface and ruleset are checked and repaired
+    /// (a wireguard-go that died is started again). Default 30 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub check_interval: Duration,
+}
+
+impl Default for OverlayConfig {
+    fn default() -> Self {
+        OverlayConfig {
+            enabled: true,
+            endpoint: None,
+            listen_port: 51820,
+            kernel: true,
+            wireguard_go: PathBuf::from("wireguard-go"),
+            wg: PathBuf::from("wg"),
+            ip: PathBuf::from("ip"),
+            check_interval: Duration::from_secs(30),
+        }
+    }
+}
+
+impl OverlayConfig {
+    /// The endpoint hello states (`ip:port`), from `endpoint` and `listen_port`.
+    pub fn stated_endpoint(&self) -> Option<String> {
+        let e = self.endpoint.as_deref()?;
+        if e.parse::<SocketAddr>().is_ok() {
+            return Some(e.to_owned());
+        }
+        let ip: std::net::IpAddr = e.parse().ok()?;
+        Some(SocketAddr::new(ip, self.listen_port).to_string())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(e) = &self.endpoint
+            && self.stated_endpoint().is_none()
+        {
+            return Err(ConfigError::invalid(
+                "overlay.endpoint",
+                format!("`{e}` is neither ip:port nor an ip address"),
+            ));
+        }
+        if self.listen_port == 0 {
+            return Err(ConfigError::invalid("overlay.listen_port", "1 to 65535"));
+        }
+        if self.check_interval < Duration::from_millis(100) {
+            return Err(ConfigError::invalid(
+                "overlay.check_interval",
+                "must be at least 100ms",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The `[firewall]` table: the nftables ruleset the connectivity section declares.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FirewallConfig {
+    /// Load the declared ruleset. Off: it is reported not applied. Default true.
+    pub enabled: bool,
+    /// nftables' `nft`. Default `nft`.
+    pub nft: PathBuf,
+}
+
+impl Default for FirewallConfig {
+    fn default() -> Self {
+        FirewallConfig {
+            enabled: true,
+            nft: PathBuf::from("nft"),
+        }
+    }
 }
 
 impl Default for Config {
@@ -118,6 +224,8 @@ impl Default for Config {
             shutdown_timeout: Duration::from_secs(5),
             prefetch: 4,
             units: crate::units::UnitsConfig::default(),
+            overlay: OverlayConfig::default(),
+            firewall: FirewallConfig::default(),
         }
     }
 }
@@ -190,6 +298,7 @@ impl Config {
         self.units
             .validate()
             .map_err(|(field, reason)| ConfigError::invalid(field, reason))?;
+        self.overlay.validate()?;
         if !self.root.is_absolute() {
             return Err(ConfigError::invalid("root", "must be an absolute path"));
         }
@@ -308,6 +417,9 @@ mod tests {
             ("root = \"relative\"", "root"),
             ("[units]\nlog_files = 5000", "units.log_files"),
             ("[units]\nstop_timeuot = 1", "stop_timeuot"),
+            ("[overlay]\nendpoint = \"somewhere\"", "overlay.endpoint"),
+            ("[overlay]\nlisten_port = 0", "overlay.listen_port"),
+            ("[firewall]\nnft_path = \"x\"", "nft_path"),
         ] {
             let err = parse(text).unwrap_err().to_string();
             assert!(
@@ -321,6 +433,18 @@ mod tests {
     fn example_file_states_the_defaults() {
         let text = include_str!("../agent.example.toml");
         assert_eq!(parse(text).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn overlay_endpoint_takes_the_listen_port() {
+        let c = parse("[overlay]\nendpoint = \"10.201.0.2\"\nlisten_port = 51900").unwrap();
+        assert_eq!(
+            c.overlay.stated_endpoint().as_deref(),
+            Some("10.201.0.2:51900")
+        );
+        let c = parse("[overlay]\nendpoint = \"10.201.0.2:1\"").unwrap();
+        assert_eq!(c.overlay.stated_endpoint().as_deref(), Some("10.201.0.2:1"));
+        assert_eq!(parse("").unwrap().overlay.stated_endpoint(), None);
     }
 
     #[test]

@@ -1,17 +1,19 @@
 //! The facts a hello states about this host, read from the kernel.
 
-use mesh_protocol::{AppliedGenerations, Hello, Labels, ProtocolRange};
+use mesh_protocol::{AppliedGenerations, Hello, Labels, OverlayFacts, ProtocolRange};
 
 /// The agent's version, as reported in hello.
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// Build a hello from the host's facts. `hostname` overrides the kernel's;
-/// `seal_key` is the node's seal public key (hex) that secrets are sealed to.
+/// `seal_key` is the node's seal public key (hex) that secrets are sealed to;
+/// `overlay` its WireGuard public key and endpoint (none: overlay disabled).
 pub fn hello(
     hostname: Option<&str>,
     labels: &Labels,
     applied: AppliedGenerations,
     seal_key: Option<String>,
+    overlay: Option<OverlayFacts>,
 ) -> Hello {
     Hello {
         hostname: hostname.map(str::to_owned).unwrap_or_else(kernel_hostname),
@@ -23,7 +25,7 @@ pub fn hello(
         agent_version: AGENT_VERSION.to_owned(),
         public_key: None,
         seal_key,
-        overlay: None,
+        overlay,
         applied,
         protocol: Some(ProtocolRange::THIS),
     }
@@ -77,6 +79,12 @@ mod tests {
             &Labels::new(),
             AppliedGenerations::new(),
             Some(key.clone()),
+            Some(OverlayFacts {
+                public_key: crate::overlay::WireguardKey::from_bytes([2; 32])
+                    .public()
+                    .to_owned(),
+                endpoint: Some("10.201.0.2:51820".into()),
+            }),
         );
         assert_eq!(h.hostname, "h1");
         assert_eq!(h.seal_key, Some(key));

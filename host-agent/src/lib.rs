@@ -31,17 +31,27 @@
 //! - It never logs its broker password, nor a secret's value.
 //! - Its seal key (`seal.key`, the X25519 key secrets are sealed to) never
 //!   leaves the node: only its public key is stated, in every hello.
+//! - Its WireGuard private key (`wireguard.key`, 0600) never leaves the node
+//!   either, nor appears on a command line or in a log: hello states the
+//!   public key, `wg` reads the private one from a 0600 file.
+//! - Its restart tears down no working overlay interface: it re-adopts the
+//!   interface (and wireguard-go) and the nftables table it left.
 //!
 //! Entry point: [`run`]. The `mesh-agent` binary is a thin wrapper around it.
 
 mod agent;
 pub mod apply;
 pub mod buffer;
+pub mod certs;
+pub mod command;
 pub mod config;
+pub mod connectivity;
 pub mod credentials;
 pub mod facts;
+pub mod firewall;
 pub mod join;
 pub mod metrics;
+pub mod overlay;
 pub mod plan;
 pub mod store;
 pub mod units;
@@ -64,6 +74,10 @@ pub enum AgentError {
     Credentials(#[from] CredentialsError),
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Connectivity(#[from] connectivity::ConnectivityError),
+    #[error(transparent)]
+    Certs(#[from] certs::CertError),
     #[error("root {path}: {error}")]
     Root {
         path: std::path::PathBuf,
@@ -102,6 +116,23 @@ pub async fn run(
             error,
         })?
         .with_seal_key(creds.node.clone(), seal_key);
+    let (connectivity, made) = connectivity::Connectivity::open(&config)?;
+    if made && let Some(facts) = connectivity.facts() {
+        info!(
+            path = %config.state_dir.join(overlay::KEY_FILE).display(),
+            public_key = %facts.public_key,
+            "made this node's WireGuard key (it had none)"
+        );
+    }
+    let connectivity = connectivity::Shared::new(connectivity);
+    let mut certs = certs::Certs::open(creds.node.clone(), &config.state_dir, &config.root)?;
+    certs.set_modules(
+        store
+            .section(mesh_protocol::Section::Inventory)
+            .units
+            .iter()
+            .map(|u| u.module.as_str()),
+    );
     let metrics = metrics::Metrics::new();
 
     let (stop_metrics, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -142,9 +173,17 @@ pub async fn run(
     )
     .await;
     supervisor.declare(&store.section(mesh_protocol::Section::Inventory).units);
-    let agent = agent::Agent::new(config, creds, store, applier, metrics, supervisor);
+    // The overlay and firewall as last declared, re-adopted (nothing that
+    // matches is touched) or repaired, before the broker is reached.
+    let _ = connectivity.check().await;
+    let (changes_tx, changes) = tokio::sync::mpsc::channel(4);
+    let checks = connectivity.spawn_checks(config.overlay.check_interval, changes_tx);
+    let agent = agent::Agent::new(config, creds, store, applier, metrics, supervisor)
+        .with_connectivity(connectivity, changes)
+        .with_certs(certs);
     let shutdown = std::pin::pin!(shutdown);
     agent.run(shutdown).await;
+    checks.abort();
 
     let _ = stop_metrics.send(());
     if let Some(t) = metrics_task {
