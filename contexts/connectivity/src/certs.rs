@@ -5,22 +5,25 @@
 //!
 //! - the name `node`: the CSR's common name is the sending node's id (the
 //!   broker-verified sender of the envelope) and it asks for no name but
-//!   `<node>` and `<node>.<domain>`; the certificate carries the names asked
-//!   for (both when it asks for none);
-//! - a module's name: the module is placed on the sending node, the common
-//!   name is absent or `<module>.<domain>`, and it asks for no name but
-//!   `<module>.<domain>`; the certificate carries `<module>.<domain>`;
+//!   `<node>` and `<node>.<domain>`; the certificate carries both (the
+//!   second only while no module has the node's name);
+//! - a module's name: the module is placed on the sending node and no node
+//!   has its name, the common name is absent, `<module>` or
+//!   `<module>.<domain>`, and it asks for no other name; the certificate
+//!   carries `<module>.<domain>`;
 //! - anything else is refused: the refusal and its reason are recorded (the
 //!   latest per node and name, shown by `GET /v1/certificates`) and logged,
-//!   and nothing is signed.
+//!   and nothing is signed. Only the CSR's key is certified: its subject and
+//!   extensions are not copied.
 //!
-//! Idempotent: a redelivered report never reaches here (the inbox), and a CSR
-//! identical to one already signed (same node, name and CSR) is signed again
-//! only once the certificate it got has lived half its lifetime (the agent
-//! renews at two thirds); before that the request is answered with the
+//! Idempotent: a redelivered report never reaches here (the inbox), and a
+//! request identical to one already signed (same node, name, key and names
+//! asked: a CSR's bytes differ at every signature) is signed again only once
+//! the certificate it got has lived half its lifetime (the agent renews at
+//! two thirds); before that the request is answered with the
 //! certificate already issued. Whatever the CSR, a node and name get at
-//! most one new certificate per [`MIN_REISSUE`] (a minute): a request within
-//! it is refused, saying so.
+//! most one new certificate per [`MIN_REISSUE`] (a minute, or a tenth of the
+//! lifetime if shorter): a request within it is refused, saying so.
 
 use chrono::{DateTime, Utc};
 use mesh_credentials::pki::Csr;
@@ -30,8 +33,14 @@ use sqlx::PgConnection;
 
 use crate::{Error, Settings};
 
-/// The shortest time between two certificates of one node and name.
+/// The shortest time between two certificates of one node and name: a
+/// minute, or a tenth of the lifetime when that is shorter (renewal at two
+/// thirds is always past it).
 pub const MIN_REISSUE: std::time::Duration = std::time::Duration::from_secs(60);
+
+fn min_reissue(settings: &Settings) -> std::time::Duration {
+    MIN_REISSUE.min(settings.certificate_lifetime / 10)
+}
 
 /// What became of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,8 +53,20 @@ pub(crate) enum Outcome {
     Refused(String),
 }
 
-fn digest(csr: &str) -> String {
-    hex::encode(Sha256::digest(csr.trim().as_bytes()))
+/// What makes two requests the same: the key they are for and the names
+/// they ask for (a CSR's bytes differ at every signature: ECDSA is randomized).
+fn digest(csr: &Csr) -> String {
+    let mut names = csr.names().to_vec();
+    names.sort();
+    let mut h = Sha256::new();
+    h.update(csr.public_key_der());
+    h.update([0]);
+    h.update(csr.common_name().unwrap_or("").as_bytes());
+    for n in names {
+        h.update([0]);
+        h.update(n.as_bytes());
+    }
+    hex::encode(h.finalize())
 }
 
 /// The common name and names to sign for, or why not.
@@ -56,31 +77,36 @@ async fn decide(
     csr: &Csr,
     domain: &str,
 ) -> Result<Result<(String, Vec<String>), String>, Error> {
+    let text = |t: &str| t.chars().take(80).collect::<String>();
     if name == NODE_CERTIFICATE {
-        let allowed = [node.as_str().to_owned(), format!("{node}.{domain}")];
+        let full = format!("{node}.{domain}");
         if csr.common_name() != Some(node.as_str()) {
             return Ok(Err(format!(
                 "the common name `{}` is not the sending node `{node}`",
-                csr.common_name()
-                    .unwrap_or("")
-                    .chars()
-                    .take(80)
-                    .collect::<String>()
+                text(csr.common_name().unwrap_or(""))
             )));
         }
-        if let Some(other) = csr.names().iter().find(|n| !allowed.contains(n)) {
+        if let Some(other) = csr
+            .names()
+            .iter()
+            .find(|n| n.as_str() != node.as_str() && **n != full)
+        {
             return Ok(Err(format!(
-                "`{}` is not a name of node `{node}` (only `{}` and `{}`)",
-                other.chars().take(80).collect::<String>(),
-                allowed[0],
-                allowed[1]
+                "`{}` is not a name of node `{node}` (only `{node}` and `{full}`)",
+                text(other)
             )));
         }
-        let names = if csr.names().is_empty() {
-            allowed.to_vec()
-        } else {
-            csr.names().to_vec()
-        };
+        // `<node>.<domain>` only while no module takes that name.
+        let module: Option<String> = sqlx::query_scalar(
+            "SELECT module FROM connectivity.modules WHERE module = $1 AND NOT removed",
+        )
+        .bind(node.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let mut names = vec![node.as_str().to_owned()];
+        if module.is_none() {
+            names.push(full);
+        }
         return Ok(Ok((node.as_str().to_owned(), names)));
     }
     let placed: Option<String> = sqlx::query_scalar(
@@ -95,19 +121,32 @@ async fn decide(
             "module `{name}` is not placed on node `{node}`"
         )));
     }
-    let full = format!("{name}.{domain}");
-    if let Some(cn) = csr.common_name()
-        && cn != full
-    {
+    // A module named as a node would certify that node's name.
+    let node_named: Option<String> = sqlx::query_scalar(
+        "SELECT node FROM connectivity.nodes WHERE node = $1 AND revoked_at IS NULL",
+    )
+    .bind(name)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if node_named.is_some() {
         return Ok(Err(format!(
-            "the common name `{}` is not `{full}`",
-            cn.chars().take(80).collect::<String>()
+            "`{name}` is also a node's name: a certificate for module `{name}` would certify that node"
         )));
     }
-    if let Some(other) = csr.names().iter().find(|n| **n != full) {
+    let full = format!("{name}.{domain}");
+    let allowed = |n: &str| n == name || n == full;
+    if let Some(cn) = csr.common_name()
+        && !allowed(cn)
+    {
         return Ok(Err(format!(
-            "`{}` is not a name of module `{name}` (only `{full}`)",
-            other.chars().take(80).collect::<String>()
+            "the common name `{}` is not `{name}` or `{full}`",
+            text(cn)
+        )));
+    }
+    if let Some(other) = csr.names().iter().find(|n| !allowed(n)) {
+        return Ok(Err(format!(
+            "`{}` is not a name of module `{name}` (only `{name}` and `{full}`)",
+            text(other)
         )));
     }
     Ok(Ok((full.clone(), vec![full])))
@@ -122,8 +161,12 @@ pub(crate) async fn request(
     name: &str,
     csr_pem: &str,
 ) -> Result<Outcome, Error> {
-    let csr_digest = digest(csr_pem);
-    let outcome = match Csr::parse(csr_pem) {
+    let parsed = Csr::parse(csr_pem);
+    let csr_digest = match &parsed {
+        Ok(csr) => digest(csr),
+        Err(_) => hex::encode(Sha256::digest(csr_pem.as_bytes())),
+    };
+    let outcome = match parsed {
         Err(e) => Outcome::Refused(format!("the CSR: {e}")),
         Ok(csr) => match decide(tx, node, name, &csr, &settings.plan.domain).await? {
             Err(reason) => Outcome::Refused(reason),
@@ -204,13 +247,13 @@ async fn sign(
     )
     .bind(node.as_str())
     .bind(name)
-    .bind(MIN_REISSUE.as_secs_f64())
+    .bind(min_reissue(settings).as_secs_f64())
     .fetch_optional(&mut *tx)
     .await?;
     if recent.is_some() {
         return Ok(Outcome::Refused(format!(
             "a certificate for `{name}` was issued less than {} s ago: ask again later",
-            MIN_REISSUE.as_secs()
+            min_reissue(settings).as_secs()
         )));
     }
     let Some(ca) = settings.ca.as_deref() else {

@@ -660,12 +660,16 @@ async fn csrs_are_signed_for_the_sender_only_and_once() {
     assert_eq!(f.certificate_count().await, 1);
 
     // Redelivered: the inbox keeps it from minting a second one; the same
-    // CSR in a new report is answered with the certificate already issued.
+    // request in a new report (a CSR made again for the same key and names:
+    // other bytes, ECDSA signs at random) is answered with the certificate
+    // already issued.
     f.handle(std::slice::from_ref(&report)).await;
+    let remade = pki::csr(key_a.expose(), a.as_str(), &names).unwrap();
+    assert_ne!(remade, csr);
     let again = f.envelope(
         &a,
         Report::Certificates(Certificates {
-            requests: vec![request("node", csr)],
+            requests: vec![request("node", remade)],
             held: vec![],
         }),
     );
@@ -762,9 +766,38 @@ async fn csrs_are_signed_for_the_sender_only_and_once() {
     assert_eq!(items.certificates.len(), 1);
     let info = CertInfo::parse(&items.certificates[0].certificate).unwrap();
     assert_eq!(info.dns_names, vec!["db.mesh.internal".to_owned()]);
+    // As the agent asks (CN and SAN the module's bare name): the mesh name
+    // is what it is certified for.
+    f.placed("web", 7, &[&b], vec![]).await;
+    let web_key = pki::new_key().unwrap();
+    let web = f.envelope(
+        &b,
+        Report::Certificates(Certificates {
+            requests: vec![request(
+                "web",
+                pki::csr(web_key.expose(), "web", &["web".into()]).unwrap(),
+            )],
+            held: vec![],
+        }),
+    );
+    f.handle(&[web]).await;
+    let items = f.items(&b).await;
+    let web = items.certificates.iter().find(|c| c.name == "web").unwrap();
+    let web_info = CertInfo::parse(&web.certificate).unwrap();
+    assert_eq!(web_info.dns_names, vec!["web.mesh.internal".to_owned()]);
+    assert_eq!(
+        web_info.public_key_der,
+        pki::public_key_der(web_key.expose()).unwrap()
+    );
     // Moved off b: b is no longer declared db's certificate.
     f.placed("db", 6, &[&a], vec![]).await;
-    assert!(f.items(&b).await.certificates.is_empty());
+    assert!(
+        f.items(&b)
+            .await
+            .certificates
+            .iter()
+            .all(|c| c.name != "db")
+    );
 
     // What a node holds, and why it could not renew, shows in the view.
     let serial = f.items(&a).await.certificates[0].serial.clone();
