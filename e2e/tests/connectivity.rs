@@ -3,7 +3,9 @@
 //! and endpoint in a hello from its own broker user (simulated agents: what
 //! applying the overlay needs is the agent's part). Every node's declared
 //! WireGuard configuration lists the other four with the right keys,
-//! endpoints and allowed IPs; a revoked node disappears from every one.
+//! endpoints and allowed IPs; `certificates` reports reach the connectivity
+//! context (a request for another node's name refused, naming why); a revoked
+//! node disappears from every one.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -13,7 +15,8 @@ use lapin::types::FieldTable;
 use mesh_e2e::sim::{SimNode, confirmed};
 use mesh_e2e::{Mesh, wait_for};
 use mesh_protocol::{
-    Declaration, DeclarationItems, Envelope, MAX_DECLARATION_BYTES, OverlayFacts, Report, Section,
+    CertificateRequest, Certificates, Declaration, DeclarationItems, Envelope,
+    MAX_DECLARATION_BYTES, OverlayFacts, Report, Section,
 };
 use mesh_testkit::NodeCredentials;
 
@@ -179,6 +182,52 @@ async fn five_nodes_peer_with_the_other_four_and_a_revoked_one_leaves_every_conf
         }
         anyhow::ensure!(items.firewall.is_some(), "no ruleset for {node}");
     }
+
+    // Certificates reports are routed to connectivity: n0's own request
+    // waits for a CA (this controller's credentials name none), n1's for
+    // n0's name is refused, naming why.
+    let (n0, n1) = (nodes[0].0.clone(), nodes[1].0.clone());
+    for (i, cn) in [(0usize, n0.as_str()), (1, n0.as_str())] {
+        let key = mesh_credentials::pki::new_key()?;
+        let csr = mesh_credentials::pki::csr(key.expose(), cn, &[cn.to_owned()])?;
+        let sim = SimNode::connect(nodes[i].1.clone()).await?;
+        let report = Envelope::new(
+            sim.node().clone(),
+            2,
+            Report::Certificates(Certificates {
+                requests: vec![CertificateRequest {
+                    name: "node".into(),
+                    csr,
+                }],
+                held: vec![],
+            }),
+        );
+        confirmed(vec![sim.send(&report).await?]).await?;
+        sim.close().await;
+    }
+    let view = wait_for("both certificate requests recorded", WITHIN, || async {
+        let (status, view) = mesh.get("/v1/certificates").await?;
+        anyhow::ensure!(status == 200, "GET /v1/certificates: {status} {view}");
+        let n = view["requests"].as_array().map_or(0, Vec::len);
+        Ok((n == 2).then_some(view))
+    })
+    .await?;
+    let requests = view["requests"].as_array().cloned().unwrap_or_default();
+    let of = |node: &str| requests.iter().find(|r| r["node"] == node).cloned();
+    let r0 = of(&n0).ok_or_else(|| anyhow::anyhow!("no request of {n0}: {view}"))?;
+    anyhow::ensure!(
+        r0["status"] == "waiting" && r0["reason"] == "no CA configured",
+        "{r0}"
+    );
+    let r1 = of(&n1).ok_or_else(|| anyhow::anyhow!("no request of {n1}: {view}"))?;
+    anyhow::ensure!(r1["status"] == "refused", "{r1}");
+    anyhow::ensure!(
+        r1["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("is not the sending node")),
+        "{r1}"
+    );
+    anyhow::ensure!(view["certificates"] == serde_json::json!([]), "{view}");
 
     // Revoke n2: it leaves every other node's peers and names.
     let gone = nodes[2].0.clone();
