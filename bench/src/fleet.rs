@@ -797,7 +797,7 @@ async fn heartbeat_depth(mesh: &Mesh) -> anyhow::Result<u32> {
 /// Outbox rows not yet confirmed by the broker, in config's and inventory's.
 async fn unsent(mesh: &Mesh) -> anyhow::Result<i64> {
     let mut n = 0;
-    for context in ["config", "inventory"] {
+    for context in ["config", "inventory", "connectivity"] {
         let sql = format!("SELECT count(*) FROM {context}.outbox WHERE sent_at IS NULL");
         n += scalar(&mesh.env, context, &sql).await?;
     }
@@ -1405,7 +1405,7 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
             )
             .await?;
             let mut events = 0;
-            for context in ["config", "inventory", "identity"] {
+            for context in ["config", "inventory", "identity", "connectivity"] {
                 let queue = mesh_protocol::topology::record_queue(context);
                 events += mesh_e2e::sim::queue_depth(&mesh.env, &queue).await?;
             }

@@ -91,6 +91,11 @@ fn routes(state: ApiState) -> OpenApiRouter {
             mesh_identity::SCHEMA,
             c.identity.pool(),
         ))
+        .merge(guarded(
+            c.connectivity.clone().routes(),
+            mesh_connectivity::SCHEMA,
+            c.connectivity.pool(),
+        ))
 }
 
 /// The document, serialized once when the router is built.
@@ -201,7 +206,7 @@ struct SectionView {
 struct NodeDetail {
     #[serde(flatten)]
     node: mesh_inventory::NodeView,
-    /// Each section (`config`, `inventory`), declared next to applied.
+    /// Each section (`config`, `inventory`, `connectivity`), declared next to applied.
     #[schema(value_type = std::collections::BTreeMap<String, SectionView>)]
     sections: std::collections::BTreeMap<&'static str, SectionView>,
 }
@@ -245,6 +250,12 @@ async fn node(
         .section(&id)
         .await
         .map_err(Problem::internal)?;
+    let connectivity = state
+        .contexts
+        .connectivity
+        .section(&id)
+        .await
+        .map_err(Problem::internal)?;
     let section = |section: Section, declared: Option<(i64, chrono::DateTime<chrono::Utc>)>| {
         let applied = node.applied.get(section.as_str());
         SectionView {
@@ -266,6 +277,13 @@ async fn node(
         (
             Section::Inventory.as_str(),
             section(Section::Inventory, inventory),
+        ),
+        (
+            Section::Connectivity.as_str(),
+            section(
+                Section::Connectivity,
+                connectivity.as_ref().map(|c| (c.generation, c.declared_at)),
+            ),
         ),
     ]
     .into_iter()

@@ -266,6 +266,8 @@ mod tests {
             (Method::POST, "/v1/tokens", R(Role::Admin)),
             (Method::DELETE, "/v1/tokens/{id}", R(Role::Admin)),
             (Method::GET, "/v1/audit", R(Role::Admin)),
+            (Method::GET, "/v1/overlay", R(Role::Viewer)),
+            (Method::GET, "/v1/certificates", R(Role::Viewer)),
             (
                 Method::POST,
                 "/v1/secrets/master-key/rotate",

@@ -127,6 +127,24 @@ pub struct Settings {
     /// context's nodes and sections; nothing is written when nothing differs.
     /// Default 300 (minimum 1).
     pub resync_interval_secs: u64,
+    /// The overlay network every node's WireGuard address comes from (IPv4,
+    /// prefix 8 to 30): each node gets the lowest free host address, kept
+    /// across restarts, freed when the node is revoked. Changing it gives every
+    /// node a new address. Default `10.88.0.0/16`.
+    pub overlay_cidr: String,
+    /// The UDP port every node's WireGuard interface (`mesh0`) listens on.
+    /// Default 51820.
+    pub overlay_port: u16,
+    /// Who peers with whom: `full` (every node with every other) or
+    /// `hub-and-spoke` (nodes labelled `mesh.hub=true` peer with everyone,
+    /// the others with the hubs only). Default `full`.
+    pub overlay_policy: String,
+    /// The mesh's DNS domain: the names file maps `<module>.<domain>` and
+    /// `<node>.<domain>`, and certificates carry them. Default `mesh.internal`.
+    pub mesh_domain: String,
+    /// Lifetime of every certificate the mesh CA signs, in seconds (agents
+    /// renew at two thirds of it). Default 86400 (24 h); 300 to 2592000.
+    pub certificate_lifetime_secs: u64,
 }
 
 impl Default for Settings {
@@ -155,6 +173,11 @@ impl Default for Settings {
             controller_node: None,
             sweep_interval_ms: 2000,
             resync_interval_secs: 300,
+            overlay_cidr: mesh_connectivity::DEFAULT_CIDR.to_owned(),
+            overlay_port: mesh_connectivity::DEFAULT_PORT,
+            overlay_policy: "full".to_owned(),
+            mesh_domain: mesh_connectivity::DEFAULT_DOMAIN.to_owned(),
+            certificate_lifetime_secs: mesh_connectivity::DEFAULT_CERTIFICATE_LIFETIME.as_secs(),
         }
     }
 }
@@ -246,6 +269,13 @@ impl Settings {
                 message: "must be at least 1".into(),
             });
         }
+        self.connectivity_plan()?;
+        if !(300..=2_592_000).contains(&self.certificate_lifetime_secs) {
+            return Err(ConfigError::Invalid {
+                field: "certificate_lifetime_secs",
+                message: "must be 300 (5 minutes) to 2592000 (30 days)".into(),
+            });
+        }
         if self.heartbeat_interval_ms == 0 || self.grace_intervals == 0 {
             return Err(ConfigError::Invalid {
                 field: "grace_intervals",
@@ -253,6 +283,41 @@ impl Settings {
             });
         }
         Ok(())
+    }
+
+    /// The overlay settings of the connectivity context, checked.
+    pub fn connectivity_plan(&self) -> Result<mesh_connectivity::PlanSettings, ConfigError> {
+        let invalid = |field: &'static str| {
+            move |e: mesh_connectivity::Error| ConfigError::Invalid {
+                field,
+                message: match e {
+                    mesh_connectivity::Error::Invalid { reason, .. } => reason,
+                    other => other.to_string(),
+                },
+            }
+        };
+        let cidr = mesh_connectivity::Cidr::parse("overlay_cidr", &self.overlay_cidr)
+            .map_err(invalid("overlay_cidr"))?;
+        let policy = mesh_connectivity::Policy::parse("overlay_policy", &self.overlay_policy)
+            .map_err(invalid("overlay_policy"))?;
+        if self.overlay_port == 0 {
+            return Err(ConfigError::Invalid {
+                field: "overlay_port",
+                message: "must be 1 to 65535".into(),
+            });
+        }
+        mesh_protocol::validate_dns_name("mesh_domain", &self.mesh_domain).map_err(|e| {
+            ConfigError::Invalid {
+                field: "mesh_domain",
+                message: e.to_string(),
+            }
+        })?;
+        Ok(mesh_connectivity::PlanSettings {
+            cidr,
+            listen_port: self.overlay_port,
+            policy,
+            domain: self.mesh_domain.clone(),
+        })
     }
 
     pub fn batch_wait(&self) -> Duration {
@@ -317,13 +382,18 @@ impl Credentials {
         Ok(mesh_credentials::key::read_signing_key(path)?)
     }
 
-    /// The mesh CA, from `ca_certificate_file` and `ca_key_file`; `None` when
-    /// the credentials name none (an older file: no HTTPS, no CA for nodes).
-    /// The key is read here, into the controller's memory, and nowhere else.
-    pub fn mesh_ca(&self) -> Result<Option<mesh_credentials::pki::MeshCa>, ConfigError> {
+    /// The mesh CA, from `ca_certificate_file` and `ca_key_file`: what the
+    /// API's HTTPS certificate is issued from, what nodes are handed at their
+    /// join, and what the connectivity context signs certificates with. `None`
+    /// when the credentials name none (an older file: no HTTPS, certificate
+    /// requests wait). The key is read here, into the controller's memory, and
+    /// nowhere else.
+    pub fn mesh_ca(
+        &self,
+    ) -> Result<Option<std::sync::Arc<mesh_credentials::pki::MeshCa>>, ConfigError> {
         match (&self.ca_certificate_file, &self.ca_key_file) {
             (Some(cert), Some(key)) => mesh_credentials::pki::MeshCa::load(cert, key)
-                .map(Some)
+                .map(|ca| Some(std::sync::Arc::new(ca)))
                 .map_err(|e| ConfigError::Parse {
                     path: self.path().to_owned(),
                     message: format!("the mesh CA (ca_certificate_file, ca_key_file): {e}"),
@@ -453,6 +523,35 @@ mod tests {
     fn unknown_setting_is_named() {
         let err = toml::from_str::<Settings>("prefetch = 10\nbogus = 1\n").unwrap_err();
         assert!(err.to_string().contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn connectivity_settings_are_checked_and_named() {
+        let plan = Settings::default().connectivity_plan().unwrap();
+        assert_eq!(plan.cidr.to_string(), "10.88.0.0/16");
+        assert_eq!(plan.listen_port, 51820);
+        assert_eq!(plan.domain, "mesh.internal");
+        for (text, field) in [
+            ("overlay_cidr = \"10.88.0.1/16\"", "overlay_cidr"),
+            ("overlay_cidr = \"fd00::/64\"", "overlay_cidr"),
+            ("overlay_policy = \"star\"", "overlay_policy"),
+            ("overlay_port = 0", "overlay_port"),
+            ("mesh_domain = \"Not A Domain\"", "mesh_domain"),
+            (
+                "certificate_lifetime_secs = 10",
+                "certificate_lifetime_secs",
+            ),
+        ] {
+            let settings: Settings = toml::from_str(text).unwrap();
+            match settings.validate() {
+                Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field, "{text}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        let settings: Settings =
+            toml::from_str("overlay_policy = \"hub-and-spoke\"\noverlay_cidr = \"10.9.0.0/24\"")
+                .unwrap();
+        settings.validate().unwrap();
     }
 
     #[test]

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use mesh_config::Config;
+use mesh_connectivity::Connectivity;
 use mesh_identity::Identity;
 use mesh_inventory::Inventory;
 use mesh_plumbing::section::{self, Declared};
@@ -38,6 +39,7 @@ pub struct Contexts {
     pub inventory: Arc<Inventory>,
     pub config: Arc<Config>,
     pub identity: Arc<Identity>,
+    pub connectivity: Arc<Connectivity>,
     /// What was declared to each node: heartbeats in step with it stay in
     /// memory (filled by [`Contexts::load_in_step`], raised by the relay).
     pub in_step: Arc<InStep>,
@@ -73,6 +75,10 @@ impl Contexts {
             (
                 Identity::SCHEMA,
                 mesh_identity::migrate(creds.database(Identity::SCHEMA)?.expose()).await?,
+            ),
+            (
+                Connectivity::SCHEMA,
+                mesh_connectivity::migrate(creds.database(Connectivity::SCHEMA)?.expose()).await?,
             ),
         ])
     }
@@ -127,13 +133,31 @@ impl Contexts {
             config_settings,
             keyring,
         );
+        let ca = creds.mesh_ca()?;
+        if ca.is_none() {
+            tracing::warn!(
+                "no mesh CA in the credentials: certificate requests wait until there is one"
+            );
+        }
+        let connectivity = Connectivity::new(
+            pool(creds, Connectivity::SCHEMA, settings.pool_size).await?,
+            signal.clone(),
+            mesh_connectivity::Settings {
+                plan: settings.connectivity_plan()?,
+                certificate_lifetime: std::time::Duration::from_secs(
+                    settings.certificate_lifetime_secs,
+                ),
+                ca: ca.clone(),
+                resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
+            },
+        );
         // What a joining node is handed: the advertised endpoints and the mesh
         // CA, or, without a CA, the controller's own (loopback) broker address.
         let mut identity_settings =
             mesh_identity::IdentitySettings::new(creds.signer()?.public_key_hex());
         let advertised = crate::config::Advertised::of(settings, creds);
         let mut node_broker = None;
-        if let Some(ca) = creds.mesh_ca()? {
+        if let Some(ca) = &ca {
             identity_settings.ca_pin = Some(ca.pin());
             identity_settings.ca_certificate = Some(ca.certificate_pem().to_owned());
             identity_settings.api_url = advertised.api.clone();
@@ -161,6 +185,7 @@ impl Contexts {
             inventory: Arc::new(inventory),
             config: Arc::new(config),
             identity: Arc::new(identity),
+            connectivity: Arc::new(connectivity),
             in_step: Arc::new(InStep::new()),
         })
     }
@@ -180,6 +205,12 @@ impl Contexts {
                 Config::SECTIONS.section,
                 Config::SECTIONS.generations(self.config.pool()).await?,
             ),
+            (
+                Connectivity::SECTIONS.section,
+                Connectivity::SECTIONS
+                    .generations(self.connectivity.pool())
+                    .await?,
+            ),
         ] {
             self.in_step.load(section, rows);
         }
@@ -192,6 +223,7 @@ impl Contexts {
             (Inventory::SCHEMA, self.inventory.pool()),
             (Config::SCHEMA, self.config.pool()),
             (Identity::SCHEMA, self.identity.pool()),
+            (Connectivity::SCHEMA, self.connectivity.pool()),
         ]
     }
 
@@ -210,6 +242,7 @@ impl Contexts {
             (Inventory::SCHEMA, self.inventory.subscriptions()),
             (Config::SCHEMA, self.config.subscriptions()),
             (Identity::SCHEMA, self.identity.subscriptions()),
+            (Connectivity::SCHEMA, self.connectivity.subscriptions()),
         ]
     }
 
@@ -228,6 +261,12 @@ impl Contexts {
             (
                 Config::SCHEMA,
                 section::resync(&*self.config)
+                    .await
+                    .map_err(|e| e.to_string()),
+            ),
+            (
+                Connectivity::SCHEMA,
+                section::resync(&*self.connectivity)
                     .await
                     .map_err(|e| e.to_string()),
             ),

@@ -47,7 +47,7 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     // One crypto provider for every TLS connection of the process (decision
-    // 0027); the HTTPS listener also names it explicitly.
+    // 0028); the HTTPS listener also names it explicitly.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let mut settings = Settings::load(cli.config.as_deref()).context("loading settings")?;

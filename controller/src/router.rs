@@ -3,6 +3,7 @@
 //! What the contexts are and how they are built is in [`crate::contexts`].
 
 use mesh_config::Config;
+use mesh_connectivity::Connectivity;
 use mesh_identity::Identity;
 use mesh_inventory::Inventory;
 use mesh_plumbing::{Context, HandlerError, inbox};
@@ -20,12 +21,14 @@ impl Contexts {
         batch: &[Envelope<Report>],
     ) -> Result<(), HandlerError> {
         match kind {
-            // hello: facts and labels (inventory); every context catches the node
-            // up on its section (mesh_plumbing::section).
+            // hello: facts and labels (inventory), the seal key (config), the
+            // overlay facts (connectivity); every context catches the node up on
+            // its section (mesh_plumbing::section).
             ReportKind::Hello => {
-                both(
+                all(
                     run(&*self.inventory, batch, true),
                     run(&*self.config, batch, true),
+                    run(&*self.connectivity, batch, true),
                 )
                 .await
             }
@@ -42,10 +45,8 @@ impl Contexts {
             // applied: what the node applied of each section (inventory records it
             // for every section; decision 0015).
             ReportKind::Applied => run(&*self.inventory, batch, true).await,
-            // certificates: CSRs and held certificates (connectivity).
-            ReportKind::Certificates => Err(HandlerError::Permanent(
-                "no context handles certificates in this version".to_owned(),
-            )),
+            // certificates: CSRs to sign and what the node holds (connectivity).
+            ReportKind::Certificates => run(&*self.connectivity, batch, true).await,
         }
     }
 
@@ -62,9 +63,10 @@ impl Contexts {
         if durable.is_empty() {
             return Ok(0);
         }
-        both(
+        all(
             run(&*self.inventory, &durable, false),
             run(&*self.config, &durable, false),
+            run(&*self.connectivity, &durable, false),
         )
         .await?;
         self.inventory.written_alive(&durable);
@@ -81,6 +83,7 @@ impl Contexts {
             c if c == Inventory::SCHEMA => run_events(&*self.inventory, events).await,
             c if c == Config::SCHEMA => run_events(&*self.config, events).await,
             c if c == Identity::SCHEMA => run_events(&*self.identity, events).await,
+            c if c == Connectivity::SCHEMA => run_events(&*self.connectivity, events).await,
             other => Err(HandlerError::Permanent(format!(
                 "no context named `{other}`"
             ))),
@@ -88,18 +91,19 @@ impl Contexts {
     }
 }
 
-/// Two contexts' transactions at once: they share nothing (own pools, own
+/// Three contexts' transactions at once: they share nothing (own pools, own
 /// schemas), and one consumer per queue is bound by the latency of a batch, so
 /// running them side by side instead of one after the other shortens every
-/// batch (docs/benchmarks.md). Both must commit before the batch is acked; if
-/// one fails, the retry repeats both, which the inbox (or, for heartbeats,
+/// batch (docs/benchmarks.md). All must commit before the batch is acked; if
+/// one fails, the retry repeats all, which the inbox (or, for heartbeats,
 /// idempotence) makes harmless, as before.
-async fn both(
+async fn all(
     a: impl Future<Output = Result<(), HandlerError>>,
     b: impl Future<Output = Result<(), HandlerError>>,
+    c: impl Future<Output = Result<(), HandlerError>>,
 ) -> Result<(), HandlerError> {
-    let (a, b) = tokio::join!(a, b);
-    a.and(b)
+    let (a, b, c) = tokio::join!(a, b, c);
+    a.and(b).and(c)
 }
 
 async fn run<C: Context>(

@@ -47,7 +47,7 @@ pub enum TlsError {
     Rustls(String),
 }
 
-/// The crypto provider of the controller's TLS: rustls' `ring` (decision 0027).
+/// The crypto provider of the controller's TLS: rustls' `ring` (decision 0028).
 pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
@@ -64,7 +64,7 @@ impl ResolvesServerCert for Swap {
 
 /// The API's certificate: issued from the mesh CA, renewed before it expires.
 pub struct ApiCertificate {
-    ca: MeshCa,
+    ca: Arc<MeshCa>,
     names: Vec<String>,
     lifetime: Duration,
     current: Arc<Swap>,
@@ -106,7 +106,7 @@ fn certified(
 impl ApiCertificate {
     /// Issues the first certificate for `names`.
     pub fn issue(
-        ca: MeshCa,
+        ca: Arc<MeshCa>,
         names: Vec<String>,
         lifetime: Duration,
     ) -> Result<ApiCertificate, TlsError> {

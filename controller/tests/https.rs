@@ -57,7 +57,7 @@ async fn https_with_a_certificate_from_the_mesh_ca_renewed_in_place() -> anyhow:
     let ca = mesh_credentials::pki::MeshCa::generate("test CA")?;
     let ca_pem = ca.certificate_pem().to_owned();
     let cert = ApiCertificate::issue(
-        ca,
+        Arc::new(ca),
         vec!["127.0.0.1".into(), "localhost".into()],
         Duration::from_secs(3),
     )?;

@@ -192,6 +192,12 @@ impl AgentHandle {
     }
 }
 
+/// What every harness agent's config ends with unless its test configures
+/// the overlay itself: off the overlay and without a packet filter, so
+/// agents sharing the test host never fight over `mesh0` or `inet mesh`.
+pub const AGENT_OFF_THE_OVERLAY: &str =
+    "\n[overlay]\nenabled = false\n\n[firewall]\nenabled = false\n";
+
 /// Liveness settings of the test controller: agents beat every second (the
 /// harness starts them with `--heartbeat-interval 1`), a node is unreachable after
 /// [`GRACE`], the sweeper runs four times a second and last_seen is written from
@@ -367,11 +373,16 @@ impl Mesh {
         for (k, v) in &agent.labels {
             cmd.arg("--label").arg(format!("{k}={v}"));
         }
-        if let Some(toml) = &self.agent_toml {
-            let path = agent.state_dir.join("agent.toml");
-            std::fs::write(&path, toml)?;
-            cmd.arg("--config").arg(path);
+        // Agents of the harness share this host: they join no overlay (no
+        // WireGuard interface, no nftables table on the test machine) unless
+        // a test's `agent_toml` has an `[overlay]` table of its own.
+        let mut toml = self.agent_toml.clone().unwrap_or_default();
+        if !toml.contains("[overlay]") {
+            toml.push_str(AGENT_OFF_THE_OVERLAY);
         }
+        let path = agent.state_dir.join("agent.toml");
+        std::fs::write(&path, toml)?;
+        cmd.arg("--config").arg(path);
         agent.proc = Some(Proc(cmd.spawn().context("spawning mesh-agent")?));
         Ok(())
     }

@@ -153,7 +153,7 @@ async fn fence_holders(mesh: &Mesh) -> anyhow::Result<Vec<(i32, String)>> {
 /// Rows of every context's migration history, as a fingerprint of "migrated".
 async fn migration_rows(mesh: &Mesh) -> anyhow::Result<Vec<i64>> {
     let mut out = Vec::new();
-    for ctx in ["inventory", "config", "identity"] {
+    for ctx in ["inventory", "config", "identity", "connectivity"] {
         out.push(
             scalar(
                 &mesh.env,

@@ -8,7 +8,7 @@
 //! the host the URL names, fails the handshake and is refused before the
 //! node's password is sent. A plain `amqp://` URL is accepted only for a
 //! loopback host (the local mesh, tests): the broker's plain listener is on
-//! loopback only (docs/decisions/0027).
+//! loopback only (docs/decisions/0028).
 
 use std::time::Duration;
 

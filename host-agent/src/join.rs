@@ -133,7 +133,7 @@ fn pin_of_der(der: &[u8]) -> Option<String> {
 }
 
 /// The crypto provider of every TLS client of the agent: rustls' `ring`
-/// (decision 0027), named here rather than taken from the process default.
+/// (decision 0028), named here rather than taken from the process default.
 pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }

@@ -201,7 +201,7 @@ fn main() -> std::process::ExitCode {
     }
     init_logging(cli.log_format);
     // One crypto provider for every TLS connection of the process (decision
-    // 0027); the agent's own clients also name it explicitly.
+    // 0028); the agent's own clients also name it explicitly.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -13,8 +13,9 @@
 //!   connections to it fail, a and b still talk.
 //!
 //! Addresses exist only on this machine: 10.201.<k>.0/24 on veths the test
-//! makes (one leg in the root namespace, for the broker, which listens on
-//! 127.0.0.1 only: the test forwards 10.201.<k>.254:<port> to it), overlay
+//! makes (one leg in the root namespace, 10.201.<k>.254, each namespace's
+//! default route: the agents reach the broker over AMQPS at this machine's
+//! advertised address, delivered locally, as a second host would), overlay
 //! 10.88.0.0/16 inside the namespaces. Every namespace, link and process is
 //! removed by a guard, even on failure. Skipped, saying why, where not root
 //! or where ip / wg / wireguard-go / nft / /dev/net/tun are missing (Debian:
@@ -156,6 +157,22 @@ impl Lab {
         let addr = format!("{}/24", lab.root_addr());
         sh("ip", &["address", "add", &addr, "dev", &root])?;
         sh("ip", &["link", "set", &root, "up"])?;
+        // The way to this machine's own addresses (the broker's AMQPS).
+        for i in 0..3 {
+            let ns = lab.node_ns(i);
+            sh(
+                "ip",
+                &[
+                    "-n",
+                    &ns,
+                    "route",
+                    "add",
+                    "default",
+                    "via",
+                    &lab.root_addr(),
+                ],
+            )?;
+        }
         Ok(lab)
     }
 
@@ -291,24 +308,6 @@ async fn reaches(ns: &str, addr: SocketAddr) -> anyhow::Result<()> {
             _ => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
-}
-
-/// Forward `listen` (in the root namespace) to the broker.
-async fn broker_forwarder(
-    listen: SocketAddr,
-) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let l = tokio::net::TcpListener::bind(listen).await?;
-    let addr = l.local_addr()?;
-    let task = tokio::spawn(async move {
-        while let Ok((mut inbound, _)) = l.accept().await {
-            tokio::spawn(async move {
-                if let Ok(mut out) = tokio::net::TcpStream::connect("127.0.0.1:5672").await {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
-                }
-            });
-        }
-    });
-    Ok((addr, task))
 }
 
 async fn controller_side(env: &TestEnv) -> anyhow::Result<(Connection, Channel, Consumer)> {
@@ -603,7 +602,7 @@ async fn three_hosts_overlay_firewall_restart_and_revocation() -> anyhow::Result
 
 async fn overlay(env: &TestEnv, dirs: &[tempfile::TempDir]) -> anyhow::Result<()> {
     let mut lab = Lab::new()?;
-    let (forward, forwarder) = broker_forwarder(format!("{}:0", lab.root_addr()).parse()?).await?;
+    let tls = mesh_testkit::bundle_tls()?;
     let (_admin, ch, consumer) = controller_side(env).await?;
     let mut reports = Reports {
         consumer,
@@ -613,15 +612,12 @@ async fn overlay(env: &TestEnv, dirs: &[tempfile::TempDir]) -> anyhow::Result<()
     // An agent per namespace, with its endpoint on the underlay.
     let mut ids = Vec::new();
     for (i, dir) in dirs.iter().enumerate() {
-        let mut creds = env.add_node(["a", "b", "c"][i]).await?;
-        creds.broker_url = creds
-            .broker_url
-            .replace("127.0.0.1:5672", &forward.to_string());
+        let creds = env.add_node(["a", "b", "c"][i]).await?;
         let state = dir.path().join("state");
         let root = dir.path().join("root");
         std::fs::create_dir_all(&state)?;
         std::fs::create_dir_all(&root)?;
-        creds.write_to(&state)?;
+        creds.write_to_over_tls(&state, &tls)?;
         std::fs::write(
             dir.path().join("agent.toml"),
             format!(
@@ -767,7 +763,6 @@ async fn overlay(env: &TestEnv, dirs: &[tempfile::TempDir]) -> anyhow::Result<()
     );
     reaches(&lab.node_ns(0), b7000).await?;
 
-    forwarder.abort();
     drop(lab);
     Ok(())
 }

@@ -176,7 +176,7 @@ fn client(api: &str, ca: &std::path::Path) -> anyhow::Result<reqwest::Client> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    // The one crypto provider (ring) of every TLS connection (decision 0027).
+    // The one crypto provider (ring) of every TLS connection (decision 0028).
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let api = Api {

@@ -182,6 +182,32 @@ impl NodeCredentials {
         self.agent_credentials()?.write(state_dir)?;
         Ok(())
     }
+
+    /// The agent's file for reaching the broker from another host: AMQPS to
+    /// the bundle's advertised address, verified against the bundle's CA (plain
+    /// AMQP is for loopback only).
+    pub fn agent_credentials_over_tls(&self, tls: &BundleTls) -> anyhow::Result<AgentCredentials> {
+        let mut url = url::Url::parse(&self.broker_url).context("a test node's broker URL")?;
+        let scheme = url.set_scheme("amqps");
+        let host = url.set_host(Some(&tls.advertise_host));
+        let port = url.set_port(Some(tls.amqps_port));
+        anyhow::ensure!(
+            scheme.is_ok() && host.is_ok() && port.is_ok(),
+            "cannot point a test node's broker URL at {}:{}",
+            tls.advertise_host,
+            tls.amqps_port
+        );
+        let mut creds = self.agent_credentials()?;
+        creds.broker_url = mesh_credentials::Secret::new(url.to_string());
+        creds.ca_certificate = Some(tls.ca_pem()?);
+        Ok(creds)
+    }
+
+    /// Writes [`NodeCredentials::agent_credentials_over_tls`] to `state_dir`.
+    pub fn write_to_over_tls(&self, state_dir: &Path, tls: &BundleTls) -> anyhow::Result<()> {
+        self.agent_credentials_over_tls(tls)?.write(state_dir)?;
+        Ok(())
+    }
 }
 
 impl TestEnv {

@@ -16,8 +16,8 @@ use chrono::{DateTime, Utc};
 use mesh_plumbing::outbox;
 use mesh_plumbing::section::Items;
 use mesh_protocol::{
-    DeclarationItems, HeartbeatPlan, ModulePlacement, ModuleRemoved, NodeId, RecordEvent,
-    RecordKind, SettingsFile,
+    DeclarationItems, HeartbeatPlan, ModulePlacement, ModulePort, ModuleRemoved, NodeId,
+    RecordEvent, RecordKind, SettingsFile,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -529,11 +529,12 @@ async fn write_assignments(
 }
 
 /// What the record is told of one module: the nodes it has assignments on
-/// (sorted, once each) and its settings files.
+/// (sorted, once each), its settings files and its ports.
 #[derive(Debug, PartialEq)]
 struct Placed {
     nodes: Vec<String>,
     settings_files: Vec<SettingsFile>,
+    ports: Vec<ModulePort>,
 }
 
 /// A row of `inventory.module_placements`: what the record was last told.
@@ -542,6 +543,7 @@ struct PublishedRow {
     module: String,
     nodes: Json<Vec<String>>,
     settings_files: Json<Vec<SettingsFile>>,
+    ports: Json<Vec<ModulePort>>,
 }
 
 /// Tell the record where each module runs, level-triggered: every module
@@ -565,6 +567,7 @@ async fn publish_placements(
                 Placed {
                     nodes: Vec::new(),
                     settings_files: m.spec.settings_files.clone(),
+                    ports: m.spec.ports.clone(),
                 },
             )
         })
@@ -580,10 +583,11 @@ async fn publish_placements(
             p.nodes = nodes.into_iter().map(str::to_owned).collect();
         }
     }
-    let rows: Vec<PublishedRow> =
-        sqlx::query_as("SELECT module, nodes, settings_files FROM inventory.module_placements")
-            .fetch_all(&mut *tx)
-            .await?;
+    let rows: Vec<PublishedRow> = sqlx::query_as(
+        "SELECT module, nodes, settings_files, ports FROM inventory.module_placements",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
     let published: BTreeMap<String, Placed> = rows
         .into_iter()
         .map(|r| {
@@ -592,6 +596,7 @@ async fn publish_placements(
                 Placed {
                     nodes: r.nodes.0,
                     settings_files: r.settings_files.0,
+                    ports: r.ports.0,
                 },
             )
         })
@@ -619,8 +624,8 @@ async fn publish_placements(
     versions.sort_unstable();
     let mut versions = versions.into_iter();
     let mut events = Vec::with_capacity(count);
-    let (mut names, mut nodes, mut files, mut placed_versions) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut names, mut nodes, mut files, mut ports, mut placed_versions) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (name, p) in &changed {
         let version = versions.next().ok_or_else(|| Error::Corrupt {
             node: (*name).to_owned(),
@@ -637,12 +642,13 @@ async fn publish_placements(
                 version,
                 nodes: ids,
                 settings_files: p.settings_files.clone(),
-                ports: Vec::new(),
+                ports: p.ports.clone(),
             },
         )));
         names.push((*name).to_owned());
         nodes.push(serde_json::to_string(&p.nodes).unwrap_or_else(|_| "[]".to_owned()));
         files.push(serde_json::to_string(&p.settings_files).unwrap_or_else(|_| "[]".to_owned()));
+        ports.push(serde_json::to_string(&p.ports).unwrap_or_else(|_| "[]".to_owned()));
         placed_versions.push(version);
     }
     for name in &removed {
@@ -657,15 +663,18 @@ async fn publish_placements(
     }
     if !names.is_empty() {
         sqlx::query(
-            "INSERT INTO inventory.module_placements AS p (module, nodes, settings_files, version) \
-             SELECT u.module, u.nodes::jsonb, u.files::jsonb, u.version \
-             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[]) AS u(module, nodes, files, version) \
+            "INSERT INTO inventory.module_placements AS p (module, nodes, settings_files, ports, version) \
+             SELECT u.module, u.nodes::jsonb, u.files::jsonb, u.ports::jsonb, u.version \
+             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[]) \
+                  AS u(module, nodes, files, ports, version) \
              ON CONFLICT (module) DO UPDATE SET nodes = excluded.nodes, \
-             settings_files = excluded.settings_files, version = excluded.version, published_at = now()",
+             settings_files = excluded.settings_files, ports = excluded.ports, \
+             version = excluded.version, published_at = now()",
         )
         .bind(&names)
         .bind(&nodes)
         .bind(&files)
+        .bind(&ports)
         .bind(&placed_versions)
         .execute(&mut *tx)
         .await?;

@@ -4,7 +4,10 @@
 
 use std::collections::BTreeMap;
 
-use mesh_protocol::{DesiredState, RestartPolicy, SettingsFile, UnitItem, validate_settings_files};
+use mesh_protocol::{
+    DesiredState, ModulePort, RestartPolicy, SettingsFile, UnitItem, validate_ports,
+    validate_settings_files,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
@@ -47,6 +50,12 @@ pub struct ModuleSpec {
     /// `/modules/<module>/<name>` on every node that runs the module.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub settings_files: Vec<SettingsFile>,
+    /// The ports the module listens on (at most 32, names and port/protocol
+    /// unique): which modules may reach each over the overlay (`from`) and
+    /// which are exposed publicly under a DNS name (`expose`). The
+    /// connectivity context turns them into each node's packet filter.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<ModulePort>,
 }
 
 /// The largest replica count any layer may ask for.
@@ -88,6 +97,7 @@ impl ModuleSpec {
             });
         }
         validate_settings_files("settings_files", &self.settings_files)?;
+        validate_ports("ports", &self.ports)?;
         if let Placement::MatchLabels { labels, replicas } = &self.placement {
             mesh_protocol::validate_labels("placement.match_labels.labels", labels)?;
             if *replicas > MAX_REPLICAS {

@@ -1038,6 +1038,37 @@ async fn where_modules_run_is_told_to_the_record_on_change_only() {
     let (nodes, v4) = placed(&events[0].1);
     assert_eq!(nodes, vec![b.clone(), c.clone()]);
     assert!(v4 > v3);
+    // Changing the ports writes one event carrying them; the view shows them.
+    spec["ports"] = json!([
+        {"name": "http", "port": 8080, "from": ["api"], "expose": "www.example.com"}
+    ]);
+    let (status, _, view) = f
+        .request(
+            "PUT",
+            "/v1/modules/web",
+            &[("if-match", "*")],
+            Some(spec.clone()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{view}");
+    assert_eq!(view["ports"][0]["port"], 8080, "{view}");
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(
+        events[0].1["ports"],
+        json!([{"name": "http", "port": 8080, "protocol": "tcp", "from": ["api"],
+                "expose": "www.example.com"}])
+    );
+    let (_, v4) = placed(&events[0].1);
+    // Bad ports are refused, naming the field.
+    let mut bad = spec.clone();
+    bad["ports"] = json!([{"name": "a", "port": 80}, {"name": "b", "port": 80}]);
+    let (status, _, body) = f
+        .request("PUT", "/v1/modules/web", &[("if-match", "*")], Some(bad))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["field"], "ports[1].port", "{body}");
+
     // A bad settings file name is refused, naming the field.
     let mut bad = spec.clone();
     bad["settings_files"] = json!([{"name": "../passwd", "format": "env"}]);

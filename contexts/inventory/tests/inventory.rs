@@ -402,7 +402,8 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
             "V5__sections",
             "V6__protocol",
             "V7__heartbeat_interval",
-            "V8__module_placements"
+            "V8__module_placements",
+            "V9__module_ports"
         ],
         "{applied:?}"
     );

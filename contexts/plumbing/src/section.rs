@@ -169,12 +169,16 @@ impl Items {
         &self.digest
     }
 
-    /// No files, no secrets, no units and no heartbeat plan.
+    /// No files, no secrets, no units, no heartbeat plan, no overlay, no
+    /// packet filter and no certificates.
     pub fn is_empty(&self) -> bool {
         self.items.files.is_empty()
             && self.items.secrets.is_empty()
             && self.items.units.is_empty()
             && self.items.heartbeat.is_none()
+            && self.items.overlay.is_none()
+            && self.items.firewall.is_none()
+            && self.items.certificates.is_empty()
     }
 
     /// Why an agent would refuse these items (too many, too large); none: it
