@@ -23,6 +23,7 @@ use mesh_protocol::{Envelope, Heartbeat, NodeId, Report};
 mod fleet;
 mod ideal;
 mod paths;
+mod plan;
 
 #[derive(Parser)]
 #[command(name = "mesh-bench")]
@@ -94,6 +95,14 @@ enum Cmd {
         #[arg(long)]
         queue: String,
     },
+    /// The connectivity plan (peers, names, ruleset of every node) per
+    /// fleet size: time to compute every node's section, and the largest
+    /// section against the declaration limit. Pure: no broker, no database.
+    ConnectivityPlan {
+        /// Fleet sizes, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "10,100,1000,3000")]
+        nodes: Vec<usize>,
+    },
     /// Heartbeat ingest: reports/s committed, controller CPU and RSS.
     Heartbeats {
         /// Simulated nodes (broker users and connections).
@@ -146,6 +155,7 @@ async fn main() -> anyhow::Result<()> {
             paced_secs,
         } => paths::run(messages, rate, paced_secs).await,
         Cmd::IdealConsume { queue } => ideal::consume(&queue).await,
+        Cmd::ConnectivityPlan { nodes } => plan::run(&nodes),
         Cmd::Heartbeats {
             nodes,
             seconds,
