@@ -63,7 +63,11 @@ pub enum PkiError {
 pub const CA_LIFETIME: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 /// Longest lifetime anything here signs.
 const MAX_LIFETIME: Duration = CA_LIFETIME;
-/// Certificates start this long before "now", for clocks a little behind.
+/// Certificates start up to this long before "now", for clocks a little
+/// behind; a tenth of the lifetime when that is shorter, so a holder that
+/// renews two thirds from `not_before` ([`CertInfo::renew_at`]) renews a
+/// little before two thirds of the lifetime from issue, never after, and a
+/// short-lived certificate (a test's seconds) is not due at once.
 const BACKDATE: Duration = Duration::from_secs(300);
 
 /// A new ECDSA P-256 key, as PKCS#8 PEM.
@@ -221,7 +225,7 @@ fn window(lifetime: Duration) -> Result<(DateTime<Utc>, DateTime<Utc>), PkiError
         return Err(PkiError::Lifetime(lifetime));
     }
     let now = Utc::now();
-    let back = chrono::Duration::from_std(BACKDATE).unwrap_or_default();
+    let back = chrono::Duration::from_std(BACKDATE.min(lifetime / 10)).unwrap_or_default();
     let life = chrono::Duration::from_std(lifetime).map_err(|_| PkiError::Lifetime(lifetime))?;
     // Whole seconds: what X.509 times carry.
     let now = DateTime::from_timestamp(now.timestamp(), 0).unwrap_or(now);
@@ -476,7 +480,9 @@ impl CertInfo {
         })
     }
 
-    /// When a holder should renew: two thirds into the lifetime.
+    /// When a holder should renew: two thirds into the validity window. For a
+    /// certificate signed here that is a little before two thirds of its
+    /// lifetime from issue (the window starts at most a tenth earlier).
     pub fn renew_at(&self) -> DateTime<Utc> {
         self.not_before + (self.not_after - self.not_before) * 2 / 3
     }
@@ -559,6 +565,14 @@ mod tests {
         let life = (info.not_after - info.not_before).num_seconds();
         assert_eq!(life, 3600 + 300);
         assert!(info.renew_at() < info.not_after && info.renew_at() > info.not_before);
+        // Renewal falls before two thirds from issue, for a short life too.
+        let short = ca
+            .sign(&req, "node-a", &[], Duration::from_secs(30))
+            .unwrap();
+        let short_info = CertInfo::parse(&short.certificate_pem).unwrap();
+        let issued_at = short_info.not_before + chrono::Duration::seconds(3);
+        assert!(short_info.renew_at() > issued_at);
+        assert!(short_info.renew_at() <= issued_at + chrono::Duration::seconds(20));
     }
 
     #[test]
