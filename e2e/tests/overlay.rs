@@ -88,7 +88,7 @@ fn unavailable() -> Option<String> {
     }
 }
 
-/// One host of the LAN: its node, its directories and its agent.
+/// One host of the LAN: its node and its directories.
 struct Host {
     node: String,
     state_dir: PathBuf,
