@@ -173,6 +173,57 @@ impl ModuleRemoved {
     }
 }
 
+/// A module's placement or removal as the record tells it, for a context
+/// that follows where modules run: it keeps, of each module, the newest event
+/// (by `version`) and ignores older ones.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ModuleEvent<'a> {
+    Placed(&'a ModulePlacement),
+    Removed(&'a ModuleRemoved),
+}
+
+impl<'a> ModuleEvent<'a> {
+    /// The module event a record event is, if it is one.
+    pub fn of(kind: &'a crate::RecordKind) -> Option<ModuleEvent<'a>> {
+        match kind {
+            crate::RecordKind::ModulePlaced(p) => Some(ModuleEvent::Placed(p)),
+            crate::RecordKind::ModuleRemoved(r) => Some(ModuleEvent::Removed(r)),
+            _ => None,
+        }
+    }
+
+    pub fn module(&self) -> &'a str {
+        match self {
+            ModuleEvent::Placed(p) => &p.module,
+            ModuleEvent::Removed(r) => &r.module,
+        }
+    }
+
+    pub fn version(&self) -> i64 {
+        match self {
+            ModuleEvent::Placed(p) => p.version,
+            ModuleEvent::Removed(r) => r.version,
+        }
+    }
+
+    /// The newest event of each module among `events` (the first of equal
+    /// versions), by module name.
+    pub fn newest(
+        events: &[ModuleEvent<'a>],
+    ) -> std::collections::BTreeMap<&'a str, ModuleEvent<'a>> {
+        let mut newest = std::collections::BTreeMap::new();
+        for e in events {
+            match newest.get(e.module()) {
+                Some(kept) if ModuleEvent::version(kept) >= e.version() => {}
+                _ => {
+                    newest.insert(e.module(), *e);
+                }
+            }
+        }
+        newest
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,6 +257,30 @@ mod tests {
             .collect();
         assert!(validate_settings_files("settings_files", &many).is_err());
         assert!(validate_settings_files("settings_files", &many[1..]).is_ok());
+    }
+
+    #[test]
+    fn the_newest_module_event_wins() {
+        let placed = |v| ModulePlacement {
+            module: "web".into(),
+            version: v,
+            nodes: Vec::new(),
+            settings_files: Vec::new(),
+            ports: Vec::new(),
+        };
+        let (p3, p5) = (placed(3), placed(5));
+        let r4 = ModuleRemoved {
+            module: "web".into(),
+            version: 4,
+        };
+        let events = [
+            ModuleEvent::Placed(&p3),
+            ModuleEvent::Placed(&p5),
+            ModuleEvent::Removed(&r4),
+        ];
+        let newest = ModuleEvent::newest(&events);
+        assert_eq!(newest.len(), 1);
+        assert_eq!(newest["web"], ModuleEvent::Placed(&p5));
     }
 
     #[test]

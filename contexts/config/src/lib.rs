@@ -230,8 +230,10 @@ impl Context for Config {
         for event in events {
             match &event.kind {
                 RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body) => bodies.push(body),
-                RecordKind::ModulePlaced(p) => modules.push(reports::ModuleEvent::Placed(p)),
-                RecordKind::ModuleRemoved(r) => modules.push(reports::ModuleEvent::Removed(r)),
+                RecordKind::ModulePlaced(p) => modules.push(mesh_protocol::ModuleEvent::Placed(p)),
+                RecordKind::ModuleRemoved(r) => {
+                    modules.push(mesh_protocol::ModuleEvent::Removed(r))
+                }
                 // Known events config does not act on (the protocol decoded
                 // them: an unknown one never reaches a context).
                 _ => {

@@ -3,9 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use mesh_protocol::{
-    Envelope, ModulePlacement, ModuleRemoved, NodeId, NodeLabelsChanged, ProtocolRange, Report,
-};
+use mesh_protocol::{Envelope, ModuleEvent, NodeId, NodeLabelsChanged, ProtocolRange, Report};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
@@ -89,28 +87,6 @@ async fn reconcile_named(
     Ok(())
 }
 
-/// A module's placement or removal, as inventory records it.
-pub(crate) enum ModuleEvent<'a> {
-    Placed(&'a ModulePlacement),
-    Removed(&'a ModuleRemoved),
-}
-
-impl ModuleEvent<'_> {
-    fn module(&self) -> &str {
-        match self {
-            ModuleEvent::Placed(p) => &p.module,
-            ModuleEvent::Removed(r) => &r.module,
-        }
-    }
-
-    fn version(&self) -> i64 {
-        match self {
-            ModuleEvent::Placed(p) => p.version,
-            ModuleEvent::Removed(r) => r.version,
-        }
-    }
-}
-
 /// `inventory.module.placed` / `.removed` events of a batch: keep each
 /// module's newest (by version; older ones are ignored), then reconcile the
 /// nodes it ran on before and runs on now, all at once.
@@ -119,15 +95,7 @@ pub(crate) async fn modules_changed(
     events: &[ModuleEvent<'_>],
     keyring: &Keyring,
 ) -> Result<(), Error> {
-    let mut newest: BTreeMap<&str, &ModuleEvent> = BTreeMap::new();
-    for e in events {
-        match newest.get(e.module()) {
-            Some(kept) if kept.version() >= e.version() => {}
-            _ => {
-                newest.insert(e.module(), e);
-            }
-        }
-    }
+    let newest = ModuleEvent::newest(events);
     if newest.is_empty() {
         return Ok(());
     }

@@ -257,8 +257,10 @@ impl Connectivity {
         for event in events {
             match &event.kind {
                 RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body) => labels.push(body),
-                RecordKind::ModulePlaced(p) => modules.push(reports::ModuleEvent::Placed(p)),
-                RecordKind::ModuleRemoved(r) => modules.push(reports::ModuleEvent::Removed(r)),
+                RecordKind::ModulePlaced(p) => modules.push(mesh_protocol::ModuleEvent::Placed(p)),
+                RecordKind::ModuleRemoved(r) => {
+                    modules.push(mesh_protocol::ModuleEvent::Removed(r))
+                }
                 // In delivery order: a revocation and a re-enrolment of one
                 // node in one batch end as the later says.
                 RecordKind::NodeRevoked(body) => {

@@ -5,8 +5,7 @@
 use std::collections::BTreeMap;
 
 use mesh_protocol::{
-    Envelope, ModulePlacement, ModuleRemoved, NodeIdentityChanged, NodeLabelsChanged,
-    ProtocolRange, Report,
+    Envelope, ModuleEvent, NodeIdentityChanged, NodeLabelsChanged, ProtocolRange, Report,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -204,43 +203,13 @@ pub(crate) async fn identity(
     }
 }
 
-/// A module's placement or removal, as inventory records it.
-pub(crate) enum ModuleEvent<'a> {
-    Placed(&'a ModulePlacement),
-    Removed(&'a ModuleRemoved),
-}
-
-impl ModuleEvent<'_> {
-    fn module(&self) -> &str {
-        match self {
-            ModuleEvent::Placed(p) => &p.module,
-            ModuleEvent::Removed(r) => &r.module,
-        }
-    }
-
-    fn version(&self) -> i64 {
-        match self {
-            ModuleEvent::Placed(p) => p.version,
-            ModuleEvent::Removed(r) => r.version,
-        }
-    }
-}
-
 /// `inventory.module.placed` / `.removed`: keep each module's newest (by
 /// version; older ones are ignored). Returns whether anything changed.
 pub(crate) async fn modules(
     tx: &mut PgConnection,
     events: &[ModuleEvent<'_>],
 ) -> Result<bool, Error> {
-    let mut newest: BTreeMap<&str, &ModuleEvent> = BTreeMap::new();
-    for e in events {
-        match newest.get(e.module()) {
-            Some(kept) if kept.version() >= e.version() => {}
-            _ => {
-                newest.insert(e.module(), e);
-            }
-        }
-    }
+    let newest = ModuleEvent::newest(events);
     if newest.is_empty() {
         return Ok(false);
     }
