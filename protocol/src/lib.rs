@@ -41,8 +41,9 @@ pub use envelope::Body;
 pub use envelope::{Envelope, PROTOCOL_VERSION, ProtocolRange, RawEnvelope, UnknownFields};
 pub use error::DecodeError;
 pub use module::{
-    MAX_SETTINGS_FILES, ModuleEvent, ModulePlacement, ModuleRemoved, SettingsFile, SettingsFormat,
-    validate_file_name, validate_module_name, validate_settings_file_name, validate_settings_files,
+    MAX_SETTINGS_FILES, ModuleColumns, ModuleEvent, ModulePlacement, ModuleRemoved, SettingsFile,
+    SettingsFormat, validate_file_name, validate_module_name, validate_settings_file_name,
+    validate_settings_files,
 };
 pub use node::{Labels, NodeId, validate_labels};
 pub use record::{

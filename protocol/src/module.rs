@@ -222,6 +222,45 @@ impl<'a> ModuleEvent<'a> {
         }
         newest
     }
+
+    /// The newest events of [`ModuleEvent::newest`] as the columns of one
+    /// bulk statement (by module name): module, version, removed, nodes.
+    pub fn columns(
+        newest: &std::collections::BTreeMap<&'a str, ModuleEvent<'a>>,
+    ) -> ModuleColumns<'a> {
+        let n = newest.len();
+        let mut c = ModuleColumns {
+            modules: Vec::with_capacity(n),
+            versions: Vec::with_capacity(n),
+            removed: Vec::with_capacity(n),
+            nodes: Vec::with_capacity(n),
+        };
+        for (module, e) in newest {
+            c.modules.push(*module);
+            c.versions.push(e.version());
+            match e {
+                ModuleEvent::Placed(p) => {
+                    c.removed.push(false);
+                    c.nodes.push(p.nodes.iter().map(NodeId::as_str).collect());
+                }
+                ModuleEvent::Removed(_) => {
+                    c.removed.push(true);
+                    c.nodes.push(Vec::new());
+                }
+            }
+        }
+        c
+    }
+}
+
+/// Module events as the columns of one bulk statement ([`ModuleEvent::columns`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModuleColumns<'a> {
+    pub modules: Vec<&'a str>,
+    pub versions: Vec<i64>,
+    pub removed: Vec<bool>,
+    /// The nodes of a placed module; empty for a removed one.
+    pub nodes: Vec<Vec<&'a str>>,
 }
 
 #[cfg(test)]

@@ -99,30 +99,16 @@ pub(crate) async fn modules_changed(
     if newest.is_empty() {
         return Ok(());
     }
-    let n = newest.len();
-    let (mut modules, mut versions, mut removed, mut nodes, mut files) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    for (module, e) in &newest {
-        modules.push(*module);
-        versions.push(e.version());
-        match e {
-            ModuleEvent::Placed(p) => {
-                removed.push(false);
-                nodes.push(Json(p.nodes.iter().map(NodeId::as_str).collect::<Vec<_>>()));
-                files.push(Json(p.settings_files.clone()));
-            }
-            ModuleEvent::Removed(_) => {
-                removed.push(true);
-                nodes.push(Json(Vec::new()));
-                files.push(Json(Vec::new()));
-            }
-        }
-    }
+    let columns = ModuleEvent::columns(&newest);
+    let (modules, versions, removed) = (columns.modules, columns.versions, columns.removed);
+    let nodes: Vec<_> = columns.nodes.into_iter().map(Json).collect();
+    let files: Vec<_> = newest
+        .values()
+        .map(|e| match e {
+            ModuleEvent::Placed(p) => Json(p.settings_files.clone()),
+            ModuleEvent::Removed(_) => Json(Vec::new()),
+        })
+        .collect();
     // One statement for the batch: each module's row is replaced when the
     // event is newer (keys unique and sorted: rows locked in key order), and
     // the nodes it ran on before (the statement's snapshot) and runs on now
@@ -147,8 +133,11 @@ pub(crate) async fn modules_changed(
     .bind(&files)
     .fetch_all(&mut *tx)
     .await?;
-    if changed.len() < n {
-        tracing::debug!(stale = n - changed.len(), "ignoring stale module events");
+    if changed.len() < newest.len() {
+        tracing::debug!(
+            stale = newest.len() - changed.len(),
+            "ignoring stale module events"
+        );
     }
     let affected = changed
         .into_iter()

@@ -213,30 +213,16 @@ pub(crate) async fn modules(
     if newest.is_empty() {
         return Ok(false);
     }
-    let n = newest.len();
-    let (mut modules, mut versions, mut removed, mut nodes, mut ports) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    for (module, e) in &newest {
-        modules.push(*module);
-        versions.push(e.version());
-        match e {
-            ModuleEvent::Placed(p) => {
-                removed.push(false);
-                nodes.push(Json(p.nodes.iter().map(|n| n.as_str()).collect::<Vec<_>>()));
-                ports.push(Json(p.ports.clone()));
-            }
-            ModuleEvent::Removed(_) => {
-                removed.push(true);
-                nodes.push(Json(Vec::new()));
-                ports.push(Json(Vec::new()));
-            }
-        }
-    }
+    let columns = ModuleEvent::columns(&newest);
+    let (modules, versions, removed) = (columns.modules, columns.versions, columns.removed);
+    let nodes: Vec<_> = columns.nodes.into_iter().map(Json).collect();
+    let ports: Vec<_> = newest
+        .values()
+        .map(|e| match e {
+            ModuleEvent::Placed(p) => Json(p.ports.clone()),
+            ModuleEvent::Removed(_) => Json(Vec::new()),
+        })
+        .collect();
     let changed: Vec<String> = sqlx::query_scalar(
         "INSERT INTO connectivity.modules AS m (module, version, removed, nodes, ports) \
          SELECT u.module, u.version, u.removed, ARRAY(SELECT jsonb_array_elements_text(u.nodes)), u.ports \
@@ -253,8 +239,11 @@ pub(crate) async fn modules(
     .bind(&ports)
     .fetch_all(&mut *tx)
     .await?;
-    if changed.len() < n {
-        tracing::debug!(stale = n - changed.len(), "ignoring stale module events");
+    if changed.len() < newest.len() {
+        tracing::debug!(
+            stale = newest.len() - changed.len(),
+            "ignoring stale module events"
+        );
     }
     Ok(!changed.is_empty())
 }
