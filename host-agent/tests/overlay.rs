@@ -25,6 +25,9 @@
 //! is `/var/run/wireguard/<if>.sock`, one directory for every namespace of
 //! this machine, so three "hosts" on one machine cannot all call it `mesh0`.
 
+mod common;
+
+use common::{controller_side, declaration_queue_for};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
@@ -34,15 +37,10 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use futures_util::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions,
-};
+use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
-use mesh_protocol::topology::{
-    DECLARATION_QUEUE_MAX_LEN, DECLARATIONS_EXCHANGE, REPORTS_EXCHANGE, declaration_queue,
-};
+use lapin::{BasicProperties, Channel, Consumer};
+use mesh_protocol::topology::DECLARATIONS_EXCHANGE;
 use mesh_protocol::{
     Applied, Declaration, DeclarationItems, DeclarationSigner, Envelope, FirewallPlan,
     MAX_REPORT_BYTES, NodeId, OverlayPeer, OverlayPlan, Report, Section,
@@ -308,85 +306,6 @@ async fn reaches(ns: &str, addr: SocketAddr) -> anyhow::Result<()> {
             _ => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
-}
-
-async fn controller_side(env: &TestEnv) -> anyhow::Result<(Connection, Channel, Consumer)> {
-    let admin = Connection::connect(&env.admin_amqp_url(), ConnectionProperties::default()).await?;
-    let ch = admin.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
-    let durable = ExchangeDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    for (name, kind) in [
-        (REPORTS_EXCHANGE, ExchangeKind::Topic),
-        (DECLARATIONS_EXCHANGE, ExchangeKind::Direct),
-    ] {
-        ch.exchange_declare(name.into(), kind, durable, FieldTable::default())
-            .await?;
-    }
-    let watch = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    ch.queue_bind(
-        watch.name().clone(),
-        REPORTS_EXCHANGE.into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
-    let reports = ch
-        .basic_consume(
-            watch.name().clone(),
-            "watch".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    Ok((admin, ch, reports))
-}
-
-async fn declaration_queue_for(ch: &Channel, node: &NodeId) -> anyhow::Result<()> {
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-max-length".into(),
-        AMQPValue::LongLongInt(DECLARATION_QUEUE_MAX_LEN),
-    );
-    args.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString("drop-head".into()),
-    );
-    let q = declaration_queue(node);
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await?;
-    ch.queue_bind(
-        q.as_str().into(),
-        DECLARATIONS_EXCHANGE.into(),
-        node.as_str().into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
-    Ok(())
 }
 
 /// Publish a connectivity section as the controller does: signed.
