@@ -96,6 +96,11 @@ fn routes(state: ApiState) -> OpenApiRouter {
             mesh_connectivity::SCHEMA,
             c.connectivity.pool(),
         ))
+        .merge(guarded(
+            c.observability.clone().routes(),
+            mesh_observability::SCHEMA,
+            c.observability.pool(),
+        ))
 }
 
 /// The document, serialized once when the router is built.

@@ -268,6 +268,7 @@ mod tests {
             (Method::GET, "/v1/audit", R(Role::Admin)),
             (Method::GET, "/v1/overlay", R(Role::Viewer)),
             (Method::GET, "/v1/certificates", R(Role::Viewer)),
+            (Method::GET, "/v1/events", R(Role::Viewer)),
             (
                 Method::POST,
                 "/v1/secrets/master-key/rotate",

@@ -145,6 +145,12 @@ pub struct Settings {
     /// Lifetime of every certificate the mesh CA signs, in seconds (agents
     /// renew at two thirds of it). Default 86400 (24 h); 300 to 2592000.
     pub certificate_lifetime_secs: u64,
+    /// How long the event stream (`GET /v1/events`) keeps an event, in
+    /// seconds: a client may resume from a position this recent; an older one
+    /// is answered 410. Default 86400 (24 h); at least 1.
+    pub event_retention_secs: u64,
+    /// Event streams open at once; one more is answered 503. Default 64.
+    pub event_streams: usize,
 }
 
 impl Default for Settings {
@@ -178,6 +184,8 @@ impl Default for Settings {
             overlay_policy: "full".to_owned(),
             mesh_domain: mesh_connectivity::DEFAULT_DOMAIN.to_owned(),
             certificate_lifetime_secs: mesh_connectivity::DEFAULT_CERTIFICATE_LIFETIME.as_secs(),
+            event_retention_secs: mesh_observability::DEFAULT_RETENTION.as_secs(),
+            event_streams: mesh_observability::Settings::default().max_streams,
         }
     }
 }
@@ -270,6 +278,18 @@ impl Settings {
             });
         }
         self.connectivity_plan()?;
+        if self.event_retention_secs == 0 {
+            return Err(ConfigError::Invalid {
+                field: "event_retention_secs",
+                message: "must be at least 1".into(),
+            });
+        }
+        if self.event_streams == 0 {
+            return Err(ConfigError::Invalid {
+                field: "event_streams",
+                message: "must be at least 1".into(),
+            });
+        }
         if !(300..=2_592_000).contains(&self.certificate_lifetime_secs) {
             return Err(ConfigError::Invalid {
                 field: "certificate_lifetime_secs",

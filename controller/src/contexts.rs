@@ -10,6 +10,7 @@ use mesh_config::Config;
 use mesh_connectivity::Connectivity;
 use mesh_identity::Identity;
 use mesh_inventory::Inventory;
+use mesh_observability::Observability;
 use mesh_plumbing::section::{self, Declared};
 use mesh_plumbing::{Context, InStep, OutboxSignal};
 use sqlx::PgPool;
@@ -40,6 +41,7 @@ pub struct Contexts {
     pub config: Arc<Config>,
     pub identity: Arc<Identity>,
     pub connectivity: Arc<Connectivity>,
+    pub observability: Arc<Observability>,
     /// What was declared to each node: heartbeats in step with it stay in
     /// memory (filled by [`Contexts::load_in_step`], raised by the relay).
     pub in_step: Arc<InStep>,
@@ -79,6 +81,11 @@ impl Contexts {
             (
                 Connectivity::SCHEMA,
                 mesh_connectivity::migrate(creds.database(Connectivity::SCHEMA)?.expose()).await?,
+            ),
+            (
+                Observability::SCHEMA,
+                mesh_observability::migrate(creds.database(Observability::SCHEMA)?.expose())
+                    .await?,
             ),
         ])
     }
@@ -172,6 +179,14 @@ impl Contexts {
                 "advertised endpoints are set but the credentials name no mesh CA: nodes are handed the controller's own broker address (run bundle/up again)"
             );
         }
+        let observability = Observability::new(
+            pool(creds, Observability::SCHEMA, settings.pool_size).await?,
+            mesh_observability::Settings {
+                retention: std::time::Duration::from_secs(settings.event_retention_secs),
+                max_streams: settings.event_streams,
+                ..mesh_observability::Settings::default()
+            },
+        );
         let identity = Identity::new(
             pool(creds, Identity::SCHEMA, settings.pool_size).await?,
             signal,
@@ -186,6 +201,7 @@ impl Contexts {
             config: Arc::new(config),
             identity: Arc::new(identity),
             connectivity: Arc::new(connectivity),
+            observability: Arc::new(observability),
             in_step: Arc::new(InStep::new()),
         })
     }
@@ -224,6 +240,7 @@ impl Contexts {
             (Config::SCHEMA, self.config.pool()),
             (Identity::SCHEMA, self.identity.pool()),
             (Connectivity::SCHEMA, self.connectivity.pool()),
+            (Observability::SCHEMA, self.observability.pool()),
         ]
     }
 
@@ -243,6 +260,7 @@ impl Contexts {
             (Config::SCHEMA, self.config.subscriptions()),
             (Identity::SCHEMA, self.identity.subscriptions()),
             (Connectivity::SCHEMA, self.connectivity.subscriptions()),
+            (Observability::SCHEMA, self.observability.subscriptions()),
         ]
     }
 

@@ -6,6 +6,7 @@ use mesh_config::Config;
 use mesh_connectivity::Connectivity;
 use mesh_identity::Identity;
 use mesh_inventory::Inventory;
+use mesh_observability::Observability;
 use mesh_plumbing::{Context, HandlerError, inbox};
 use mesh_protocol::{Envelope, RecordEvent, Report, ReportKind};
 
@@ -84,6 +85,7 @@ impl Contexts {
             c if c == Config::SCHEMA => run_events(&*self.config, events).await,
             c if c == Identity::SCHEMA => run_events(&*self.identity, events).await,
             c if c == Connectivity::SCHEMA => run_events(&*self.connectivity, events).await,
+            c if c == Observability::SCHEMA => run_events(&*self.observability, events).await,
             other => Err(HandlerError::Permanent(format!(
                 "no context named `{other}`"
             ))),
@@ -148,5 +150,8 @@ async fn run_events<C: Context>(ctx: &C, events: &[RecordEvent]) -> Result<(), H
         ctx.handle_events(&mut tx, &fresh).await?;
     }
     tx.commit().await?;
+    if !fresh.is_empty() {
+        ctx.committed();
+    }
     Ok(())
 }

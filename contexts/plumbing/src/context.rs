@@ -102,6 +102,10 @@ pub trait Context: Send + Sync + 'static {
         async { Ok(()) }
     }
 
+    /// Called after a transaction of [`Context::handle_events`] committed
+    /// (the observability context wakes its event streams). Must not block.
+    fn committed(&self) {}
+
     /// Handle a batch of record events this context subscribed to, in the order
     /// they were delivered (the inbox has already filtered out those handled
     /// before, and duplicates within the batch). The default hands them to

@@ -61,6 +61,8 @@ problem_responses! {
     Forbidden => [("403", "The credential is refused; `detail` says why.")];
     /// 404: no such resource.
     NotFound => [("404", "No such resource; `detail` names it.")];
+    /// 410: a position (`Last-Event-ID`) older than what is kept.
+    Gone => [("410", "The position is older than the oldest kept; re-list, then follow again without it.")];
     /// 409: the resource's state forbids the change.
     Conflict => [("409", "The resource's state forbids this change; `detail` says which.")];
     /// 412: a precondition (`If-Match`, `If-None-Match`) does not hold.
@@ -70,6 +72,8 @@ problem_responses! {
     /// 503: a part the change needs (the broker's management API) failed; the
     /// change was not recorded and is safe to repeat.
     Unavailable => [("503", "A part this change needs failed; nothing was recorded: try again.")];
+    /// 503: every slot of a bounded resource (event streams) is taken.
+    Busy => [("503", "The controller serves as many of these as it takes; retry later.")];
     /// 428: replacing needs a precondition (`If-Match`).
     PreconditionRequired => [("428", "The resource exists: say which revision you replace with `If-Match`.")];
 }
