@@ -71,6 +71,8 @@ pub(crate) fn report_queue_bound(kind: ReportKind) -> FieldTable {
         }
         // A units report is a node's whole list, superseded by its next one.
         ReportKind::Units => bounded(UNITS_QUEUE_MAX_LEN, "drop-head"),
+        // So is a health report: every probe result of the node, whole.
+        ReportKind::Health => bounded(HEALTH_QUEUE_MAX_LEN, "drop-head"),
     }
 }
 

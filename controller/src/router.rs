@@ -25,13 +25,17 @@ impl Contexts {
             // hello: facts and labels (inventory), the seal key (config), the
             // overlay facts (connectivity); every context catches the node up on
             // its section (mesh_plumbing::section).
+            // observability reads the outage the agent lived through.
             ReportKind::Hello => {
-                all(
-                    run(&*self.inventory, batch, true),
-                    run(&*self.config, batch, true),
-                    run(&*self.connectivity, batch, true),
-                )
-                .await
+                let (a, b) = tokio::join!(
+                    all(
+                        run(&*self.inventory, batch, true),
+                        run(&*self.config, batch, true),
+                        run(&*self.connectivity, batch, true),
+                    ),
+                    run(&*self.observability, batch, true),
+                );
+                a.and(b)
             }
             // heartbeat: liveness, in memory (inventory, written in batches);
             // only a heartbeat out of step with what was declared to its node,
@@ -41,13 +45,22 @@ impl Contexts {
             // Idempotent by nature (last_seen only grows), so no inbox row per
             // heartbeat: that would double the cost of the hottest path.
             ReportKind::Heartbeat => self.route_heartbeats(batch).await.map(|_| ()),
-            // units: what runs where (inventory owns assignments and units).
-            ReportKind::Units => run(&*self.inventory, batch, true).await,
+            // units: what runs where (inventory owns assignments and units);
+            // observability derives health and crash loops from them.
+            ReportKind::Units => {
+                let (a, b) = tokio::join!(
+                    run(&*self.inventory, batch, true),
+                    run(&*self.observability, batch, true),
+                );
+                a.and(b)
+            }
             // applied: what the node applied of each section (inventory records it
             // for every section; decision 0015).
             ReportKind::Applied => run(&*self.inventory, batch, true).await,
             // certificates: CSRs to sign and what the node holds (connectivity).
             ReportKind::Certificates => run(&*self.connectivity, batch, true).await,
+            // health: probe results (observability owns health and alerts).
+            ReportKind::Health => run(&*self.observability, batch, true).await,
         }
     }
 

@@ -690,6 +690,7 @@ pub fn hello(
             overlay: None,
             applied: Default::default(),
             protocol: None,
+            outage: None,
         }),
     )
 }

@@ -674,6 +674,7 @@ mod tests {
             working_dir: None,
             restart: mesh_protocol::RestartPolicy::Always,
             desired: mesh_protocol::DesiredState::Running,
+            probes: Vec::new(),
         };
         let mut d = decl(1, vec![file("/srv/web.conf", "x", 0o644)]);
         d.section = Section::Inventory;

@@ -28,6 +28,7 @@ pub fn hello(
         overlay,
         applied,
         protocol: Some(ProtocolRange::THIS),
+        outage: None,
     }
 }
 

@@ -333,6 +333,7 @@ mod tests {
                 working_dir: Some("/srv".into()),
                 restart: mesh_protocol::RestartPolicy::OnFailure,
                 desired: mesh_protocol::DesiredState::Running,
+                probes: Vec::new(),
             }],
         };
         let report = PendingReport {

@@ -596,6 +596,7 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
         working_dir: Some("/srv/svc".into()),
         restart: RestartPolicy::Always,
         desired: DesiredState::Running,
+        probes: Vec::new(),
     };
     let decl = |generation, units: Vec<UnitItem>| Declaration {
         section: Section::Inventory,
@@ -762,6 +763,7 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
         working_dir: None,
         restart: RestartPolicy::Always,
         desired: DesiredState::Running,
+        probes: Vec::new(),
     };
     // `talker` says a numbered line every 20 ms (a gap would be a lost line);
     // `quiet` says nothing.

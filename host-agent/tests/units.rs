@@ -43,6 +43,7 @@ fn sh(name: &str, script: &str) -> UnitItem {
         working_dir: None,
         restart: RestartPolicy::Always,
         desired: DesiredState::Running,
+        probes: Vec::new(),
     }
 }
 

@@ -16,6 +16,7 @@ mod connectivity;
 mod declaration;
 mod envelope;
 mod error;
+mod health;
 mod module;
 mod node;
 mod record;
@@ -40,6 +41,12 @@ pub use declaration::{
 pub use envelope::Body;
 pub use envelope::{Envelope, PROTOCOL_VERSION, ProtocolRange, RawEnvelope, UnknownFields};
 pub use error::DecodeError;
+pub use health::{
+    AlertChanged, CertificateIssued, ExecCheck, FleetCondition, FleetConditions, Health,
+    HealthState, HttpCheck, MAX_CONDITIONS, MAX_PROBE_DETAIL, MAX_PROBE_RESULTS, MAX_PROBES,
+    ModuleHealth, Outage, Probe, ProbeCheck, ProbeResult, ProbeState, ReplicaHealth, Severity,
+    TcpCheck, validate_probes,
+};
 pub use module::{
     MAX_SETTINGS_FILES, ModuleColumns, ModuleEvent, ModulePlacement, ModuleRemoved, SettingsFile,
     SettingsFormat, validate_file_name, validate_module_name, validate_settings_file_name,

@@ -22,15 +22,20 @@ pub const AUDIT_EVENT: &str = "operator.audit";
 
 /// Every record event of this version, as `<context>.<event>` (`*` for any
 /// context). The compatibility corpus (tests/compat/v1/) holds one of each.
-pub const RECORD_EVENTS: [&str; 9] = [
+pub const RECORD_EVENTS: [&str; 14] = [
     "inventory.node.joined",
     "inventory.node.updated",
     "inventory.node.unreachable",
     "inventory.node.alive",
     "inventory.module.placed",
     "inventory.module.removed",
+    "inventory.fleet.conditions",
     "identity.node.enrolled",
     "identity.node.revoked",
+    "connectivity.certificate.issued",
+    "observability.module.health",
+    "observability.alert.raised",
+    "observability.alert.resolved",
     "*.operator.audit",
 ];
 
@@ -71,10 +76,20 @@ pub enum RecordKind {
     ModulePlaced(ModulePlacement),
     /// `inventory.module.removed`: a module was deleted
     ModuleRemoved(ModuleRemoved),
+    /// `inventory.fleet.conditions`: the conditions the reconcile found changed.
+    FleetConditions(crate::FleetConditions),
     /// `identity.node.enrolled`: a node joined (or re-joined under a new key).
     NodeEnrolled(NodeIdentityChanged),
     /// `identity.node.revoked`: a node was revoked.
     NodeRevoked(NodeIdentityChanged),
+    /// `connectivity.certificate.issued`: the mesh CA signed a certificate.
+    CertificateIssued(crate::CertificateIssued),
+    /// `observability.module.health`: a module's or a replica's health changed.
+    ModuleHealth(crate::ModuleHealth),
+    /// `observability.alert.raised`: an alert opened.
+    AlertRaised(crate::AlertChanged),
+    /// `observability.alert.resolved`: an alert closed.
+    AlertResolved(crate::AlertChanged),
     /// `<context>.operator.audit`: an operator's mutation served by `context`.
     OperatorAudit { context: String, entry: AuditEntry },
 }
@@ -88,8 +103,13 @@ impl RecordKind {
             | RecordKind::NodeUnreachable(_)
             | RecordKind::NodeAlive(_)
             | RecordKind::ModulePlaced(_)
-            | RecordKind::ModuleRemoved(_) => "inventory",
+            | RecordKind::ModuleRemoved(_)
+            | RecordKind::FleetConditions(_) => "inventory",
             RecordKind::NodeEnrolled(_) | RecordKind::NodeRevoked(_) => "identity",
+            RecordKind::CertificateIssued(_) => "connectivity",
+            RecordKind::ModuleHealth(_)
+            | RecordKind::AlertRaised(_)
+            | RecordKind::AlertResolved(_) => "observability",
             RecordKind::OperatorAudit { context, .. } => context,
         }
     }
@@ -103,6 +123,11 @@ impl RecordKind {
             RecordKind::NodeAlive(_) => "node.alive",
             RecordKind::ModulePlaced(_) => "module.placed",
             RecordKind::ModuleRemoved(_) => "module.removed",
+            RecordKind::FleetConditions(_) => "fleet.conditions",
+            RecordKind::CertificateIssued(_) => "certificate.issued",
+            RecordKind::ModuleHealth(_) => "module.health",
+            RecordKind::AlertRaised(_) => "alert.raised",
+            RecordKind::AlertResolved(_) => "alert.resolved",
             RecordKind::NodeEnrolled(_) => "node.enrolled",
             RecordKind::NodeRevoked(_) => "node.revoked",
             RecordKind::OperatorAudit { .. } => AUDIT_EVENT,
@@ -115,6 +140,10 @@ impl RecordKind {
             RecordKind::NodeUnreachable(b) | RecordKind::NodeAlive(b) => serde_json::to_value(b),
             RecordKind::ModulePlaced(b) => serde_json::to_value(b),
             RecordKind::ModuleRemoved(b) => serde_json::to_value(b),
+            RecordKind::FleetConditions(b) => serde_json::to_value(b),
+            RecordKind::CertificateIssued(b) => serde_json::to_value(b),
+            RecordKind::ModuleHealth(b) => serde_json::to_value(b),
+            RecordKind::AlertRaised(b) | RecordKind::AlertResolved(b) => serde_json::to_value(b),
             RecordKind::NodeEnrolled(b) | RecordKind::NodeRevoked(b) => serde_json::to_value(b),
             RecordKind::OperatorAudit { entry, .. } => serde_json::to_value(entry),
         };
@@ -149,6 +178,21 @@ impl RecordKind {
             ("inventory", "module.removed") => {
                 RecordKind::ModuleRemoved(parse(&key, body, unknown)?)
             }
+            ("inventory", "fleet.conditions") => {
+                RecordKind::FleetConditions(parse(&key, body, unknown)?)
+            }
+            ("connectivity", "certificate.issued") => {
+                RecordKind::CertificateIssued(parse(&key, body, unknown)?)
+            }
+            ("observability", "module.health") => {
+                RecordKind::ModuleHealth(parse(&key, body, unknown)?)
+            }
+            ("observability", "alert.raised") => {
+                RecordKind::AlertRaised(parse(&key, body, unknown)?)
+            }
+            ("observability", "alert.resolved") => {
+                RecordKind::AlertResolved(parse(&key, body, unknown)?)
+            }
             ("identity", "node.enrolled") => RecordKind::NodeEnrolled(parse(&key, body, unknown)?),
             ("identity", "node.revoked") => RecordKind::NodeRevoked(parse(&key, body, unknown)?),
             (context, AUDIT_EVENT) => {
@@ -182,6 +226,17 @@ impl RecordKind {
             RecordKind::NodeAlive(b) => state(b, LivenessState::Alive),
             RecordKind::ModulePlaced(b) => b.validate(),
             RecordKind::ModuleRemoved(b) => b.validate(),
+            RecordKind::FleetConditions(b) => b.validate(),
+            RecordKind::CertificateIssued(b) => b.validate(),
+            RecordKind::ModuleHealth(b) => b.validate(),
+            RecordKind::AlertRaised(b) if b.resolved_at.is_some() => Err(DecodeError::invalid(
+                "body.resolved_at",
+                "a raised alert is not resolved",
+            )),
+            RecordKind::AlertResolved(b) if b.resolved_at.is_none() => Err(DecodeError::invalid(
+                "body.resolved_at",
+                "required when an alert is resolved",
+            )),
             _ => Ok(()),
         }
     }

@@ -49,15 +49,17 @@ pub enum ReportKind {
     Applied,
     Units,
     Certificates,
+    Health,
 }
 
 impl ReportKind {
-    pub const ALL: [ReportKind; 5] = [
+    pub const ALL: [ReportKind; 6] = [
         ReportKind::Hello,
         ReportKind::Heartbeat,
         ReportKind::Applied,
         ReportKind::Units,
         ReportKind::Certificates,
+        ReportKind::Health,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -67,6 +69,7 @@ impl ReportKind {
             ReportKind::Applied => "applied",
             ReportKind::Units => "units",
             ReportKind::Certificates => "certificates",
+            ReportKind::Health => "health",
         }
     }
 
@@ -86,6 +89,7 @@ pub enum Report {
     Applied(Applied),
     Units(crate::Units),
     Certificates(crate::Certificates),
+    Health(crate::Health),
 }
 
 impl Report {
@@ -96,6 +100,7 @@ impl Report {
             Report::Applied(_) => ReportKind::Applied,
             Report::Units(_) => ReportKind::Units,
             Report::Certificates(_) => ReportKind::Certificates,
+            Report::Health(_) => ReportKind::Health,
         }
     }
 }
@@ -112,6 +117,7 @@ impl Body for Report {
             Report::Applied(b) => serde_json::to_value(b),
             Report::Units(b) => serde_json::to_value(b),
             Report::Certificates(b) => serde_json::to_value(b),
+            Report::Health(b) => serde_json::to_value(b),
         };
         v.unwrap_or(serde_json::Value::Null)
     }
@@ -127,6 +133,7 @@ impl Body for Report {
             ReportKind::Applied => Report::Applied(parse_body(kind, body, unknown)?),
             ReportKind::Units => Report::Units(parse_body(kind, body, unknown)?),
             ReportKind::Certificates => Report::Certificates(parse_body(kind, body, unknown)?),
+            ReportKind::Health => Report::Health(parse_body(kind, body, unknown)?),
         };
         report.validate()?;
         Ok(report)
@@ -146,6 +153,7 @@ impl Report {
                 Ok(())
             }
             Report::Certificates(c) => c.validate(),
+            Report::Health(h) => h.validate(),
         }
     }
 }
@@ -181,6 +189,11 @@ pub struct Hello {
     /// ranges): v1 only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub protocol: Option<ProtocolRange>,
+    /// The broker outage the agent lived through before this (re)connect:
+    /// how long, and what it buffered and dropped meanwhile. Absent: none
+    /// (the first connect of a run), or an agent older than outages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outage: Option<crate::Outage>,
 }
 
 impl Hello {

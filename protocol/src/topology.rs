@@ -53,6 +53,9 @@ pub const REPORT_QUEUE_MAX_LEN: i64 = 100_000;
 /// Bound of the units queue (messages); overflow drops the oldest: a units report
 /// is a node's whole list, superseded by its next one.
 pub const UNITS_QUEUE_MAX_LEN: i64 = 100_000;
+/// Bound of the health queue (messages); overflow drops the oldest: a health
+/// report is a node's whole list of probe results, superseded by its next one.
+pub const HEALTH_QUEUE_MAX_LEN: i64 = 100_000;
 /// Bound of each node's declaration queue (messages); overflow drops the oldest:
 /// declarations are whole sections and a behind node is re-sent the newest.
 pub const DECLARATION_QUEUE_MAX_LEN: i64 = 64;

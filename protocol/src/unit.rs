@@ -52,6 +52,10 @@ pub struct UnitItem {
     pub restart: RestartPolicy,
     #[serde(default)]
     pub desired: DesiredState,
+    /// Probes the agent runs beside the unit; their results go in `health`
+    /// reports. An agent older than probes ignores them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub probes: Vec<crate::Probe>,
 }
 
 /// Unit names: 1 to 63 characters of `[a-z0-9-_.]`, starting with a letter or digit.
@@ -108,7 +112,7 @@ impl UnitItem {
         if let Some(dir) = &self.working_dir {
             crate::validate_path(&format!("{field}.working_dir"), dir)?;
         }
-        Ok(())
+        crate::validate_probes(&format!("{field}.probes"), &self.probes)
     }
 }
 

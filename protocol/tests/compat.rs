@@ -233,6 +233,7 @@ fn write_corpus() {
             overlay: None,
             applied: applied.clone(),
             protocol: None,
+            outage: None,
         }),
         Report::Heartbeat(Heartbeat {
             interval_ms: None,
@@ -285,6 +286,7 @@ fn write_corpus() {
                 working_dir: Some("/srv/web".into()),
                 restart: RestartPolicy::OnFailure,
                 desired: DesiredState::Running,
+                probes: Vec::new(),
             }]
         } else {
             Vec::new()
@@ -423,6 +425,7 @@ fn hello_with_seal_key() -> Hello {
         overlay: None,
         applied: [(Section::Config, 4)].into(),
         protocol: Some(ProtocolRange::V1),
+        outage: None,
     }
 }
 

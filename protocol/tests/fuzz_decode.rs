@@ -93,6 +93,7 @@ fn valid_envelopes() -> Vec<Value> {
             overlay: None,
             applied: applied.clone(),
             protocol: None,
+            outage: None,
         }),
         Report::Heartbeat(Heartbeat {
             interval_ms: None,

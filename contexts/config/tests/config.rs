@@ -228,6 +228,7 @@ fn hello(node: &NodeId, config_applied: u64) -> Envelope<Report> {
             overlay: None,
             applied: [(Section::Config, config_applied)].into_iter().collect(),
             protocol: None,
+            outage: None,
         }),
     )
 }

@@ -109,6 +109,7 @@ impl Fixture {
                 }),
                 applied: Default::default(),
                 protocol: None,
+                outage: None,
             }),
         );
         self.handle(&[hello]).await;
@@ -386,6 +387,7 @@ async fn concurrent_hellos_never_share_an_address() {
                 }),
                 applied: Default::default(),
                 protocol: None,
+                outage: None,
             }),
         );
         let (pool, conn) = (f.pool.clone(), f.conn.clone());
@@ -439,6 +441,7 @@ async fn a_full_overlay_network_leaves_nodes_without_an_address_and_says_so() {
                 }),
                 applied: Default::default(),
                 protocol: None,
+                outage: None,
             }),
         );
         let mut tx = pool.begin().await.unwrap();
@@ -915,6 +918,7 @@ async fn hub_and_spoke_follows_the_hub_label() {
                 }),
                 applied: Default::default(),
                 protocol: None,
+                outage: None,
             }),
         );
         conn.handle_reports(&mut tx, &[hello]).await.unwrap();

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use mesh_protocol::{
-    DesiredState, ModulePort, RestartPolicy, SettingsFile, UnitItem, validate_ports,
+    DesiredState, ModulePort, Probe, RestartPolicy, SettingsFile, UnitItem, validate_ports,
     validate_settings_files,
 };
 use serde::{Deserialize, Serialize};
@@ -31,6 +31,11 @@ pub struct UnitSpec {
     /// Requests of one replica; placement only puts it where they fit.
     #[serde(default)]
     pub resources: Resources,
+    /// Probes the agent runs beside each replica (at most 8, names unique):
+    /// HTTP GET, TCP connect or a command; their results decide the
+    /// replica's health (observability).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub probes: Vec<Probe>,
 }
 
 /// A module as `PUT /v1/modules/{name}` takes it and stores it.
@@ -129,6 +134,7 @@ impl ModuleSpec {
             working_dir: self.unit.working_dir.clone(),
             restart: self.unit.restart,
             desired: self.desired,
+            probes: self.unit.probes.clone(),
         }
     }
 }

@@ -102,6 +102,7 @@ impl Fixture {
                 overlay: None,
                 applied: Default::default(),
                 protocol: None,
+                outage: None,
             }),
         );
         self.handle(&[env]).await;

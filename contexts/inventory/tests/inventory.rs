@@ -86,6 +86,7 @@ fn hello(node: &NodeId, seq: u64, l: Labels, applied: &[(Section, u64)]) -> Enve
             overlay: None,
             applied: applied.iter().copied().collect(),
             protocol: None,
+            outage: None,
         }),
     )
 }

@@ -46,15 +46,20 @@ pub async fn migrate(url: &str) -> Result<Vec<String>, MigrateError> {
 
 /// What this context subscribes to: every record event of
 /// [`mesh_protocol::RECORD_EVENTS`] but `*.operator.audit`.
-pub const SUBSCRIPTIONS: [&str; 8] = [
+pub const SUBSCRIPTIONS: [&str; 13] = [
     "inventory.node.joined",
     "inventory.node.updated",
     "inventory.node.unreachable",
     "inventory.node.alive",
     "inventory.module.placed",
     "inventory.module.removed",
+    "inventory.fleet.conditions",
     "identity.node.enrolled",
     "identity.node.revoked",
+    "connectivity.certificate.issued",
+    "observability.module.health",
+    "observability.alert.raised",
+    "observability.alert.resolved",
 ];
 
 /// Tunables of the observability context.
