@@ -257,6 +257,12 @@ async fn run_fenced(
         resync(resync_contexts, resync_interval, resync_shutdown).await;
         ("resync", Ok(()))
     });
+    let evaluator_shutdown = shutdown.clone();
+    let evaluator_contexts = contexts.clone();
+    tasks.spawn(async move {
+        crate::evaluator::run(evaluator_contexts, evaluator_shutdown).await;
+        ("evaluator", Ok(()))
+    });
     let housekeeping_shutdown = shutdown.clone();
     let housekeeping_contexts = contexts.clone();
     tasks.spawn(async move {

@@ -151,6 +151,29 @@ pub struct Settings {
     pub event_retention_secs: u64,
     /// Event streams open at once; one more is answered 503. Default 64.
     pub event_streams: usize,
+    /// How often health and alerts are evaluated, in milliseconds (also soon
+    /// after reports committed, at most five times as often). Default 5000;
+    /// at least 100.
+    pub evaluate_ms: u64,
+    /// How long a probe's history of state changes is kept, in seconds.
+    /// Default 604800 (7 days).
+    pub probe_retention_secs: u64,
+    /// How long a resolved alert is kept, in seconds. Default 604800 (7 days).
+    pub alert_retention_secs: u64,
+    /// Restarts of one unit within `crash_window_secs` that raise
+    /// `unit_crash_looping`. Default 3; at least 1.
+    pub crash_restarts: u32,
+    /// Default 600 (10 minutes).
+    pub crash_window_secs: u64,
+    /// A certificate expiring sooner than this, in seconds, raises
+    /// `certificate_expiring`. Default 1209600 (14 days).
+    pub certificate_alert_secs: u64,
+    /// A node behind on a declared generation for longer than this, in
+    /// seconds, raises `node_behind`. Default 300.
+    pub behind_alert_secs: u64,
+    /// How long `controller_unreachable` stays open after a node reported
+    /// the broker outage it lived through, in seconds. Default 900.
+    pub outage_alert_secs: u64,
 }
 
 impl Default for Settings {
@@ -186,6 +209,14 @@ impl Default for Settings {
             certificate_lifetime_secs: mesh_connectivity::DEFAULT_CERTIFICATE_LIFETIME.as_secs(),
             event_retention_secs: mesh_observability::DEFAULT_RETENTION.as_secs(),
             event_streams: mesh_observability::Settings::default().max_streams,
+            evaluate_ms: 5000,
+            probe_retention_secs: 7 * 24 * 3600,
+            alert_retention_secs: 7 * 24 * 3600,
+            crash_restarts: 3,
+            crash_window_secs: 600,
+            certificate_alert_secs: 14 * 24 * 3600,
+            behind_alert_secs: 300,
+            outage_alert_secs: 900,
         }
     }
 }
@@ -289,6 +320,26 @@ impl Settings {
                 field: "event_streams",
                 message: "must be at least 1".into(),
             });
+        }
+        if self.evaluate_ms < 100 {
+            return Err(ConfigError::Invalid {
+                field: "evaluate_ms",
+                message: "must be at least 100".into(),
+            });
+        }
+        for (field, value) in [
+            ("probe_retention_secs", self.probe_retention_secs),
+            ("alert_retention_secs", self.alert_retention_secs),
+            ("crash_restarts", u64::from(self.crash_restarts)),
+            ("crash_window_secs", self.crash_window_secs),
+            ("outage_alert_secs", self.outage_alert_secs),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid {
+                    field,
+                    message: "must be at least 1".into(),
+                });
+            }
         }
         if !(300..=2_592_000).contains(&self.certificate_lifetime_secs) {
             return Err(ConfigError::Invalid {

@@ -181,9 +181,18 @@ impl Contexts {
         }
         let observability = Observability::new(
             pool(creds, Observability::SCHEMA, settings.pool_size).await?,
+            signal.clone(),
             mesh_observability::Settings {
                 retention: std::time::Duration::from_secs(settings.event_retention_secs),
                 max_streams: settings.event_streams,
+                evaluate_every: std::time::Duration::from_millis(settings.evaluate_ms),
+                probe_retention: std::time::Duration::from_secs(settings.probe_retention_secs),
+                alert_retention: std::time::Duration::from_secs(settings.alert_retention_secs),
+                crash_restarts: settings.crash_restarts,
+                crash_window: std::time::Duration::from_secs(settings.crash_window_secs),
+                certificate_window: std::time::Duration::from_secs(settings.certificate_alert_secs),
+                behind_after: std::time::Duration::from_secs(settings.behind_alert_secs),
+                outage_window: std::time::Duration::from_secs(settings.outage_alert_secs),
                 ..mesh_observability::Settings::default()
             },
         );

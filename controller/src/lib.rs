@@ -14,6 +14,7 @@ pub mod app;
 pub mod auth;
 pub mod config;
 pub mod contexts;
+pub mod evaluator;
 pub mod fence;
 pub mod metrics;
 pub mod openapi;

@@ -150,6 +150,7 @@ async fn run<C: Context>(
         ctx.handle_reports(&mut tx, batch).await?;
     }
     tx.commit().await?;
+    ctx.committed();
     Ok(())
 }
 

@@ -1,5 +1,21 @@
-//! The observability context, its first slice: the record, kept for a window
-//! and streamed to operators as server-sent events (`GET /v1/events`).
+//! The observability context: health from probes, alerts, and the record
+//! kept for a window and streamed to operators as server-sent events.
+//!
+//! - **Health** (`health.rs`): nodes report their units and probe results
+//!   (`units`, `health` reports, recorded by `inputs.rs`); the record tells
+//!   where modules run and which nodes are reachable. An evaluation
+//!   (`evaluate.rs`, on the controller's interval and after reports
+//!   committed) derives the health of every replica, module and node and
+//!   tells the record each module whose health changed
+//!   (`observability.module.health`, for delivery's rollout gate).
+//! - **Alerts** (`alerts.rs`): the same evaluation makes the open alerts what
+//!   the rules say (node unreachable, crash loops, modules degraded or below
+//!   their replicas, pinned modules on unreachable nodes, certificates
+//!   expiring, nodes behind, dead letters and deep queues, re-placement
+//!   paused, the controller unreachable as nodes saw it), raising and
+//!   resolving each with its record event. `GET /v1/health`, `GET /v1/alerts`
+//!   (`health_api.rs`).
+//! - **The event stream** (`events.rs`, `api.rs`): `GET /v1/events`.
 //!
 //! It owns the PostgreSQL schema `observability` and nothing else. It
 //! subscribes to every record event but the operators' audit entries (the
@@ -14,20 +30,29 @@
 //! controller: each client has a bounded buffer and is dropped, with a
 //! reason, when it reads too slowly; the number of streams is bounded.
 
+mod alerts;
 mod api;
 mod error;
+mod evaluate;
 mod events;
+mod health;
+mod health_api;
+mod inputs;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use mesh_plumbing::{Context, HandlerError, MigrateError};
+use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, RecordEvent, Report};
 use sqlx::{PgConnection, PgPool};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Notify, Semaphore, watch};
 
+pub use alerts::{ALERT_KINDS, Behind, Observations, QueueDepth, humanize};
 pub use error::Error;
+pub use evaluate::Summary;
 pub use events::{EventView, Filter, Position};
+pub use health::{ModuleHealthView, NodeHealthView, ProbeView, ReplicaView};
+pub use health_api::{AlertList, AlertView, AlertsParams, HealthView};
 
 /// The schema (and record context name) this crate owns.
 pub const SCHEMA: &str = "observability";
@@ -78,6 +103,26 @@ pub struct Settings {
     /// A stream looks for new events at least this often, in case a wake-up
     /// was missed. Default 5 s.
     pub poll: Duration,
+    /// How often health and alerts are evaluated (also soon after reports
+    /// committed, at most this often). Default 5 s.
+    pub evaluate_every: Duration,
+    /// How long a probe's history of state changes is kept. Default 7 days.
+    pub probe_retention: Duration,
+    /// How long a resolved alert is kept. Default 7 days.
+    pub alert_retention: Duration,
+    /// Restarts of one unit within `crash_window` that make it crash-looping.
+    /// Default 3.
+    pub crash_restarts: u32,
+    /// Default 10 minutes.
+    pub crash_window: Duration,
+    /// A certificate whose `not_after` is closer than this is alerted.
+    /// Default 14 days.
+    pub certificate_window: Duration,
+    /// A node behind on a section for longer than this is alerted. Default 5 min.
+    pub behind_after: Duration,
+    /// How long the controller-unreachable alert stays open after a node
+    /// reported an outage (it is about the past). Default 15 minutes.
+    pub outage_window: Duration,
 }
 
 /// Default retention window.
@@ -91,6 +136,14 @@ impl Default for Settings {
             stream_buffer: 1024,
             page: 256,
             poll: Duration::from_secs(5),
+            evaluate_every: Duration::from_secs(5),
+            probe_retention: Duration::from_secs(7 * 24 * 3600),
+            alert_retention: Duration::from_secs(7 * 24 * 3600),
+            crash_restarts: 3,
+            crash_window: Duration::from_secs(600),
+            certificate_window: Duration::from_secs(14 * 24 * 3600),
+            behind_after: Duration::from_secs(300),
+            outage_window: Duration::from_secs(900),
         }
     }
 }
@@ -102,27 +155,68 @@ pub struct Observability {
     /// Raised after a batch of events committed: wakes every stream.
     appended: watch::Sender<u64>,
     streams: Arc<Semaphore>,
+    /// Raised after reports or events committed: an evaluation is due.
+    changed: Arc<Notify>,
+    /// Wakes the relay after an evaluation wrote record events.
+    signal: OutboxSignal,
 }
 
 impl Observability {
     /// `pool` must be connected as the observability role.
-    pub fn new(pool: PgPool, settings: Settings) -> Self {
+    /// `signal` wakes the relay after an evaluation wrote record events.
+    pub fn new(pool: PgPool, signal: OutboxSignal, settings: Settings) -> Self {
         Observability {
             pool,
             streams: Arc::new(Semaphore::new(settings.max_streams)),
             settings,
             appended: watch::Sender::new(0),
+            changed: Arc::new(Notify::new()),
+            signal,
         }
+    }
+
+    /// Evaluate health and alerts now, with what the controller observed:
+    /// derive every replica's, module's and node's health, write
+    /// `observability.module.health` for each module whose health changed,
+    /// raise and resolve alerts (each with its record event), prune what is
+    /// past its retention. Idempotent; concurrent calls serialize.
+    pub async fn evaluate(&self, observations: &Observations) -> Result<Summary, Error> {
+        let mut tx = self.pool.begin().await?;
+        let summary = evaluate::run(&mut tx, &self.settings, observations).await?;
+        tx.commit().await?;
+        if summary.raised + summary.resolved + summary.health_changed > 0 {
+            self.signal.notify();
+        }
+        Ok(summary)
+    }
+
+    /// Resolves when reports or events committed since the last call (an
+    /// evaluation is due), or never; the caller bounds it with its interval.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// Every module's and node's health, derived now.
+    pub async fn health(&self) -> Result<(Vec<ModuleHealthView>, Vec<NodeHealthView>), Error> {
+        let mut tx = self.pool.begin().await?;
+        let out = evaluate::current_health(&mut tx).await?;
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    /// A page of alerts (`GET /v1/alerts`).
+    pub async fn alerts(&self, params: &AlertsParams) -> Result<AlertList, Error> {
+        health_api::list(&self.pool, params).await
     }
 
     pub fn settings(&self) -> &Settings {
         &self.settings
     }
 
-    /// The API routes this context serves: `GET /v1/events`, with its
-    /// OpenAPI description.
+    /// The API routes this context serves: `GET /v1/events`, `/v1/health`
+    /// and `/v1/alerts`, with their OpenAPI descriptions.
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes().with_state(self)
+        api::routes().merge(health_api::routes()).with_state(self)
     }
 
     /// Forget events older than the retention window; returns how many.
@@ -158,11 +252,13 @@ impl Context for Observability {
         &SUBSCRIPTIONS
     }
 
+    /// Probe results (`health`), units (`units`) and the outages hellos state.
     async fn handle_reports(
         &self,
-        _tx: &mut PgConnection,
-        _reports: &[Envelope<Report>],
+        tx: &mut PgConnection,
+        reports: &[Envelope<Report>],
     ) -> Result<(), HandlerError> {
+        inputs::reports(tx, reports).await?;
         Ok(())
     }
 
@@ -171,6 +267,7 @@ impl Context for Observability {
         tx: &mut PgConnection,
         events: &[&RecordEvent],
     ) -> Result<(), HandlerError> {
+        inputs::events(tx, events).await?;
         events::append(tx, events).await?;
         events::prune(tx, self.settings.retention).await?;
         Ok(())
@@ -178,6 +275,7 @@ impl Context for Observability {
 
     fn committed(&self) {
         self.appended.send_modify(|n| *n = n.wrapping_add(1));
+        self.changed.notify_one();
     }
 }
 

@@ -31,7 +31,11 @@ async fn setup(settings: Settings) -> Fixture {
         .connect(&url)
         .await
         .unwrap();
-    let obs = Arc::new(Observability::new(pool, settings));
+    let obs = Arc::new(Observability::new(
+        pool,
+        mesh_plumbing::OutboxSignal::default(),
+        settings,
+    ));
     let (app, _) = obs.clone().routes().split_for_parts();
     Fixture { env, obs, app }
 }

@@ -102,8 +102,9 @@ pub trait Context: Send + Sync + 'static {
         async { Ok(()) }
     }
 
-    /// Called after a transaction of [`Context::handle_events`] committed
-    /// (the observability context wakes its event streams). Must not block.
+    /// Called after a transaction of [`Context::handle_events`] or
+    /// [`Context::handle_reports`] committed (the observability context wakes
+    /// its event streams and its evaluation). Must not block.
     fn committed(&self) {}
 
     /// Handle a batch of record events this context subscribed to, in the order
