@@ -214,6 +214,10 @@ struct NodeDetail {
     /// Each section (`config`, `inventory`, `connectivity`), declared next to applied.
     #[schema(value_type = std::collections::BTreeMap<String, SectionView>)]
     sections: std::collections::BTreeMap<&'static str, SectionView>,
+    /// The node's health and each replica it runs, with the unit state and
+    /// probe results that decided it (observability; none until the record
+    /// told observability of the node).
+    health: Option<mesh_observability::NodeHealthView>,
 }
 
 /// A node as inventory knows it, with each section's declared generation from the
@@ -293,5 +297,16 @@ async fn node(
     ]
     .into_iter()
     .collect();
-    Ok(Json(NodeDetail { node, sections }))
+    let (_, nodes) = state
+        .contexts
+        .observability
+        .health()
+        .await
+        .map_err(Problem::internal)?;
+    let health = nodes.into_iter().find(|n| n.node == id.as_str());
+    Ok(Json(NodeDetail {
+        node,
+        sections,
+        health,
+    }))
 }

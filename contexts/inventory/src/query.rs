@@ -209,6 +209,19 @@ impl Inventory {
         }))
     }
 
+    /// The generation each reachable, unrevoked node applied of each section
+    /// (`(node, section, generation)`; 0: none known): what the controller
+    /// compares with what it declared to tell a node that is behind.
+    pub async fn applied_generations(&self) -> Result<Vec<(String, String, i64)>, Error> {
+        Ok(sqlx::query_as(
+            "SELECT a.node, a.section, a.generation FROM inventory.applied a \
+             JOIN inventory.nodes n ON n.id = a.node \
+             WHERE n.state = 'alive' AND n.admin_state <> 'revoked'",
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     /// Nodes ordered by id, those after `after`, at most `limit` (capped by
     /// [`crate::InventorySettings::max_page`]).
     pub async fn nodes(&self, after: Option<&str>, limit: i64) -> Result<Vec<NodeSummary>, Error> {

