@@ -21,8 +21,8 @@
 //! for a full grace period ([`Inventory::observe_from`]); placement is the pure
 //! function in [`placement`].
 
-mod alerts;
 mod api;
+mod conditions;
 mod drains;
 mod error;
 mod fleet;
@@ -52,8 +52,7 @@ use sqlx::{PgConnection, PgPool};
 pub use error::Error;
 pub use liveness::HeartbeatView;
 pub use query::{
-    AlertView, AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView,
-    ProtocolView,
+    AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView, ProtocolView,
 };
 pub use state::ReconcileReport;
 pub use sweep::SweepReport;
@@ -201,7 +200,7 @@ impl Inventory {
     /// The API routes this context serves: `GET /v1/nodes`,
     /// `GET|PUT /v1/nodes/{id}/labels`, `POST /v1/nodes/{id}/drain|undrain`,
     /// `GET /v1/modules`, `GET|PUT|DELETE /v1/modules/{name}`,
-    /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`, `GET /v1/alerts`.
+    /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`.
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
         api::routes().merge(modules_api::routes()).with_state(self)
