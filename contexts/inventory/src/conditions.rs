@@ -160,3 +160,56 @@ pub(crate) async fn tell(tx: &mut PgConnection, found: Found) -> Result<Option<i
     outbox::record(tx, SCHEMA, &event).await?;
     Ok(Some(version))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unplaced(i: usize, message: &str) -> (String, Condition) {
+        (
+            format!("unplaced:m{i:05}"),
+            Condition {
+                kind: "placement_unsatisfied",
+                node: None,
+                module: Some(format!("m{i:05}")),
+                stateful: false,
+                message: message.to_owned(),
+            },
+        )
+    }
+
+    #[test]
+    fn a_set_too_large_for_one_event_is_cut_the_same_way_every_time() {
+        let message = "x".repeat(400);
+        let found: Found = (0..2000).map(|i| unplaced(i, &message)).collect();
+        let told = bounded(found.clone()).unwrap();
+        assert!(told.len() < 2000 && told.len() > 500, "{}", told.len());
+        assert_eq!(told, bounded(found).unwrap(), "deterministic");
+        assert_eq!(told[0].key, "unplaced:m00000", "the first by key");
+        let event = RecordEvent::new(RecordKind::FleetConditions(FleetConditions {
+            version: i64::MAX,
+            conditions: told,
+        }));
+        let bytes = event.encode();
+        assert!(bytes.len() <= MAX_EVENT_BYTES, "{}", bytes.len());
+        assert_eq!(RecordEvent::decode(&bytes).unwrap(), event);
+    }
+
+    #[test]
+    fn a_small_set_is_told_whole_and_a_bad_node_is_corrupt() {
+        let found: Found = (0..3).map(|i| unplaced(i, "m")).collect();
+        assert_eq!(bounded(found).unwrap().len(), 3);
+        let mut bad = Found::new();
+        bad.insert(
+            "pinned_unreachable:db".into(),
+            Condition {
+                kind: "pinned_unreachable",
+                node: Some("Not A Node".into()),
+                module: Some("db".into()),
+                stateful: true,
+                message: "m".into(),
+            },
+        );
+        assert!(matches!(bounded(bad), Err(Error::Corrupt { .. })));
+    }
+}
