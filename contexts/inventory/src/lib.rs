@@ -19,7 +19,9 @@
 //! declares each node's `inventory` section (the units it must run). Liveness is
 //! judged by [`Inventory::sweep`] only after the controller has observed reports
 //! for a full grace period ([`Inventory::observe_from`]); placement is the pure
-//! function in [`placement`].
+//! function in [`placement`]. What a reconcile finds wrong with the fleet it
+//! tells the record (`inventory.fleet.conditions`, the whole set when it
+//! changes); it keeps no alerts (observability owns them).
 
 mod api;
 mod conditions;
