@@ -326,6 +326,7 @@ async fn sweeper(contexts: Arc<Contexts>, interval: Duration, shutdown: Cancella
                         declared = report.reconcile.declared,
                         drained = ?report.reconcile.drained,
                         paused = ?report.reconcile.paused,
+                        conditions = ?report.reconcile.conditions,
                         "fleet swept"
                     );
                 }

@@ -24,14 +24,22 @@
 //! certificate already issued. Whatever the CSR, a node and name get at
 //! most one new certificate per [`MIN_REISSUE`] (a minute, or a tenth of the
 //! lifetime if shorter): a request within it is refused, saying so.
+//!
+//! Every certificate signed is told to the record
+//! (`connectivity.certificate.issued`: node, name, serial, not after) in the
+//! transaction that stores it, so a request answered with a certificate
+//! already issued tells nothing new.
 
 use chrono::{DateTime, Utc};
 use mesh_credentials::pki::Csr;
-use mesh_protocol::{Certificates, NODE_CERTIFICATE, NodeId};
+use mesh_plumbing::outbox;
+use mesh_protocol::{
+    CertificateIssued, Certificates, NODE_CERTIFICATE, NodeId, RecordEvent, RecordKind,
+};
 use sha2::{Digest, Sha256};
 use sqlx::PgConnection;
 
-use crate::{Error, Settings};
+use crate::{Error, SCHEMA, Settings};
 
 /// The shortest time between two certificates of one node and name: a
 /// minute, or a tenth of the lifetime when that is shorter (renewal at two
@@ -274,6 +282,13 @@ async fn sign(
     .bind(issued.not_after)
     .execute(&mut *tx)
     .await?;
+    let event = RecordEvent::new(RecordKind::CertificateIssued(CertificateIssued {
+        node: node.clone(),
+        name: name.to_owned(),
+        serial: issued.serial.clone(),
+        not_after: issued.not_after,
+    }));
+    outbox::record(tx, SCHEMA, &event).await?;
     tracing::info!(%node, name, serial = %issued.serial, not_after = %issued.not_after, "certificate issued");
     Ok(Outcome::Signed)
 }

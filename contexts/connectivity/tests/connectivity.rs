@@ -10,9 +10,10 @@ use mesh_connectivity::{Connectivity, SCHEMA, Settings};
 use mesh_credentials::pki::{self, CertInfo, MeshCa};
 use mesh_plumbing::{Context, OutboxSignal, inbox};
 use mesh_protocol::{
-    CertificateRequest, Certificates, DeclarationItems, Envelope, HeldCertificate, Hello, Labels,
-    ModulePlacement, ModulePort, ModuleRemoved, NodeId, NodeIdentityChanged, NodeLabelsChanged,
-    OverlayFacts, PortProtocol, RecordEvent, RecordKind, Report,
+    CertificateIssued, CertificateRequest, Certificates, DeclarationItems, Envelope,
+    HeldCertificate, Hello, Labels, ModulePlacement, ModulePort, ModuleRemoved, NodeId,
+    NodeIdentityChanged, NodeLabelsChanged, OverlayFacts, PortProtocol, RecordEvent, RecordKind,
+    Report,
 };
 use mesh_testkit::TestEnv;
 use sqlx::PgPool;
@@ -169,6 +170,24 @@ impl Fixture {
             .fetch_one(&self.pool)
             .await
             .unwrap()
+    }
+
+    /// The `connectivity.certificate.issued` events in the outbox, oldest
+    /// first, decoded as the protocol reads them.
+    async fn issued(&self) -> Vec<CertificateIssued> {
+        let rows: Vec<Vec<u8>> = sqlx::query_scalar(
+            "SELECT payload FROM connectivity.outbox WHERE exchange = 'record' \
+             AND routing_key = 'connectivity.certificate.issued' ORDER BY id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .unwrap();
+        rows.iter()
+            .map(|payload| match RecordEvent::decode(payload).unwrap().kind {
+                RecordKind::CertificateIssued(body) => body,
+                other => panic!("{other:?}"),
+            })
+            .collect()
     }
 }
 
@@ -661,6 +680,17 @@ async fn csrs_are_signed_for_the_sender_only_and_once() {
         "{lifetime}"
     );
     assert_eq!(f.certificate_count().await, 1);
+    // The record is told, in the transaction that stored it.
+    let issued = f.issued().await;
+    assert_eq!(issued.len(), 1, "{issued:?}");
+    assert_eq!(issued[0].node, a);
+    assert_eq!(issued[0].name, "node");
+    assert_eq!(issued[0].serial, cert.serial);
+    assert!(
+        (issued[0].not_after - info.not_after).num_seconds().abs() <= 1,
+        "{issued:?} {}",
+        info.not_after
+    );
 
     // Redelivered: the inbox keeps it from minting a second one; the same
     // request in a new report (a CSR made again for the same key and names:
@@ -678,6 +708,7 @@ async fn csrs_are_signed_for_the_sender_only_and_once() {
     );
     f.handle(&[again]).await;
     assert_eq!(f.certificate_count().await, 1);
+    assert_eq!(f.issued().await.len(), 1, "nothing new to tell");
     // A fresh key at once: refused (one new certificate a minute), nothing signed.
     let fresh = pki::new_key().unwrap();
     let rekey = f.envelope(
@@ -725,6 +756,7 @@ async fn csrs_are_signed_for_the_sender_only_and_once() {
     );
     f.handle(&[bad]).await;
     assert_eq!(f.certificate_count().await, 1, "nothing signed for b");
+    assert_eq!(f.issued().await.len(), 1, "nothing refused is told");
     assert_eq!(f.generation(&b).await, g);
     assert!(f.items(&b).await.certificates.is_empty());
     let view = f.conn.certificates_view(Some(b.as_str())).await.unwrap();
@@ -769,6 +801,10 @@ async fn csrs_are_signed_for_the_sender_only_and_once() {
     assert_eq!(items.certificates.len(), 1);
     let info = CertInfo::parse(&items.certificates[0].certificate).unwrap();
     assert_eq!(info.dns_names, vec!["db.mesh.internal".to_owned()]);
+    let issued = f.issued().await;
+    assert_eq!(issued.len(), 2, "{issued:?}");
+    assert_eq!((&issued[1].node, issued[1].name.as_str()), (&b, "db"));
+    assert_eq!(issued[1].serial, items.certificates[0].serial);
     // As the agent asks (CN and SAN the module's bare name): the mesh name
     // is what it is certified for.
     f.placed("web", 7, &[&b], vec![]).await;
@@ -856,6 +892,7 @@ async fn without_a_ca_requests_wait_and_are_signed_once_there_is_one() {
     tx.commit().await.unwrap();
     let view = no_ca.certificates_view(None).await.unwrap();
     assert!(view.certificates.is_empty());
+    assert!(f.issued().await.is_empty(), "nothing signed, nothing told");
     assert_eq!(view.requests.len(), 1);
     assert_eq!(view.requests[0].status, "waiting");
     assert_eq!(view.requests[0].reason, "no CA configured");
@@ -865,6 +902,10 @@ async fn without_a_ca_requests_wait_and_are_signed_once_there_is_one() {
     let items = f.items(&a).await;
     assert_eq!(items.certificates.len(), 1);
     let info = CertInfo::parse(&items.certificates[0].certificate).unwrap();
+    let issued = f.issued().await;
+    assert_eq!(issued.len(), 1, "{issued:?}");
+    assert_eq!((&issued[0].node, issued[0].name.as_str()), (&a, "node"));
+    assert_eq!(issued[0].serial, items.certificates[0].serial);
     // No names asked for: both of the node's.
     assert_eq!(
         info.dns_names,

@@ -1,9 +1,9 @@
 //! The fleet reconcile: from modules, intent layers, nodes and current
 //! assignments, compute where every replica runs, apply the difference
-//! (make-before-break where the old node is reachable), advance drains, raise and
-//! clear alerts, declare each node's inventory section whose units changed, and
-//! tell the record where each module runs (`inventory.module.placed` /
-//! `.removed`) where that changed.
+//! (make-before-break where the old node is reachable), advance drains, declare
+//! each node's inventory section whose units changed, and tell the record where
+//! each module runs (`inventory.module.placed` / `.removed`) and the conditions
+//! it found (`inventory.fleet.conditions`) where those changed.
 //!
 //! Level-triggered and idempotent: it does not care why it was called. The
 //! controller's sweeper calls it periodically (after judging liveness); module and
@@ -22,7 +22,7 @@ use mesh_protocol::{
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use crate::alerts::{self, Alert};
+use crate::conditions::{self, Condition, Found};
 use crate::drains;
 use crate::module::{ModuleSpec, unit_name};
 use crate::nodes::effective;
@@ -120,8 +120,8 @@ fn replica_u32(a: &Assignment) -> u32 {
 /// the state, drop surplus copies, retire replaced ones (make-before-break),
 /// judge authority, place each module, judge drains, then write placement
 /// errors, drains, assignments, module placements (the record), sections and
-/// alerts (nodes before assignments before sections: every writer locks in
-/// that order).
+/// conditions (the record; nodes before assignments before sections: every
+/// writer locks in that order).
 pub(crate) async fn reconcile(
     tx: &mut PgConnection,
     pass: &Pass,
@@ -133,7 +133,7 @@ pub(crate) async fn reconcile(
         before,
     } = load(tx).await?;
     let mut report = ReconcileReport::default();
-    let mut alerts: BTreeMap<String, Alert> = BTreeMap::new();
+    let mut found = Found::new();
     // The assignments after this pass, keyed (node, unit name).
     let mut after: Assignments = before
         .iter()
@@ -142,14 +142,14 @@ pub(crate) async fn reconcile(
         .collect();
     drop_surplus(&mut after);
     retire_replaced(&mut after, &nodes);
-    let not_authoritative = authority(&nodes, pass, &mut alerts, &mut report);
+    let not_authoritative = authority(&nodes, pass, &mut found, &mut report);
     place_modules(
         &nodes,
         &mut modules,
         &mut after,
         not_authoritative.as_ref(),
         pass,
-        &mut alerts,
+        &mut found,
     );
     let drains = drains::judge(&nodes, &modules, &after, not_authoritative.as_ref());
     write_placement_errors(tx, &modules).await?;
@@ -160,7 +160,7 @@ pub(crate) async fn reconcile(
     let mut touched: BTreeSet<String> = before.iter().map(|a| a.node.clone()).collect();
     touched.extend(after.keys().map(|(node, _)| node.clone()));
     report.declared = declare(tx, &touched, &after, &modules, pass.plan).await?;
-    alerts::sync(tx, alerts).await?;
+    report.conditions = conditions::tell(tx, found).await?;
     Ok(report)
 }
 
@@ -247,12 +247,12 @@ fn retire_replaced(after: &mut Assignments, nodes: &BTreeMap<String, NodeRow>) {
 }
 
 /// Authority: observed long enough, and not too many unreachable at once.
-/// Returns why placement must not move anything (none: it may), and raises the
-/// `replacement_paused` alert.
+/// Returns why placement must not move anything (none: it may), and finds the
+/// `replacement_paused` condition.
 fn authority(
     nodes: &BTreeMap<String, NodeRow>,
     pass: &Pass,
-    alerts: &mut BTreeMap<String, Alert>,
+    found: &mut Found,
     report: &mut ReconcileReport,
 ) -> Option<String> {
     let counted: Vec<&NodeRow> = nodes
@@ -272,12 +272,13 @@ fn authority(
                 share * 100.0,
                 pass.max_unreachable_share * 100.0
             );
-            alerts.insert(
+            found.insert(
                 "replacement_paused".into(),
-                Alert {
+                Condition {
                     kind: "replacement_paused",
                     node: None,
                     module: None,
+                    stateful: false,
                     message: reason.clone(),
                 },
             );
@@ -289,7 +290,7 @@ fn authority(
 }
 
 /// Place each module's replicas (pure: `after`, the modules' placement errors
-/// and the alerts change, nothing is written). A moved replica's old copy is
+/// and the conditions found change, nothing is written). A moved replica's old copy is
 /// retired if its node can be told, dropped if not.
 fn place_modules(
     nodes: &BTreeMap<String, NodeRow>,
@@ -297,7 +298,7 @@ fn place_modules(
     after: &mut Assignments,
     not_authoritative: Option<&String>,
     pass: &Pass,
-    alerts: &mut BTreeMap<String, Alert>,
+    found: &mut Found,
 ) {
     // What every node already holds, by module.
     let mut used: BTreeMap<String, Resources> = BTreeMap::new();
@@ -404,12 +405,13 @@ fn place_modules(
             Err(PlacementError::NotAuthoritative(_)) => {}
             Err(e) => {
                 let message = format!("module `{name}` cannot be placed: {e}");
-                alerts.insert(
+                found.insert(
                     format!("unplaced:{name}"),
-                    Alert {
+                    Condition {
                         kind: "placement_unsatisfied",
                         node: None,
                         module: Some(name.clone()),
+                        stateful: m.spec.stateful,
                         message,
                     },
                 );
@@ -425,12 +427,13 @@ fn place_modules(
                     } else {
                         "module"
                     };
-                    alerts.insert(
+                    found.insert(
                         format!("pinned_unreachable:{name}"),
-                        Alert {
+                        Condition {
                             kind: "pinned_unreachable",
                             node: Some(node.clone()),
                             module: Some(name.clone()),
+                            stateful: m.spec.stateful,
                             message: format!(
                                 "{what} `{name}` is pinned to unreachable node `{node}` and is not moved; \
                                  bring the node back, or move the module (change its exact_node) or stop it"

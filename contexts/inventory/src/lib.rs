@@ -19,10 +19,12 @@
 //! declares each node's `inventory` section (the units it must run). Liveness is
 //! judged by [`Inventory::sweep`] only after the controller has observed reports
 //! for a full grace period ([`Inventory::observe_from`]); placement is the pure
-//! function in [`placement`].
+//! function in [`placement`]. What a reconcile finds wrong with the fleet it
+//! tells the record (`inventory.fleet.conditions`, the whole set when it
+//! changes); it keeps no alerts (observability owns them).
 
-mod alerts;
 mod api;
+mod conditions;
 mod drains;
 mod error;
 mod fleet;
@@ -52,8 +54,7 @@ use sqlx::{PgConnection, PgPool};
 pub use error::Error;
 pub use liveness::HeartbeatView;
 pub use query::{
-    AlertView, AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView,
-    ProtocolView,
+    AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView, ProtocolView,
 };
 pub use state::ReconcileReport;
 pub use sweep::SweepReport;
@@ -201,7 +202,7 @@ impl Inventory {
     /// The API routes this context serves: `GET /v1/nodes`,
     /// `GET|PUT /v1/nodes/{id}/labels`, `POST /v1/nodes/{id}/drain|undrain`,
     /// `GET /v1/modules`, `GET|PUT|DELETE /v1/modules/{name}`,
-    /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`, `GET /v1/alerts`.
+    /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`.
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
         api::routes().merge(modules_api::routes()).with_state(self)

@@ -1,5 +1,5 @@
 //! HTTP routes of the fleet: modules (with ETag / If-Match), their intent
-//! layers, node drains, alerts. Every write reconciles the fleet in its own
+//! layers, node drains. Every write reconciles the fleet in its own
 //! transaction, so the answer already shows where replicas go.
 //!
 //! Optimistic concurrency: a module's ETag is `"<revision>"`. A `PUT` that
@@ -32,7 +32,7 @@ use utoipa_axum::routes;
 use crate::fleet;
 use crate::module::{AutoscalerIntent, MAX_REPLICAS, ModuleSpec, PolicyIntent, validate_name};
 use crate::placement::Bounds;
-use crate::query::{AlertView, ModuleView};
+use crate::query::ModuleView;
 use crate::{Error, Inventory, SCHEMA};
 
 /// The fleet routes, each with its OpenAPI description.
@@ -43,7 +43,6 @@ pub(crate) fn routes() -> OpenApiRouter<Arc<Inventory>> {
         .routes(routes!(get_intent, put_intent, delete_intent))
         .routes(routes!(drain))
         .routes(routes!(undrain))
-        .routes(routes!(alerts))
 }
 
 /// The value of an intent layer: [`Bounds`] for `policy`, [`AutoscalerIntent`]
@@ -433,24 +432,6 @@ async fn undrain(
         id: id.to_string(),
         admin_state,
         drain_blocked,
-    }))
-}
-
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-struct AlertList {
-    alerts: Vec<AlertView>,
-}
-
-/// The open alerts.
-#[utoipa::path(
-    get,
-    path = "/v1/alerts",
-    tag = "inventory",
-    responses((status = 200, description = "Every open alert", body = AlertList))
-)]
-async fn alerts(State(inventory): State<Arc<Inventory>>) -> Result<Json<AlertList>, Problem> {
-    Ok(Json(AlertList {
-        alerts: inventory.alerts().await?,
     }))
 }
 

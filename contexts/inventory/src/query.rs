@@ -300,19 +300,6 @@ pub struct ModuleView {
     pub updated_at: DateTime<Utc>,
 }
 
-/// An open alert.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
-pub struct AlertView {
-    pub key: String,
-    /// `pinned_unreachable`, `placement_unsatisfied`, `replacement_paused`.
-    pub kind: String,
-    pub node: Option<String>,
-    pub module: Option<String>,
-    pub message: String,
-    pub raised_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-}
-
 #[derive(sqlx::FromRow)]
 struct ModuleRow {
     name: String,
@@ -411,16 +398,6 @@ impl Inventory {
         )
         .bind(after)
         .bind(limit)
-        .fetch_all(&self.pool)
-        .await?)
-    }
-
-    /// Every open alert, oldest first.
-    pub async fn alerts(&self) -> Result<Vec<AlertView>, Error> {
-        Ok(sqlx::query_as(
-            "SELECT key, kind, node, module, message, raised_at, updated_at FROM inventory.alerts \
-             ORDER BY raised_at, key",
-        )
         .fetch_all(&self.pool)
         .await?)
     }

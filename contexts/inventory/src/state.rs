@@ -33,6 +33,9 @@ pub struct ReconcileReport {
     /// `inventory.module.placed` / `.removed` events written (where modules
     /// run, or their settings files, changed; modules deleted).
     pub published: usize,
+    /// The version of the `inventory.fleet.conditions` event written (none:
+    /// the conditions found are those last told).
+    pub conditions: Option<i64>,
 }
 
 impl ReconcileReport {
@@ -41,6 +44,7 @@ impl ReconcileReport {
             || self.removed > 0
             || self.declared > 0
             || self.published > 0
+            || self.conditions.is_some()
             || !self.drained.is_empty()
     }
 }

@@ -528,24 +528,42 @@ async fn failed_node_replicas_move_and_a_partition_pauses() {
     f.sweep().await;
     assert_eq!(f.placed("web").await[0].0, *c, "nothing moves back");
 
-    // Two of four unreachable (50% > 30%): re-placement pauses, with an alert.
+    // Nothing was wrong so far: no conditions were told.
+    let mut seen = 0;
+    assert!(f.new_conditions(&mut seen).await.is_empty());
+
+    // Two of four unreachable (50% > 30%): re-placement pauses, and the
+    // record is told the condition.
     f.silence(c).await;
     f.silence(d).await;
     let report = f.sweep().await;
     assert_eq!(report.unreachable.len(), 2);
-    assert!(report.reconcile.paused.is_some());
+    let paused = report.reconcile.paused.clone().unwrap();
     assert_eq!(f.placed("web").await[0].0, *c, "paused: not moved");
-    let (_, _, alerts) = f.request("GET", "/v1/alerts", &[], None).await;
+    let told = f.new_conditions(&mut seen).await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    let v1 = told[0]["version"].as_i64().unwrap();
+    assert_eq!(report.reconcile.conditions, Some(v1));
     assert_eq!(
-        alerts["alerts"][0]["kind"], "replacement_paused",
-        "{alerts}"
+        told[0]["conditions"],
+        json!([{"key": "replacement_paused", "kind": "replacement_paused",
+                "stateful": false, "message": paused}])
     );
-    // One comes back: 25%, re-placement resumes and the alert clears.
+    // Still paused: the set is unchanged, nothing more is told.
+    let report = f.sweep().await;
+    assert!(report.reconcile.paused.is_some());
+    assert_eq!(report.reconcile.conditions, None);
+    assert!(f.new_conditions(&mut seen).await.is_empty());
+    // One comes back: 25%, re-placement resumes and the condition is over:
+    // the record is told a set without it.
     f.heartbeat(d).await;
     f.sweep().await;
     assert_eq!(f.placed("web").await[0].0, *a);
-    let (_, _, alerts) = f.request("GET", "/v1/alerts", &[], None).await;
-    assert!(alerts["alerts"].as_array().unwrap().is_empty(), "{alerts}");
+    let told = f.new_conditions(&mut seen).await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert_eq!(told[0]["conditions"], json!([]));
+    assert!(told[0]["version"].as_i64().unwrap() > v1);
+    assert!(f.told_conditions().await.is_empty());
     f.env.teardown().await.unwrap();
 }
 
@@ -576,17 +594,50 @@ async fn stateful_never_moves_and_blocks_a_drain() {
         vec![(a.clone(), "db".into(), "active".into())]
     );
 
-    // Unreachable: not moved, an alert says so.
+    // Unreachable: not moved, and the record is told so (stateful), with
+    // re-placement paused (one of three nodes is more than 30%).
+    let mut seen = 0;
     f.silence(a).await;
     f.sweep().await;
     assert_eq!(f.placed("db").await[0].0, *a);
-    let (_, _, alerts) = f.request("GET", "/v1/alerts", &[], None).await;
-    assert_eq!(
-        alerts["alerts"][0]["kind"], "pinned_unreachable",
-        "{alerts}"
+    let told = f.new_conditions(&mut seen).await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    let keys: Vec<&str> = told[0]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, vec!["pinned_unreachable:db", "replacement_paused"]);
+    let condition = &told[0]["conditions"][0];
+    assert_eq!(condition["key"], "pinned_unreachable:db");
+    assert_eq!(condition["kind"], "pinned_unreachable");
+    assert_eq!(condition["node"], json!(a));
+    assert_eq!(condition["module"], "db");
+    assert_eq!(condition["stateful"], true);
+    assert!(
+        condition["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("stateful module `db` is pinned to unreachable node"),
+        "{condition}"
     );
+    // What was told is kept: a row each, with the event's version.
+    let version = told[0]["version"].as_i64().unwrap();
+    assert_eq!(
+        f.told_conditions().await,
+        vec![
+            ("pinned_unreachable:db".to_owned(), version),
+            ("replacement_paused".to_owned(), version)
+        ]
+    );
+    f.sweep().await;
+    assert!(f.new_conditions(&mut seen).await.is_empty());
     f.heartbeat(a).await;
     f.sweep().await;
+    let told = f.new_conditions(&mut seen).await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert_eq!(told[0]["conditions"], json!([]));
 
     // Drain: blocked with a reason naming the module, visible in the node view.
     let (status, _, body) = f
@@ -950,6 +1001,41 @@ impl Fixture {
             .collect()
     }
 
+    /// Bodies of the `inventory.fleet.conditions` events written since `seen`
+    /// of them were, oldest first; each decodes as the protocol's typed event.
+    async fn new_conditions(&self, seen: &mut usize) -> Vec<Value> {
+        let rows: Vec<Vec<u8>> = sqlx::query_scalar(
+            "SELECT payload FROM inventory.outbox \
+             WHERE exchange = 'record' AND routing_key = 'inventory.fleet.conditions' ORDER BY id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .unwrap();
+        let all: Vec<Value> = rows
+            .into_iter()
+            .map(|payload| {
+                let event = mesh_protocol::RecordEvent::decode(&payload).unwrap();
+                assert!(
+                    matches!(event.kind, mesh_protocol::RecordKind::FleetConditions(_)),
+                    "{event:?}"
+                );
+                let v: Value = serde_json::from_slice(&payload).unwrap();
+                v["body"].clone()
+            })
+            .collect();
+        let new = all[*seen..].to_vec();
+        *seen = all.len();
+        new
+    }
+
+    /// What inventory last told the record: (key, version) of each condition.
+    async fn told_conditions(&self) -> Vec<(String, i64)> {
+        sqlx::query_as("SELECT key, version FROM inventory.conditions ORDER BY key")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
+    }
+
     /// The module events written since `seen` of them were.
     async fn new_module_events(&self, seen: &mut usize) -> Vec<(String, Value)> {
         let all = self.module_events().await;
@@ -1134,5 +1220,180 @@ async fn a_replica_moved_off_an_unreachable_node_is_told_and_unplaced_modules_to
     assert!(v2 > v1);
     f.sweep().await;
     assert!(f.new_module_events(&mut seen).await.is_empty());
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn fleet_conditions_are_told_to_the_record_on_change_only() {
+    let f = setup().await;
+    f.observed();
+    // Four nodes: one unreachable (25%) does not pause re-placement.
+    let ids = futures_ids(&f, &["a", "b", "c", "d"]).await;
+    let mut seen = 0;
+    f.request("PUT", "/v1/modules/web", &[], Some(web(1))).await;
+    f.sweep().await;
+    assert!(
+        f.new_conditions(&mut seen).await.is_empty(),
+        "nothing wrong, nothing told"
+    );
+
+    // A module nothing matches: one event with the whole set, this condition.
+    let gpu = json!({
+        "unit": {"command": "/bin/sleep", "args": ["1000"]},
+        "placement": {"match_labels": {"labels": {"role": "gpu"}, "replicas": 1}}
+    });
+    let (status, _, view) = f.request("PUT", "/v1/modules/train", &[], Some(gpu)).await;
+    assert_eq!(status, StatusCode::CREATED, "{view}");
+    let told = f.new_conditions(&mut seen).await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    let v1 = told[0]["version"].as_i64().unwrap();
+    let conditions = told[0]["conditions"].as_array().unwrap();
+    assert_eq!(conditions.len(), 1, "{told:?}");
+    assert_eq!(conditions[0]["key"], "unplaced:train");
+    assert_eq!(conditions[0]["kind"], "placement_unsatisfied");
+    assert_eq!(conditions[0]["module"], "train");
+    assert_eq!(conditions[0]["stateful"], false);
+    assert!(conditions[0].get("node").is_none(), "{told:?}");
+    let message = conditions[0]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("module `train` cannot be placed"),
+        "{message}"
+    );
+    assert_eq!(
+        view["placement_error"]
+            .as_str()
+            .map(|e| message.ends_with(e)),
+        Some(true),
+        "{view}"
+    );
+
+    // Unchanged across passes (reconciles, sweeps, an unrelated write): no event.
+    f.inventory.reconcile().await.unwrap();
+    f.sweep().await;
+    f.request(
+        "PUT",
+        "/v1/modules/web/intent/autoscaler",
+        &[],
+        Some(json!({"replicas": 2})),
+    )
+    .await;
+    assert_eq!(f.placed("web").await.len(), 2);
+    assert!(f.new_conditions(&mut seen).await.is_empty());
+    assert_eq!(
+        f.told_conditions().await,
+        vec![("unplaced:train".to_owned(), v1)]
+    );
+
+    // A second condition joins: the whole set again, in key order.
+    let db = json!({
+        "unit": {"command": "/bin/sleep", "args": ["1000"]}, "stateful": true,
+        "placement": {"exact_node": {"node": ids[1]}}
+    });
+    f.request("PUT", "/v1/modules/db", &[], Some(db)).await;
+    assert!(f.new_conditions(&mut seen).await.is_empty(), "placed: fine");
+    f.silence(&ids[1]).await;
+    f.sweep().await;
+    let told = f.new_conditions(&mut seen).await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    let v2 = told[0]["version"].as_i64().unwrap();
+    assert!(v2 > v1);
+    let keys: Vec<&str> = told[0]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, vec!["pinned_unreachable:db", "unplaced:train"]);
+
+    // The labels come: train is placed; its condition is over, the other stays.
+    f.hello("e", &[("role", "gpu")]).await;
+    f.inventory.reconcile().await.unwrap();
+    assert_eq!(f.placed("train").await.len(), 1);
+    let told = f.new_conditions(&mut seen).await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    let v3 = told[0]["version"].as_i64().unwrap();
+    assert!(v3 > v2);
+    assert_eq!(told[0]["conditions"][0]["key"], "pinned_unreachable:db");
+    assert_eq!(told[0]["conditions"].as_array().unwrap().len(), 1);
+
+    // Deleting the module of the last one clears the set: told once, empty.
+    f.request("DELETE", "/v1/modules/db", &[], None).await;
+    let told = f.new_conditions(&mut seen).await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert_eq!(told[0]["conditions"], json!([]));
+    assert!(told[0]["version"].as_i64().unwrap() > v3);
+    assert!(f.told_conditions().await.is_empty());
+    f.sweep().await;
+    f.inventory.reconcile().await.unwrap();
+    assert!(f.new_conditions(&mut seen).await.is_empty());
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn probes_are_validated_and_declared_with_the_unit() {
+    let f = setup().await;
+    f.observed();
+    let ids = futures_ids(&f, &["a"]).await;
+    let mut spec = web(1);
+    spec["unit"]["probes"] = json!([
+        {"name": "ready", "http": {"port": 8080, "path": "/healthz"}},
+        {"name": "alive", "tcp": {"port": 8080}, "interval_secs": 5, "timeout_secs": 10}
+    ]);
+    let (status, _, body) = f
+        .request("PUT", "/v1/modules/web", &[], Some(spec.clone()))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["field"], "unit.probes[1].timeout_secs", "{body}");
+    // Neither check, or two of them: the probe itself is named.
+    spec["unit"]["probes"][1] =
+        json!({"name": "alive", "tcp": {"port": 8080}, "exec": {"command": "true"}});
+    let (status, _, body) = f
+        .request("PUT", "/v1/modules/web", &[], Some(spec.clone()))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["field"], "unit.probes[1]", "{body}");
+    spec["unit"]["probes"][1] = json!({"name": "ready", "tcp": {"port": 8080}});
+    let (status, _, body) = f
+        .request("PUT", "/v1/modules/web", &[], Some(spec.clone()))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["field"], "unit.probes[1].name", "{body}");
+    assert!(
+        f.placed("web").await.is_empty(),
+        "nothing refused is placed"
+    );
+
+    spec["unit"]["probes"][1] = json!({"name": "alive", "tcp": {"port": 8080}, "interval_secs": 5,
+                                        "timeout_secs": 5, "failure_threshold": 2});
+    let (status, _, view) = f
+        .request("PUT", "/v1/modules/web", &[], Some(spec.clone()))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{view}");
+    assert_eq!(
+        view["unit"]["probes"][0]["http"]["expect_status"], 200,
+        "{view}"
+    );
+    // The node's inventory section carries them on the unit, defaults filled.
+    let payload: Vec<u8> = sqlx::query_scalar(
+        "SELECT payload FROM inventory.outbox WHERE exchange = 'declarations' AND node = $1 \
+         ORDER BY id DESC LIMIT 1",
+    )
+    .bind(&ids[0])
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    let env: Envelope<Declaration> =
+        Envelope::decode(&payload, mesh_protocol::MAX_DECLARATION_BYTES).unwrap();
+    let unit = &env.body.items.units[0];
+    assert_eq!(unit.name, "web-0");
+    assert_eq!(unit.probes.len(), 2);
+    assert_eq!(unit.probes[0].name, "ready");
+    assert_eq!(unit.probes[0].kind(), "http");
+    assert_eq!(unit.probes[0].interval_secs, 10);
+    assert_eq!(unit.probes[0].timeout_secs, 2);
+    assert_eq!(unit.probes[0].failure_threshold, 3);
+    assert_eq!(unit.probes[1].kind(), "tcp");
+    assert_eq!(unit.probes[1].interval_secs, 5);
+    assert_eq!(unit.probes[1].failure_threshold, 2);
     f.env.teardown().await.unwrap();
 }

@@ -404,7 +404,8 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
             "V6__protocol",
             "V7__heartbeat_interval",
             "V8__module_placements",
-            "V9__module_ports"
+            "V9__module_ports",
+            "V10__conditions"
         ],
         "{applied:?}"
     );
@@ -434,6 +435,54 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
     .await
     .unwrap_err();
     assert!(err.to_string().contains("foreign key"), "{err}");
+    pool.close().await;
+    env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_conditions_migration_drops_the_alerts_and_starts_with_nothing_told() {
+    let env = TestEnv::new().await.unwrap();
+    let url = env.database_url("inventory");
+    mesh_plumbing::migrate(
+        &url,
+        "inventory",
+        mesh_inventory::migrations().set_target(refinery::Target::Version(9)),
+    )
+    .await
+    .unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    // An alert the old reconcile kept open: it was never told to the record.
+    sqlx::query(
+        "INSERT INTO inventory.alerts (key, kind, message) \
+         VALUES ('replacement_paused', 'replacement_paused', 'paused')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let applied = mesh_inventory::migrate(&url).await.unwrap();
+    assert_eq!(applied, ["V10__conditions"]);
+    let alerts: Option<String> = sqlx::query_scalar("SELECT to_regclass('inventory.alerts')::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(alerts, None, "inventory keeps no alerts");
+    // Nothing told yet: the first pass that finds a condition tells it.
+    let told: i64 = sqlx::query_scalar("SELECT count(*) FROM inventory.conditions")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(told, 0);
+    let versions: Vec<i64> = sqlx::query_scalar(
+        "SELECT nextval('inventory.conditions_version') FROM generate_series(1, 2)",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(versions[1] > versions[0], "{versions:?}");
     pool.close().await;
     env.teardown().await.unwrap();
 }
