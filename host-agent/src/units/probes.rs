@@ -156,7 +156,8 @@ impl HealthBoard {
     /// does not run. Entries of probes no longer declared go.
     pub fn reset(&self, runner: u64, unit: &str, module: &str, probes: &[Probe], detail: &str) {
         let now = Utc::now();
-        let mut forgotten = Vec::new();
+        // Metrics change under the board's lock, so that a check finishing
+        // meanwhile cannot bring back a series of a probe gone.
         self.tx.send_if_modified(|m| {
             let mut changed = false;
             let before: Vec<(String, String)> = m
@@ -167,7 +168,7 @@ impl HealthBoard {
             for key in before {
                 if !probes.iter().any(|p| p.name == key.1) {
                     m.remove(&key);
-                    forgotten.push(key.1);
+                    self.metrics.probe_forgotten(unit, &key.1);
                     changed = true;
                 }
             }
@@ -180,45 +181,37 @@ impl HealthBoard {
                 let mut t = Tracker::new(p.success_threshold, p.failure_threshold, now);
                 t.detail = Some(detail.to_owned());
                 m.insert(key, (runner, t.result(unit, module, &p.name)));
+                self.metrics
+                    .set_probe_state(unit, &p.name, ProbeState::Unknown);
             }
             changed
         });
-        for probe in forgotten {
-            self.metrics.probe_forgotten(unit, &probe);
-        }
-        for p in probes {
-            self.metrics
-                .set_probe_state(unit, &p.name, ProbeState::Unknown);
-        }
     }
 
     /// Drop every probe of `unit` (stopped, or no longer declared).
     pub fn forget(&self, runner: u64, unit: &str) {
-        let mut forgotten = Vec::new();
         self.tx.send_if_modified(|m| {
+            let before = m.len();
             m.retain(|(u, p), (id, _)| {
                 let go = u == unit && *id <= runner;
                 if go {
-                    forgotten.push(p.clone());
+                    self.metrics.probe_forgotten(unit, p);
                 }
                 !go
             });
-            !forgotten.is_empty()
+            m.len() != before
         });
-        for probe in forgotten {
-            self.metrics.probe_forgotten(unit, &probe);
-        }
     }
 
     /// Keep one probe's result; notify only if its state changed.
     fn put(&self, runner: u64, result: ProbeResult, ok: bool, changed: bool) {
-        self.metrics.probe_checked(&result.unit, &result.probe, ok);
-        self.metrics
-            .set_probe_state(&result.unit, &result.probe, result.state);
         self.tx.send_if_modified(|m| {
             let key = (result.unit.clone(), result.probe.clone());
             match m.get(&key) {
                 Some((id, _)) if *id == runner => {
+                    self.metrics.probe_checked(&result.unit, &result.probe, ok);
+                    self.metrics
+                        .set_probe_state(&result.unit, &result.probe, result.state);
                     m.insert(key, (runner, result));
                     changed
                 }
