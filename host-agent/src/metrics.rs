@@ -359,6 +359,44 @@ mod tests {
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }
+        // docs/observability.md lists exactly the families rendered.
+        let doc = include_str!("../../docs/observability.md");
+        let section = doc
+            .split("### The agent's")
+            .nth(1)
+            .and_then(|rest| rest.split("\n## ").next())
+            .expect("docs/observability.md has the agent's section");
+        let documented: Vec<&str> = section
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+            .collect();
+        assert!(documented.len() >= 15, "{documented:?}");
+        for family in &documented {
+            assert!(
+                text.lines().any(|l| l.starts_with(&format!("{family} "))
+                    || l.starts_with(&format!("{family}{{"))),
+                "{family} is documented but not rendered:\n{text}"
+            );
+        }
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix("# TYPE ") else {
+                continue;
+            };
+            let mut parts = rest.split(' ');
+            let (Some(name), Some(kind)) = (parts.next(), parts.next()) else {
+                continue;
+            };
+            let sample = if kind == "counter" {
+                format!("{name}_total")
+            } else {
+                name.to_owned()
+            };
+            assert!(
+                documented.contains(&sample.as_str()),
+                "{sample} is rendered but not in docs/observability.md"
+            );
+        }
+
         // Gone with their unit.
         m.probe_forgotten("web-0", "ready");
         m.unit_forgotten("web-0");
