@@ -377,8 +377,9 @@ async fn http(h: &HttpCheck) -> Result<String, String> {
     let mut buf = Vec::with_capacity(256);
     let mut chunk = [0u8; 1024];
     let line = loop {
-        if let Some(end) = buf.windows(2).position(|w| w == b"\r\n") {
-            break buf[..end].to_vec();
+        if let Some(end) = buf.iter().position(|b| *b == b'\n') {
+            let line = &buf[..end];
+            break line.strip_suffix(b"\r").unwrap_or(line).to_vec();
         }
         if buf.len() > MAX_STATUS_LINE {
             return Err("HTTP status line too long".into());
@@ -435,9 +436,12 @@ async fn exec(
         .kill_on_drop(true)
         .spawn()
         .map_err(|err| format!("cannot run {}: {}", e.command, io_detail(&err)))?;
-    let pid = child.id();
+    // Until the command is reaped its pid stays its group's id: a check
+    // dropped half-way (its unit stopped) kills the whole group.
+    let mut group = GroupGuard(child.id());
     match tokio::time::timeout(timeout, child.wait()).await {
         Ok(Ok(status)) => {
+            group.0 = None;
             match (
                 status.code(),
                 std::os::unix::process::ExitStatusExt::signal(&status),
@@ -450,13 +454,21 @@ async fn exec(
         }
         Ok(Err(err)) => Err(io_detail(&err)),
         Err(_) => {
-            // Not reaped yet: the group id is still the command's.
-            if let Some(pid) = pid {
-                let _ = super::process::signal_group(pid, Signal::KILL);
-            }
+            drop(group);
             let _ = child.start_kill();
             let _ = child.wait().await;
             Err(format!("timed out after {}", secs(timeout)))
+        }
+    }
+}
+
+/// Kills the process group it names when dropped (none: nothing to kill).
+struct GroupGuard(Option<u32>);
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.take() {
+            let _ = super::process::signal_group(pid, Signal::KILL);
         }
     }
 }
@@ -729,12 +741,30 @@ mod tests {
             exec("exit 1").run(Duration::from_secs(2)).await,
             Err("exit status 1".into())
         );
+        // At the timeout the whole group goes: the shell and its child.
+        let pidfile = tempfile::NamedTempFile::new().unwrap();
+        let script = format!("sleep 30 & echo $! > {}; wait", pidfile.path().display());
         let began = Instant::now();
         assert_eq!(
-            exec("sleep 30").run(Duration::from_secs(1)).await,
+            exec(&script).run(Duration::from_secs(1)).await,
             Err("timed out after 1 s".into())
         );
         assert!(began.elapsed() < Duration::from_secs(5));
+        let child: u32 = std::fs::read_to_string(pidfile.path())
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        while std::fs::read_to_string(format!("/proc/{child}/stat"))
+            .is_ok_and(|s| !s.contains(") Z"))
+        {
+            assert!(
+                Instant::now() < until,
+                "the command's child outlived its timeout"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let missing = Check::Exec {
             check: ExecCheck {
                 command: "/nonexistent/probe".into(),
