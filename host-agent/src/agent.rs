@@ -1226,6 +1226,41 @@ mod tests {
     }
 
     #[test]
+    fn oversized_health_reports_are_shrunk() {
+        let now = chrono::Utc::now();
+        let probes: Vec<mesh_protocol::ProbeResult> = (0..600)
+            .map(|i| mesh_protocol::ProbeResult {
+                unit: format!("unit-{i}"),
+                module: "m".into(),
+                probe: "ready".into(),
+                state: mesh_protocol::ProbeState::Unhealthy,
+                since: now,
+                checked_at: Some(now),
+                failures: 3,
+                detail: Some("d".repeat(mesh_protocol::MAX_PROBE_DETAIL)),
+            })
+            .collect();
+        let node = NodeId::parse(&"n".repeat(63)).unwrap();
+        let small = fit_health(
+            Health {
+                probes: probes.clone(),
+                summary: false,
+            },
+            &node,
+        );
+        assert!(!small.probes.is_empty());
+        assert!(small.probes.iter().all(|p| p.detail.is_none()));
+        let env = Envelope::new(node.clone(), 1, Report::Health(small));
+        assert!(env.encode().len() <= MAX_REPORT_BYTES);
+        // A small one is left as it is.
+        let few = Health {
+            probes: probes[..3].to_vec(),
+            summary: true,
+        };
+        assert_eq!(fit_health(few.clone(), &node), few);
+    }
+
+    #[test]
     fn oversized_applied_reports_are_shrunk() {
         let items = (0..1024)
             .map(|i| ItemOutcome {
