@@ -847,3 +847,77 @@ fn metric_value(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
+
+/// The first check waits `initial_delay_secs` from the unit's start; a unit
+/// declared stopped drops its probes, and declared running again starts them
+/// anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_check_waits_the_initial_delay_and_a_stopped_unit_drops_its_probes() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::create_dir_all(&state).unwrap();
+    let mut sup = Supervisor::start(units_config(), &root, &state, Metrics::new()).await;
+
+    // The test listens itself: the check succeeds whenever it runs.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let unit = UnitItem {
+        name: "late-0".into(),
+        module: "late".into(),
+        command: "/bin/sh".into(),
+        args: vec!["-c".into(), "exec sleep 1000".into()],
+        env: Default::default(),
+        working_dir: None,
+        restart: RestartPolicy::Always,
+        desired: DesiredState::Running,
+        probes: vec![probe(serde_json::json!({
+            "name": "port",
+            "tcp": {"port": port},
+            "interval_secs": 1,
+            "timeout_secs": 1,
+            "initial_delay_secs": 2,
+        }))],
+    };
+    sup.declare(std::slice::from_ref(&unit));
+    timeout(
+        DEADLINE,
+        sup.wait_until(|l| l.iter().any(|u| u.state == UnitState::Running)),
+    )
+    .await
+    .expect("running");
+    let started_at = sup.statuses()[0].started_at.expect("started_at");
+    let r = sup.probe_results();
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!((r[0].state, r[0].checked_at), (ProbeState::Unknown, None));
+
+    let r = wait_probes(&sup, "healthy after the delay", |r| {
+        state_of(r, "port") == Some(ProbeState::Healthy)
+    })
+    .await;
+    let checked = r[0].checked_at.expect("checked");
+    assert!(
+        checked >= started_at + chrono::Duration::milliseconds(1900),
+        "checked at {checked}, the unit started at {started_at}"
+    );
+
+    // Stopped: no probes. Running again: anew, unknown first.
+    let stopped = UnitItem {
+        desired: DesiredState::Stopped,
+        ..unit.clone()
+    };
+    sup.declare(std::slice::from_ref(&stopped));
+    wait_probes(&sup, "no probes while stopped", |r| r.is_empty()).await;
+    sup.declare(std::slice::from_ref(&unit));
+    wait_probes(&sup, "unknown again", |r| {
+        r.len() == 1 && r[0].state == ProbeState::Unknown
+    })
+    .await;
+    wait_probes(&sup, "healthy again", |r| {
+        state_of(r, "port") == Some(ProbeState::Healthy)
+    })
+    .await;
+    drop(listener);
+    sup.stop_all().await;
+}
