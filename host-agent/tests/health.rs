@@ -1,7 +1,8 @@
 //! Probes and health reports with real units (python3 servers), real checks
 //! and the real broker: an HTTP probe turns unhealthy after exactly its
-//! failure threshold and back; TCP and exec probes turn and return; a restart
-//! or a removal of the unit resets or drops its probes; the agent's restart
+//! failure threshold and back; TCP and exec probes turn and return; the first
+//! check waits its initial delay; a restart of the unit, or other probes,
+//! start them anew; a unit stopped or removed drops them; the agent's restart
 //! leaves the unit running (same pid) and its probes resume; and the first
 //! hello after a broker outage states it.
 //!
