@@ -24,8 +24,8 @@ use mesh_protocol::topology::{
     REPORTS_EXCHANGE, SIGNATURE_HEADER, declaration_queue, report_routing_key,
 };
 use mesh_protocol::{
-    Applied, Declaration, DecodeError, Envelope, Heartbeat, HeartbeatPlan, ItemOutcome,
-    MAX_REPORT_BYTES, NodeId, Outcome, ProtocolRange, Report, ReportKind, Section, Units,
+    Applied, Declaration, DecodeError, Envelope, Health, Heartbeat, HeartbeatPlan, ItemOutcome,
+    MAX_REPORT_BYTES, NodeId, Outage, Outcome, ProtocolRange, Report, ReportKind, Section, Units,
 };
 use rand::Rng;
 use tokio::time::{Instant, Interval, MissedTickBehavior, sleep_until};
@@ -39,6 +39,7 @@ use crate::credentials::Credentials;
 use crate::facts;
 use crate::metrics::Metrics;
 use crate::store::{PendingReport, Store};
+use crate::units::probes::HealthReporter;
 use crate::units::{Reporter, Supervisor};
 
 /// Reports handed to the broker and not yet confirmed, at most.
@@ -72,6 +73,15 @@ impl Backoff {
     }
 }
 
+/// A broker outage being lived through: since when (the agent's clock, and
+/// its monotonic one), and the reports lost meanwhile.
+#[derive(Debug, Clone, Copy)]
+struct OutageTrack {
+    since: chrono::DateTime<chrono::Utc>,
+    at: Instant,
+    dropped: u64,
+}
+
 /// How a connected session ended.
 enum SessionEnd {
     Shutdown,
@@ -91,6 +101,17 @@ pub(crate) struct Agent {
     /// Runs the inventory section's units; outlives broker sessions.
     units: Supervisor,
     reporter: Reporter,
+    /// Probe results, for `health` reports.
+    health: HealthReporter,
+    /// The last health report stating a change, until the broker confirms
+    /// it (a summary that replaces it in the buffer states the change too).
+    health_change: Option<Uuid>,
+    /// The broker outage since the last connection was lost, until a hello
+    /// stating it is confirmed (`outage_hello`).
+    outage: Option<OutageTrack>,
+    outage_hello: Option<Uuid>,
+    /// When the connection was lost (for the outage metric).
+    disconnected_at: Option<Instant>,
     /// The heartbeat plan the controller declared (none: beat at the
     /// configured interval); `retime` is set when it changed.
     plan: Option<HeartbeatPlan>,
@@ -125,7 +146,11 @@ impl Agent {
             }
         }
         metrics.set_buffered(buffer.len());
+        for (section, generation) in store.applied_generations() {
+            metrics.set_applied_generation(section.as_str(), generation);
+        }
         let reporter = units.reporter();
+        let health = units.health_reporter();
         let plan = crate::plan::load(&config.state_dir);
         Agent {
             plan,
@@ -141,6 +166,11 @@ impl Agent {
             metrics,
             units,
             reporter,
+            health,
+            health_change: None,
+            outage: None,
+            outage_hello: None,
+            disconnected_at: None,
         }
     }
 
@@ -223,6 +253,10 @@ impl Agent {
             if connected_before {
                 self.metrics.reconnected();
             }
+            if let Some(at) = self.disconnected_at.take() {
+                self.metrics.outage_ended(at.elapsed().as_secs_f64());
+            }
+            self.metrics.set_connected(true);
             connected_before = true;
             backoff.reset();
             info!(url = %self.creds.redacted_url(), "connected to the broker");
@@ -234,6 +268,7 @@ impl Agent {
                 }
                 SessionEnd::Lost(reason) => {
                     warn!(%reason, "lost the broker connection");
+                    self.lost_broker();
                     let _ = conn.close(200, "agent reconnecting".into()).await;
                     self.buffer.reset_in_flight();
                     if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
@@ -241,6 +276,22 @@ impl Agent {
                     }
                 }
             }
+        }
+    }
+
+    /// The broker connection is gone: an outage begins (unless the last one
+    /// was not yet stated in a confirmed hello: it goes on).
+    fn lost_broker(&mut self) {
+        self.metrics.set_connected(false);
+        self.metrics.outage_began();
+        self.disconnected_at = Some(Instant::now());
+        self.outage_hello = None;
+        if self.outage.is_none() {
+            self.outage = Some(OutageTrack {
+                since: chrono::Utc::now(),
+                at: Instant::now(),
+                dropped: 0,
+            });
         }
     }
 
@@ -278,6 +329,13 @@ impl Agent {
         self.push_hello();
         self.push_units();
         self.push_certificates(true);
+        // Probe results, whole, after every connect (if there are any).
+        if self.health.any() {
+            self.push_health(true);
+        }
+        let summary_every = Duration::from_secs(self.config.health_summary_secs.max(1));
+        let mut summary = tokio::time::interval_at(Instant::now() + summary_every, summary_every);
+        summary.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut events = conn.events_listener();
         let mut confirms: FuturesUnordered<ConfirmFuture> = FuturesUnordered::new();
         // Heartbeats' confirms: awaited only so that lapin lets go of them (a
@@ -353,6 +411,12 @@ impl Agent {
                     }
                 }
                 () = self.reporter.due() => self.push_units(),
+                () = self.health.due() => self.push_health(false),
+                _ = summary.tick() => {
+                    if self.health.any() {
+                        self.push_health(true);
+                    }
+                }
                 Some(items) = next_change(&mut self.connectivity_changes) => self.restate_connectivity(items),
                 () = sleep_until(certs_due), if self.certs.is_some() => self.push_certificates(false),
                 _ = heartbeat.tick() => {
@@ -515,6 +579,14 @@ impl Agent {
         };
         match outcome {
             Ok(()) => {
+                self.metrics.confirmed_now();
+                if self.health_change == Some(id) {
+                    self.health_change = None;
+                }
+                if self.outage_hello == Some(id) {
+                    self.outage_hello = None;
+                    self.outage = None;
+                }
                 if let Some(out) = self.buffer.confirmed(id) {
                     self.metrics.report_published(out.kind.as_str());
                     debug!(message_id = %id, kind = out.kind.as_str(), "report confirmed");
@@ -727,6 +799,8 @@ impl Agent {
         }
         if let Some(state) = report.state {
             let units = (section == Section::Inventory).then(|| state.units.clone());
+            self.metrics
+                .set_applied_generation(section.as_str(), state.generation);
             if let Err(e) = self
                 .store
                 .record(section, state, None, self.config.report_buffer)
@@ -766,28 +840,72 @@ impl Agent {
     }
 
     fn push(&mut self, out: Outgoing) {
-        for d in self.buffer.push(out) {
+        let dropped = self.buffer.push(out);
+        for d in &dropped.superseded {
+            debug!(message_id = %d.id, kind = d.kind.as_str(), "a buffered report was superseded by a newer one");
+        }
+        for d in &dropped.evicted {
             if d.kind == ReportKind::Applied {
                 warn!(message_id = %d.id, "report buffer full: dropped an applied report");
                 if let Err(e) = self.store.remove_pending(&[d.id]) {
                     error!(error = %e, "cannot update the store");
                 }
             } else {
-                debug!(message_id = %d.id, kind = d.kind.as_str(), "dropped a buffered report");
+                debug!(message_id = %d.id, kind = d.kind.as_str(), "report buffer full: dropped a report");
             }
+        }
+        if let Some(o) = &mut self.outage {
+            o.dropped = o.dropped.saturating_add(dropped.evicted.len() as u64);
         }
         self.metrics.set_buffered(self.buffer.len());
     }
 
+    /// The hello of a (re)connect; the first after an outage states it.
     fn push_hello(&mut self) {
-        let hello = facts::hello(
+        let mut hello = facts::hello(
             self.config.hostname.as_deref(),
             &self.config.labels,
             self.store.applied_generations(),
             self.applier.seal_public_key().map(|k| k.to_hex()),
             self.connectivity.as_ref().and_then(|c| c.facts()),
         );
+        hello.outage = self.outage.map(|o| Outage {
+            since: o.since,
+            seconds: o.at.elapsed().as_secs(),
+            buffered: self.buffer.len() as u64,
+            dropped: o.dropped,
+        });
+        if let Some(o) = &hello.outage {
+            info!(
+                since = %o.since,
+                seconds = o.seconds,
+                buffered = o.buffered,
+                dropped = o.dropped,
+                "reached the broker again after an outage"
+            );
+        }
         let out = self.envelope(Report::Hello(hello));
+        if self.outage.is_some() {
+            self.outage_hello = Some(out.id);
+        }
+        self.push(out);
+    }
+
+    /// State every probe's result, whole: after a change (`summary` false),
+    /// or periodically and after a connect (`summary` true; stated as a
+    /// change still if a change is waiting to be stated or confirmed, since
+    /// it replaces that report in the buffer).
+    fn push_health(&mut self, summary: bool) {
+        let changed = self.health.changed();
+        let Some(probes) = self.health.take() else {
+            return;
+        };
+        let summary = summary && !changed && self.health_change.is_none();
+        let health = fit_health(Health { probes, summary }, &self.creds.node);
+        let out = self.envelope(Report::Health(health));
+        if !summary {
+            self.health_change = Some(out.id);
+        }
         self.push(out);
     }
 
@@ -877,8 +995,11 @@ impl Agent {
 
     /// A heartbeat while disconnected: nothing to send it on, and liveness
     /// has no use for an old one (heartbeats are never buffered).
-    fn missed_heartbeat(&self) {
+    fn missed_heartbeat(&mut self) {
         debug!("heartbeat skipped: not connected");
+        if let Some(o) = &mut self.outage {
+            o.dropped = o.dropped.saturating_add(1);
+        }
     }
 
     /// Publish one heartbeat: transient (delivery mode 1); the next one
@@ -1000,6 +1121,36 @@ fn fit_units(mut u: Units, node: &NodeId) -> Units {
     u
 }
 
+/// Make a health report fit [`MAX_REPORT_BYTES`]: first drop the details,
+/// then (hundreds of probes, far beyond what a node runs) cut the list,
+/// saying so in the log.
+fn fit_health(mut h: Health, node: &NodeId) -> Health {
+    let fits = |h: &Health| {
+        let probe = Envelope::new(node.clone(), u64::MAX, Report::Health(h.clone()));
+        probe.encode().len() <= MAX_REPORT_BYTES
+    };
+    h.probes.truncate(mesh_protocol::MAX_PROBE_RESULTS);
+    if fits(&h) {
+        return h;
+    }
+    for p in &mut h.probes {
+        p.detail = None;
+    }
+    let total = h.probes.len();
+    while !fits(&h) && !h.probes.is_empty() {
+        let keep = h.probes.len() * 9 / 10;
+        h.probes.truncate(keep);
+    }
+    if h.probes.len() < total {
+        warn!(
+            total,
+            reported = h.probes.len(),
+            "too many probes for one health report; the list is cut"
+        );
+    }
+    h
+}
+
 fn truncate(s: &str, max_chars: usize) -> String {
     if s.chars().count() <= max_chars {
         s.to_owned()
@@ -1072,6 +1223,41 @@ mod tests {
         assert_eq!(b.cap, Duration::from_millis(800));
         b.reset();
         assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn oversized_health_reports_are_shrunk() {
+        let now = chrono::Utc::now();
+        let probes: Vec<mesh_protocol::ProbeResult> = (0..600)
+            .map(|i| mesh_protocol::ProbeResult {
+                unit: format!("unit-{i}"),
+                module: "m".into(),
+                probe: "ready".into(),
+                state: mesh_protocol::ProbeState::Unhealthy,
+                since: now,
+                checked_at: Some(now),
+                failures: 3,
+                detail: Some("d".repeat(mesh_protocol::MAX_PROBE_DETAIL)),
+            })
+            .collect();
+        let node = NodeId::parse(&"n".repeat(63)).unwrap();
+        let small = fit_health(
+            Health {
+                probes: probes.clone(),
+                summary: false,
+            },
+            &node,
+        );
+        assert!(!small.probes.is_empty());
+        assert!(small.probes.iter().all(|p| p.detail.is_none()));
+        let env = Envelope::new(node.clone(), 1, Report::Health(small));
+        assert!(env.encode().len() <= MAX_REPORT_BYTES);
+        // A small one is left as it is.
+        let few = Health {
+            probes: probes[..3].to_vec(),
+            summary: true,
+        };
+        assert_eq!(fit_health(few.clone(), &node), few);
     }
 
     #[test]

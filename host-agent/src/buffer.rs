@@ -3,15 +3,26 @@
 //! A report leaves the buffer only when the broker confirmed it (ack, not
 //! returned as unroutable). When the buffer is full the oldest heartbeat goes
 //! first (a newer one supersedes it), then the oldest units report (a whole list,
-//! also superseded), then the oldest hello (one is sent on every connect); an
-//! `applied` report goes only when nothing else is left, and the next heartbeat
-//! still carries the applied generations. A new hello replaces older hellos that
-//! are still waiting, and a new units report older units reports.
+//! also superseded), then the oldest health report (likewise), then the oldest
+//! hello (one is sent on every connect); an `applied` report goes only when
+//! nothing else is left, and the next heartbeat still carries the applied
+//! generations. A new hello replaces older hellos that are still waiting, a new
+//! units report older units reports, a new health report older health reports
+//! (and certificates reports likewise).
 
 use std::collections::VecDeque;
 
 use mesh_protocol::ReportKind;
 use uuid::Uuid;
+
+/// What a [`ReportBuffer::push`] let go of.
+#[derive(Debug, Default)]
+pub struct Dropped {
+    /// Older reports of the kind the new one replaces (its newer whole state).
+    pub superseded: Vec<Outgoing>,
+    /// Reports dropped to make room: lost.
+    pub evicted: Vec<Outgoing>,
+}
 
 /// One encoded report, ready to publish.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,18 +65,19 @@ impl ReportBuffer {
         self.entries.iter().filter(|e| e.in_flight).count()
     }
 
-    /// Add a report; returns the reports dropped to make room (or superseded).
-    pub fn push(&mut self, report: Outgoing) -> Vec<Outgoing> {
-        let mut dropped = Vec::new();
+    /// Add a report; returns the reports superseded and those dropped to make
+    /// room.
+    pub fn push(&mut self, report: Outgoing) -> Dropped {
+        let mut dropped = Dropped::default();
         if matches!(
             report.kind,
-            ReportKind::Hello | ReportKind::Units | ReportKind::Certificates
+            ReportKind::Hello | ReportKind::Units | ReportKind::Certificates | ReportKind::Health
         ) {
             let mut i = 0;
             while i < self.entries.len() {
                 if self.entries[i].report.kind == report.kind && !self.entries[i].in_flight {
                     if let Some(e) = self.entries.remove(i) {
-                        dropped.push(e.report);
+                        dropped.superseded.push(e.report);
                     }
                 } else {
                     i += 1;
@@ -76,6 +88,7 @@ impl ReportBuffer {
             let victim = [
                 ReportKind::Heartbeat,
                 ReportKind::Units,
+                ReportKind::Health,
                 ReportKind::Hello,
                 ReportKind::Applied,
             ]
@@ -87,7 +100,7 @@ impl ReportBuffer {
             })
             .unwrap_or(0);
             match self.entries.remove(victim) {
-                Some(e) => dropped.push(e.report),
+                Some(e) => dropped.evicted.push(e.report),
                 None => break,
             }
         }
@@ -150,7 +163,11 @@ mod tests {
         b.push(r(ReportKind::Heartbeat, 2));
         b.push(r(ReportKind::Heartbeat, 3));
         let dropped = b.push(r(ReportKind::Applied, 4));
-        assert_eq!(dropped.iter().map(|d| d.seq).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(
+            dropped.evicted.iter().map(|d| d.seq).collect::<Vec<_>>(),
+            vec![2]
+        );
+        assert!(dropped.superseded.is_empty());
         assert_eq!(seqs(&b), vec![1, 3, 4]);
         b.push(r(ReportKind::Hello, 5));
         assert_eq!(seqs(&b), vec![1, 4, 5]);
@@ -169,7 +186,11 @@ mod tests {
         b.push(r(ReportKind::Units, 1));
         b.push(r(ReportKind::Applied, 2));
         let dropped = b.push(r(ReportKind::Units, 3));
-        assert_eq!(dropped.iter().map(|d| d.seq).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(
+            dropped.superseded.iter().map(|d| d.seq).collect::<Vec<_>>(),
+            vec![1]
+        );
+        assert!(dropped.evicted.is_empty());
         assert_eq!(seqs(&b), vec![2, 3]);
         // In flight stays (it may be confirmed); the waiting one is replaced.
         assert_eq!(b.next_to_send().map(|o| o.seq), Some(2));
@@ -179,6 +200,27 @@ mod tests {
         // Full: units go before hellos and applied.
         b.reset_in_flight();
         b.push(r(ReportKind::Hello, 5));
+        assert_eq!(seqs(&b), vec![2, 4, 5]);
+    }
+
+    #[test]
+    fn health_reports_supersede_each_other_and_go_before_hellos() {
+        let mut b = ReportBuffer::new(3);
+        b.push(r(ReportKind::Health, 1));
+        b.push(r(ReportKind::Hello, 2));
+        let dropped = b.push(r(ReportKind::Health, 3));
+        assert_eq!(
+            dropped.superseded.iter().map(|d| d.seq).collect::<Vec<_>>(),
+            vec![1]
+        );
+        assert_eq!(seqs(&b), vec![2, 3]);
+        b.push(r(ReportKind::Applied, 4));
+        // Full: the health report goes before the hello and the applied.
+        let dropped = b.push(r(ReportKind::Applied, 5));
+        assert_eq!(
+            dropped.evicted.iter().map(|d| d.seq).collect::<Vec<_>>(),
+            vec![3]
+        );
         assert_eq!(seqs(&b), vec![2, 4, 5]);
     }
 

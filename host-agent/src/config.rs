@@ -67,9 +67,11 @@ pub struct Config {
     #[serde(deserialize_with = "de_duration")]
     pub amqp_heartbeat: Duration,
     /// Most reports kept while they cannot be published (disconnected, or not yet
-    /// confirmed by the broker): hellos, units and `applied` reports (heartbeats
-    /// are never kept: a missed one is skipped, the next follows). When full,
-    /// the oldest hello is dropped first (one is sent on every connect anyway);
+    /// confirmed by the broker): hellos, units, health and `applied` reports
+    /// (heartbeats are never kept: a missed one is skipped, the next follows;
+    /// a newer units or health report replaces a waiting one). When full,
+    /// the oldest units report, then health report, then hello is dropped
+    /// first (each is a whole state, and one is sent on every connect);
     /// `applied` reports are dropped only if nothing else is left, and the next
     /// heartbeat still carries the applied generations. Default 10000.
     pub report_buffer: usize,
@@ -97,6 +99,11 @@ pub struct Config {
     /// agent applies one at a time; a small window only hides round trips.
     /// Default 4.
     pub prefetch: u16,
+    /// Seconds between two periodic `health` reports (`summary: true`: every
+    /// probe's result, whole), sent besides the report that follows every
+    /// change of a probe's state. No health report at all while no unit has
+    /// probes. Whole seconds, 1 to 86400. Default 60.
+    pub health_summary_secs: u64,
     /// The unit supervisor: the `[units]` table (stop timeout, restart backoff,
     /// log rotation). Defaults in [`crate::units::UnitsConfig`].
     pub units: crate::units::UnitsConfig,
@@ -223,6 +230,7 @@ impl Default for Config {
             hostname: None,
             shutdown_timeout: Duration::from_secs(5),
             prefetch: 4,
+            health_summary_secs: 60,
             units: crate::units::UnitsConfig::default(),
             overlay: OverlayConfig::default(),
             firewall: FirewallConfig::default(),
@@ -286,6 +294,12 @@ impl Config {
         }
         if self.prefetch == 0 {
             return Err(ConfigError::invalid("prefetch", "must be at least 1"));
+        }
+        if !(1..=86_400).contains(&self.health_summary_secs) {
+            return Err(ConfigError::invalid(
+                "health_summary_secs",
+                "must be 1 to 86400",
+            ));
         }
         if let Some(h) = &self.hostname
             && (h.is_empty() || h.len() > 255 || h.chars().any(char::is_control))
@@ -411,6 +425,8 @@ mod tests {
             ("heartbeat_interval = \"soon\"", "heartbeat_interval"),
             ("report_buffer = -1", "report_buffer"),
             ("report_buffer = 0", "report_buffer"),
+            ("health_summary_secs = 0", "health_summary_secs"),
+            ("health_summary_secs = \"1m\"", "health_summary_secs"),
             ("metrics_listen = \"nowhere\"", "metrics_listen"),
             ("[labels]\n\"Bad Key\" = \"x\"", "labels.Bad Key"),
             ("reconnect_min = 5\nreconnect_max = 1", "reconnect_max"),

@@ -17,8 +17,12 @@
 //!   own restart restarts no unit: it leaves them running when it stops, and
 //!   adopts them when it starts, starting at once (without waiting for anyone)
 //!   what its store says must run and does not;
+//! - runs each running unit's declared probes beside it ([`units::probes`]) and
+//!   states every result, whole, in `health` reports: when a probe's state
+//!   changes, and as a summary every `health_summary_secs`;
 //! - keeps running when the broker or the controller is away, reconnecting with
-//!   capped, jittered backoff, and keeps every unit running as last declared.
+//!   capped, jittered backoff, and keeps every unit running as last declared;
+//!   the first hello after it reaches the broker again states the outage.
 //!
 //! What it never does:
 //! - **It never touches a database.** It holds no database credential and this

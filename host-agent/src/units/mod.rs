@@ -39,8 +39,13 @@
 //!
 //! State changes land in a `watch` channel holding every unit's [`UnitStatus`];
 //! the agent turns it into `units` reports ([`Reporter`]).
+//!
+//! Each runner also runs its unit's declared probes while the process runs
+//! ([`probes`]); their results land on a [`probes::HealthBoard`], which the
+//! agent turns into `health` reports ([`probes::HealthReporter`]).
 
 mod logs;
+pub mod probes;
 mod process;
 mod runner;
 pub mod shim;
@@ -152,6 +157,8 @@ struct Shared {
     units_dir: PathBuf,
     status: watch::Sender<Snapshot>,
     metrics: Metrics,
+    /// Every probe's result.
+    board: probes::HealthBoard,
 }
 
 impl Shared {
@@ -168,6 +175,7 @@ impl Shared {
         self.status.send_if_modified(|m| {
             if m.get(name).is_some_and(|(id, _)| *id == runner) {
                 m.remove(name);
+                self.metrics.unit_forgotten(name);
                 true
             } else {
                 false
@@ -224,6 +232,7 @@ impl Supervisor {
         }
         let (status, _) = watch::channel(Snapshot::new());
         metrics.set_units_running(0);
+        let board = probes::HealthBoard::new(metrics.clone());
         Supervisor {
             shared: Arc::new(Shared {
                 config,
@@ -231,6 +240,7 @@ impl Supervisor {
                 units_dir,
                 status,
                 metrics,
+                board,
             }),
             units: BTreeMap::new(),
             stopping: BTreeMap::new(),
@@ -330,6 +340,16 @@ impl Supervisor {
             pending: false,
             last: None,
         }
+    }
+
+    /// A receiver of probe results for `health` reports.
+    pub fn health_reporter(&self) -> probes::HealthReporter {
+        self.shared.board.reporter()
+    }
+
+    /// Every probe's result now (tests and diagnostics).
+    pub fn probe_results(&self) -> Vec<mesh_protocol::ProbeResult> {
+        self.shared.board.results()
     }
 
     /// Every unit's current status, by name.

@@ -17,6 +17,7 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{info, warn};
 
 use super::Shared;
+use super::probes::{self, ExecContext, ProbeSet, UnitRef};
 use super::process::{
     EXIT_FILE, ExitRecord, Found, PID_FILE, PidRecord, ProcRef, ProcessSpec, read_record,
     remove_record, signal_group,
@@ -123,6 +124,8 @@ pub(super) struct Runner {
     pid: Option<u32>,
     exit_code: Option<i32>,
     started_at: Option<DateTime<Utc>>,
+    /// The unit's probes while its process runs (they end when dropped).
+    probes: Option<ProbeSet>,
 }
 
 impl Runner {
@@ -143,7 +146,59 @@ impl Runner {
             pid: None,
             exit_code: None,
             started_at: None,
+            probes: None,
         }
+    }
+
+    fn unit_ref(&self) -> UnitRef {
+        UnitRef {
+            runner: self.id,
+            unit: self.item.name.clone(),
+            module: self.item.module.clone(),
+        }
+    }
+
+    /// Start the unit's probes anew (all `unknown`) for a process that
+    /// started at `started`.
+    fn start_probes(&mut self, started: Instant) {
+        self.probes = None;
+        if self.item.probes.is_empty() {
+            self.shared.board.forget(self.id, &self.item.name);
+            return;
+        }
+        let ctx = ExecContext {
+            env: self.env(),
+            dir: self.working_dir(),
+        };
+        self.probes = Some(ProbeSet::start(
+            &self.shared.board,
+            &self.unit_ref(),
+            &self.item.probes,
+            started,
+            &ctx,
+        ));
+    }
+
+    /// The process does not run: its probes stop, listed `unknown`.
+    fn idle_probes(&mut self) {
+        self.probes = None;
+        if self.item.probes.is_empty() {
+            self.shared.board.forget(self.id, &self.item.name);
+        } else {
+            self.shared.board.reset(
+                self.id,
+                &self.item.name,
+                &self.item.module,
+                &self.item.probes,
+                probes::NOT_RUNNING,
+            );
+        }
+    }
+
+    /// The unit is stopped or gone: so are its probes.
+    fn drop_probes(&mut self) {
+        self.probes = None;
+        self.shared.board.forget(self.id, &self.item.name);
     }
 
     fn publish(&self) {
@@ -236,10 +291,16 @@ impl Runner {
         }
         let (mut running, mut next_start) = self.inherit(found).await;
         self.publish();
+        match &running {
+            Some(r) => self.start_probes(r.started),
+            None if self.item.desired == DesiredState::Running => self.idle_probes(),
+            None => {}
+        }
 
         loop {
             if self.item.desired == DesiredState::Stopped {
                 next_start = None;
+                self.drop_probes();
                 if let Some(r) = running.take() {
                     self.stop(r).await;
                 }
@@ -251,7 +312,10 @@ impl Runner {
             } else if running.is_none() && next_start.is_some_and(|t| t <= Instant::now()) {
                 next_start = None;
                 match self.spawn().await {
-                    Ok(r) => running = Some(r),
+                    Ok(r) => {
+                        self.start_probes(r.started);
+                        running = Some(r);
+                    }
                     Err(e) => {
                         warn!(unit = %self.item.name, command = %self.item.command, error = %e, "cannot start the unit");
                         next_start = self.exited(false, None, Duration::ZERO);
@@ -262,6 +326,7 @@ impl Runner {
             tokio::select! {
                 () = shim_exited(&mut running), if running.is_some() => {
                     let Some(r) = running.take() else { continue };
+                    self.idle_probes();
                     let (ok, code) = collect_exit(&self.item.name, &self.dir, &r);
                     let ran = r.started.elapsed();
                     info!(unit = %self.item.name, pid = r.leader.pid, exit_code = ?code, ran_for = ?ran, "unit process exited");
@@ -271,6 +336,7 @@ impl Runner {
                 changed = self.control.changed() => {
                     if changed.is_err() {
                         // No longer declared.
+                        self.drop_probes();
                         if let Some(r) = running.take() {
                             self.stop(r).await;
                         }
@@ -282,7 +348,15 @@ impl Runner {
                     let restart_now = self.item.desired == DesiredState::Stopped
                         && new.desired == DesiredState::Running;
                     let policy_changed = new.restart != self.item.restart;
+                    let probes_changed = new.probes != self.item.probes;
                     self.item = new;
+                    if probes_changed && self.item.desired == DesiredState::Running {
+                        // Other probes: they start anew.
+                        match &running {
+                            Some(r) => self.start_probes(r.started),
+                            None => self.idle_probes(),
+                        }
+                    }
                     if restart_now {
                         // Declared running again: a fresh start, a fresh count.
                         self.restarts = 0;
@@ -345,17 +419,7 @@ impl Runner {
     /// What the shim is told to run.
     fn launch(&self, restarts: u32) -> Launch {
         let item = &self.item;
-        let mut env = std::collections::BTreeMap::new();
-        let path = std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_owned());
-        env.insert("PATH".to_owned(), path);
-        for var in ["HOME", "LANG"] {
-            if let Ok(v) = std::env::var(var) {
-                env.insert(var.to_owned(), v);
-            }
-        }
-        env.insert("MESH_UNIT".to_owned(), item.name.clone());
-        env.insert("MESH_MODULE".to_owned(), item.module.clone());
-        env.extend(item.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let env = self.env();
         Launch {
             unit: item.name.clone(),
             dir: self.dir.clone(),
@@ -368,6 +432,23 @@ impl Runner {
             restarts,
             spec: ProcessSpec::of(item),
         }
+    }
+
+    /// The unit's environment (its `exec` probes run in it too).
+    fn env(&self) -> std::collections::BTreeMap<String, String> {
+        let item = &self.item;
+        let mut env = std::collections::BTreeMap::new();
+        let path = std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_owned());
+        env.insert("PATH".to_owned(), path);
+        for var in ["HOME", "LANG"] {
+            if let Ok(v) = std::env::var(var) {
+                env.insert(var.to_owned(), v);
+            }
+        }
+        env.insert("MESH_UNIT".to_owned(), item.name.clone());
+        env.insert("MESH_MODULE".to_owned(), item.module.clone());
+        env.extend(item.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        env
     }
 
     /// Start the unit through a new shim and wait for its answer.
@@ -444,7 +525,7 @@ impl Runner {
             }
         };
         if self.started_once {
-            self.shared.metrics.unit_restarted();
+            self.shared.metrics.unit_restarted(&self.item.name);
         }
         self.restarts = restarts;
         self.started_once = true;
