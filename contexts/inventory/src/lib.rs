@@ -52,8 +52,8 @@ use sqlx::{PgConnection, PgPool};
 pub use error::Error;
 pub use liveness::HeartbeatView;
 pub use query::{
-    AlertView, AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView,
-    ProtocolView,
+    AlertView, AppliedView, AssignmentView, LabelsView, ModuleView, NODE_STATES, NodeSummary,
+    NodeView, ProtocolView,
 };
 pub use state::ReconcileReport;
 pub use sweep::SweepReport;
