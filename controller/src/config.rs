@@ -151,6 +151,14 @@ pub struct Settings {
     pub event_retention_secs: u64,
     /// Event streams open at once; one more is answered 503. Default 64.
     pub event_streams: usize,
+    /// How often the controller reads the gauges it serves from the broker
+    /// and the database, in seconds: the depth of every queue it consumes and
+    /// of the dead-letter queue (one passive declare per queue on its own
+    /// connection: `mesh_controller_queue_messages`, and the value other parts
+    /// of the controller read, `broker_stats::QueueDepths`), the nodes per
+    /// state and the age of each context's oldest unsent outbox row. Default
+    /// 10 (minimum 1).
+    pub broker_stats_secs: u64,
 }
 
 impl Default for Settings {
@@ -186,6 +194,7 @@ impl Default for Settings {
             certificate_lifetime_secs: mesh_connectivity::DEFAULT_CERTIFICATE_LIFETIME.as_secs(),
             event_retention_secs: mesh_observability::DEFAULT_RETENTION.as_secs(),
             event_streams: mesh_observability::Settings::default().max_streams,
+            broker_stats_secs: 10,
         }
     }
 }
@@ -284,6 +293,12 @@ impl Settings {
                 message: "must be at least 1".into(),
             });
         }
+        if self.broker_stats_secs == 0 {
+            return Err(ConfigError::Invalid {
+                field: "broker_stats_secs",
+                message: "must be at least 1".into(),
+            });
+        }
         if self.event_streams == 0 {
             return Err(ConfigError::Invalid {
                 field: "event_streams",
@@ -364,6 +379,10 @@ impl Settings {
 
     pub fn resync_interval(&self) -> Duration {
         Duration::from_secs(self.resync_interval_secs.max(1))
+    }
+
+    pub fn broker_stats_interval(&self) -> Duration {
+        Duration::from_secs(self.broker_stats_secs.max(1))
     }
 }
 
