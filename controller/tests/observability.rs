@@ -121,6 +121,95 @@ fn every_registered_family_is_documented_and_every_documented_one_registered() -
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn the_database_gauges_oldest_unsent_outbox_row_and_nodes_per_state() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("credentials.toml");
+    env.write_controller_credentials(&path)?;
+    let creds = mesh_controller::config::Credentials::load(&path)?;
+    mesh_controller::router::Contexts::migrate(&creds).await?;
+    let pool = sqlx::PgPool::connect(&env.database_url("identity")).await?;
+    use mesh_plumbing::outbox;
+    assert_eq!(outbox::oldest_unsent(&pool, "identity").await?, None);
+    let ids: Vec<i64> = sqlx::query_scalar(
+        "INSERT INTO identity.outbox (message_id, exchange, routing_key, kind, payload, created_at) \
+         VALUES (gen_random_uuid(), 'record', 'identity.test', 'test', '\\x00', now() - interval '5 seconds'), \
+                (gen_random_uuid(), 'record', 'identity.test', 'test', '\\x00', now()) RETURNING id",
+    )
+    .fetch_all(&pool)
+    .await?;
+    let age = outbox::oldest_unsent(&pool, "identity")
+        .await?
+        .ok_or_else(|| anyhow!("no age with two rows unsent"))?;
+    assert!((5.0..60.0).contains(&age), "{age}");
+    outbox::mark_sent(&pool, "identity", &ids[..1]).await?;
+    let age = outbox::oldest_unsent(&pool, "identity")
+        .await?
+        .ok_or_else(|| anyhow!("no age with one row unsent"))?;
+    assert!((0.0..5.0).contains(&age), "{age}");
+    outbox::mark_sent(&pool, "identity", &ids).await?;
+    assert_eq!(outbox::oldest_unsent(&pool, "identity").await?, None);
+    pool.close().await;
+
+    // Nodes per state, as GET /v1/nodes names them; every state present.
+    let contexts = mesh_controller::router::Contexts::connect(
+        &creds,
+        &mesh_controller::config::Settings::default(),
+        mesh_plumbing::OutboxSignal::default(),
+    )
+    .await?;
+    let inventory = sqlx::PgPool::connect(&env.database_url("inventory")).await?;
+    for (id, state, admin_state) in [
+        ("n-1", "alive", "active"),
+        ("n-2", "alive", "active"),
+        ("n-3", "unreachable", "active"),
+        ("n-4", "unreachable", "revoked"),
+        ("n-5", "alive", "draining"),
+    ] {
+        sqlx::query(
+            "INSERT INTO inventory.nodes (id, hostname, arch, cpus, memory_bytes, agent_version, state, admin_state) \
+             VALUES ($1, $1, 'x86_64', 1, 1, 'test', $2, $3)",
+        )
+        .bind(id)
+        .bind(state)
+        .bind(admin_state)
+        .execute(&inventory)
+        .await?;
+    }
+    inventory.close().await;
+    let counts = contexts.inventory.node_counts().await?;
+    for (_, pool) in contexts.schemas() {
+        pool.close().await;
+    }
+    drop(contexts);
+    let want: Vec<(String, i64)> = [
+        ("alive", 2),
+        ("unreachable", 1),
+        ("draining", 1),
+        ("drained", 0),
+        ("refused", 0),
+        ("revoked", 1),
+    ]
+    .into_iter()
+    .map(|(s, n)| (s.to_owned(), n))
+    .collect();
+    assert_eq!(counts, want);
+    let mut registry = Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    metrics.set_node_counts(&counts);
+    let text = render(&registry);
+    assert_eq!(
+        sample(&text, "mesh_controller_nodes{state=\"alive\"}"),
+        Some(2.0)
+    );
+    assert_eq!(
+        sample(&text, "mesh_controller_nodes{state=\"drained\"}"),
+        Some(0.0)
+    );
+    env.teardown().await
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn queue_depths_reach_the_gauge_and_the_watch() -> anyhow::Result<()> {
     const N: u64 = 25;
     let env = TestEnv::new().await?;
