@@ -511,5 +511,49 @@ async fn the_running_controller_logs_counts_and_audits_each_request_by_its_id() 
     );
 
     drop(controller);
+
+    // The default format is text: the same access line, as key=value (the
+    // first /healthz may answer 503, before the broker session is up).
+    let text_log = dir.path().join("controller-text.log");
+    let log = std::fs::File::create(&text_log)?;
+    let controller = Controller(
+        Command::new(env!("CARGO_BIN_EXE_mesh-controller"))
+            .arg("--config")
+            .arg(&settings)
+            .arg("run")
+            .env("RUST_LOG", "info")
+            .env_remove("MESH_LOG_FORMAT")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("spawning mesh-controller")?,
+    );
+    let id = uuid::Uuid::now_v7();
+    wait_for("a text access line", Duration::from_secs(60), || {
+        let r = http
+            .get(format!("{api}/healthz"))
+            .header("x-request-id", id.to_string())
+            .send();
+        let log = std::fs::read_to_string(&text_log);
+        async move {
+            let _ = r.await;
+            let log = log?;
+            Ok(log
+                .lines()
+                .find(|l| {
+                    l.contains("mesh_controller::access")
+                        && l.contains(&id.to_string())
+                        && l.contains("status=200")
+                })
+                .map(str::to_owned))
+        }
+    })
+    .await
+    .map(|line| {
+        assert!(serde_json::from_str::<Value>(&line).is_err(), "{line}");
+        assert!(line.contains("route=\"/healthz\""), "{line}");
+    })?;
+    drop(controller);
     env.teardown().await
 }
