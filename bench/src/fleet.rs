@@ -627,7 +627,11 @@ impl Spent {
 
 async fn handled_heartbeats(mesh: &Mesh) -> anyhow::Result<u64> {
     let text = metrics(mesh).await?;
-    Ok(metric_sum(&text, "mesh_messages_handled_total", "reports.heartbeat") as u64)
+    Ok(metric_sum(
+        &text,
+        "mesh_controller_messages_handled_total",
+        "reports.heartbeat",
+    ) as u64)
 }
 
 /// The controller with benchmark settings: production defaults (heartbeat
@@ -806,7 +810,7 @@ async fn unsent(mesh: &Mesh) -> anyhow::Result<i64> {
 
 /// Who commits the heartbeats of an ingest, and where that is counted.
 enum Committer {
-    /// The controller: its `mesh_messages_handled_total`.
+    /// The controller: its `mesh_controller_messages_handled_total`.
     Controller,
     /// The ideal consumer of (c′), in this process.
     Ideal(Arc<AtomicU64>),
@@ -1063,7 +1067,7 @@ fn percentile(v: &mut [f64], q: f64) -> f64 {
 async fn outbox_published(mesh: &Mesh) -> anyhow::Result<f64> {
     Ok(metric_sum(
         &metrics(mesh).await?,
-        "mesh_outbox_published_total",
+        "mesh_controller_outbox_published_total",
         "",
     ))
 }
@@ -1075,9 +1079,13 @@ async fn outbox_published(mesh: &Mesh) -> anyhow::Result<f64> {
 /// a broker set up by `bundle/up`: too coarse for a minute's window.)
 async fn vhost_published(mesh: &Mesh) -> anyhow::Result<u64> {
     let text = metrics(mesh).await?;
-    let reports = metric_sum(&text, "mesh_messages_handled_total", "queue=\"reports.");
-    let dead = metric_sum(&text, "mesh_dead_lettered_total", "");
-    let published = metric_sum(&text, "mesh_outbox_published_total", "");
+    let reports = metric_sum(
+        &text,
+        "mesh_controller_messages_handled_total",
+        "queue=\"reports.",
+    );
+    let dead = metric_sum(&text, "mesh_controller_dead_lettered_total", "");
+    let published = metric_sum(&text, "mesh_controller_outbox_published_total", "");
     Ok((reports + dead + published) as u64)
 }
 

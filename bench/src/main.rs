@@ -188,7 +188,8 @@ async fn handled(mesh: &Mesh) -> anyhow::Result<u64> {
     Ok(text
         .lines()
         .filter(|l| {
-            l.starts_with("mesh_messages_handled_total{") && l.contains("reports.heartbeat")
+            l.starts_with("mesh_controller_messages_handled_total{")
+                && l.contains("reports.heartbeat")
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64)

@@ -30,8 +30,13 @@ pub struct ApiState {
     pub broker_up: Arc<AtomicBool>,
     /// Wakes the relay after the auth layer wrote an audit event.
     pub signal: mesh_plumbing::OutboxSignal,
-    /// The auth layer's counters (unauthenticated, unaudited, lost entries).
+    /// The controller's metrics: the auth layer's counters (unauthenticated,
+    /// unaudited, lost entries), the request metrics, the gauges the
+    /// observability work sets (`set_module_health_counts`, `set_open_alerts`).
     pub metrics: crate::metrics::Metrics,
+    /// The latest reading of the broker's queues (`None` before the first):
+    /// `crate::broker_stats`.
+    pub queue_depths: crate::broker_stats::QueueDepthsWatch,
 }
 
 /// Every route, each context's behind the auth layer that knows the context
@@ -39,16 +44,20 @@ pub struct ApiState {
 /// and the OpenAPI document of them all at `/v1/openapi.json`: each route is
 /// registered with its description (`routes!`), so none is served undescribed.
 /// An unknown path answers 404 and a method a path does not serve 405, both
-/// problem+json.
+/// problem+json. Around all of it, the request id, the access log and the
+/// request metrics (access.rs).
 pub fn router(state: ApiState) -> Router {
+    let metrics = state.metrics.clone();
     let (router, document) = routes(state).split_for_parts();
     let document = Document(Arc::new(
         serde_json::to_vec(&openapi::finish(document)).unwrap_or_default(),
     ));
-    router
+    let router = router
         .layer(Extension(document))
         .fallback(|| async { Problem::not_found("no such route") })
-        .method_not_allowed_fallback(method_not_allowed)
+        .method_not_allowed_fallback(method_not_allowed);
+    // Last, so that they wrap every route and both fallbacks.
+    crate::access::layered(router, metrics)
 }
 
 /// The routes and their document, before the controller completes it.

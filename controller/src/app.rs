@@ -13,11 +13,13 @@ use mesh_plumbing::OutboxSignal;
 use mesh_protocol::{ReportKind, redact_url};
 use prometheus_client::registry::Registry;
 use rand::Rng;
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{self, DeclarationQueues};
 use crate::api::{self, ApiState};
+use crate::broker_stats::{self, QueueDepths};
 use crate::config::{ConfigError, Credentials, Settings};
 use crate::fence::{Fence, FenceError};
 use crate::metrics::Metrics;
@@ -156,7 +158,11 @@ async fn run_fenced(
     }
     let signal = OutboxSignal::default();
     let signer = Arc::new(creds.signer()?);
-    let contexts = Arc::new(Contexts::connect(&creds, &settings, signal.clone()).await?);
+    let mut registry = Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let mut contexts = Contexts::connect(&creds, &settings, signal.clone()).await?;
+    contexts.handler_seconds = metrics.handler_seconds.clone();
+    let contexts = Arc::new(contexts);
     // Before the first report: what was declared to each node (heartbeats in
     // step stay in memory) and the fleet's heartbeat interval.
     let known = contexts.load_in_step().await.map_err(ContextsError::from)?;
@@ -173,9 +179,11 @@ async fn run_fenced(
             Err(e) => tracing::error!(error = %e, "cannot register the first admin API token"),
         }
     }
-    let mut registry = Registry::default();
-    let metrics = Metrics::new(&mut registry);
     let broker_up = Arc::new(AtomicBool::new(false));
+    // The latest reading of the broker's queues: written by the broker
+    // session's stats task, read through `ApiState::queue_depths` (or a clone
+    // of `queue_depths` handed to a task).
+    let (depths_tx, queue_depths) = watch::channel(None::<QueueDepths>);
 
     let listener = tokio::net::TcpListener::bind(settings.api_listen)
         .await
@@ -191,6 +199,7 @@ async fn run_fenced(
         broker_up: broker_up.clone(),
         signal: signal.clone(),
         metrics: metrics.clone(),
+        queue_depths: queue_depths.clone(),
     });
 
     if let Some((tls, certificate)) = https_listener(&settings, &creds, shutdown.clone()).await? {
@@ -223,6 +232,7 @@ async fn run_fenced(
         signal,
         broker_url: creds.broker_url.expose().clone(),
         broker_up,
+        queue_depths: depths_tx,
     };
     let broker_shutdown = shutdown.clone();
     tasks.spawn(async move {
@@ -262,6 +272,20 @@ async fn run_fenced(
     tasks.spawn(async move {
         crate::evaluator::run(evaluator_contexts, evaluator_shutdown).await;
         ("evaluator", Ok(()))
+    });
+    let stats_shutdown = shutdown.clone();
+    let stats_contexts = contexts.clone();
+    let stats_metrics = metrics.clone();
+    let stats_interval = settings.broker_stats_interval();
+    tasks.spawn(async move {
+        database_stats(
+            stats_contexts,
+            stats_metrics,
+            stats_interval,
+            stats_shutdown,
+        )
+        .await;
+        ("stats", Ok(()))
     });
     let housekeeping_shutdown = shutdown.clone();
     let housekeeping_contexts = contexts.clone();
@@ -394,6 +418,40 @@ async fn resync(contexts: Arc<Contexts>, interval: Duration, shutdown: Cancellat
     }
 }
 
+/// Every `interval`, the gauges read from the database: nodes per state
+/// (inventory's `node_counts`) and the age of each context's oldest unsent
+/// outbox row. Read here, not per scrape, so a scrape costs no query.
+async fn database_stats(
+    contexts: Arc<Contexts>,
+    metrics: Metrics,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
+    loop {
+        match contexts.inventory.node_counts().await {
+            Ok(counts) => metrics.set_node_counts(&counts),
+            Err(e) => tracing::warn!(error = %e, "counting nodes failed; retrying next round"),
+        }
+        for (schema, pool) in contexts.schemas() {
+            match mesh_plumbing::outbox::oldest_unsent(pool, schema).await {
+                Ok(age) => {
+                    metrics
+                        .outbox_oldest_unsent
+                        .get_or_create(&Metrics::context(schema))
+                        .set(age.unwrap_or(0.0));
+                }
+                Err(e) => {
+                    tracing::warn!(context = schema, error = %e, "reading the outbox's oldest row failed")
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+}
+
 /// Forget inbox and outbox rows that can no longer matter, once an hour.
 async fn housekeeping(contexts: Arc<Contexts>, shutdown: CancellationToken) {
     let keep = Duration::from_secs(7 * 24 * 3600);
@@ -424,6 +482,8 @@ struct Session {
     signal: OutboxSignal,
     broker_url: String,
     broker_up: Arc<AtomicBool>,
+    /// Where the stats task publishes each reading of the broker's queues.
+    queue_depths: watch::Sender<Option<QueueDepths>>,
 }
 
 impl Session {
@@ -443,6 +503,7 @@ impl Session {
                 }
             }
             self.broker_up.store(false, Ordering::Relaxed);
+            self.metrics.broker_connected.set(0);
             if shutdown.is_cancelled() {
                 break;
             }
@@ -474,6 +535,7 @@ impl Session {
         declaration_queues.clear();
         tracing::info!(broker = %redact_url(&self.broker_url), "broker session started");
         self.broker_up.store(true, Ordering::Relaxed);
+        self.metrics.broker_connected.set(1);
 
         let session_end = shutdown.child_token();
         let pipeline = Arc::new(Pipeline {
@@ -519,6 +581,28 @@ impl Session {
         let relay_end = session_end.clone();
         let relay_conn = conn.clone();
         tasks.spawn(async move { Ok(relay.run(relay_conn, relay_end).await?) });
+        // The depth of every queue consumed, and of the dead-letter queue.
+        // Never ends the session: it returns only when the session ends.
+        let stats_conn = conn.clone();
+        let stats_end = session_end.clone();
+        let queues = broker_stats::watched_queues(&self.contexts.record_subscriptions());
+        let stats_metrics = self.metrics.clone();
+        let stats_publish = self.queue_depths.clone();
+        let stats_interval = self.settings.broker_stats_interval();
+        tasks.spawn(async move {
+            stats_end
+                .clone()
+                .run_until_cancelled(broker_stats::run(
+                    stats_conn,
+                    queues,
+                    stats_interval,
+                    stats_metrics,
+                    stats_publish,
+                    stats_end,
+                ))
+                .await;
+            Ok(())
+        });
         if !upgrading.is_empty() {
             let upgrade_conn = conn.clone();
             let upgrade_end = session_end.clone();

@@ -15,9 +15,9 @@
 //! writes, through plumbing, the entries no handler's transaction carries: a
 //! 403 (`denied`) and a failed mutation (`failed`, with its status), after the
 //! response. A 401 has no principal and is not in the audit log: it is logged
-//! and counted (`mesh_api_unauthenticated`). A mutation that answered 2xx
+//! and counted (`mesh_controller_api_unauthenticated_total`). A mutation that answered 2xx
 //! without an entry in its transaction is a bug: it is logged, counted
-//! (`mesh_api_mutations_unaudited`) and its entry written afterwards.
+//! (`mesh_controller_api_mutations_unaudited_total`) and its entry written afterwards.
 
 use std::sync::Arc;
 
@@ -35,7 +35,8 @@ use uuid::Uuid;
 
 use crate::metrics::Metrics;
 
-/// Response header carrying the request's id (also in its audit entry).
+/// Request and response header carrying the request's id (also in its audit
+/// entry and its access log line; access.rs).
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// For tests of crash safety only: when `MESH_FAILPOINT_EXIT_AFTER_API_COMMIT`
@@ -102,14 +103,16 @@ fn unauthorized(detail: &str) -> Response {
 
 /// The middleware: authenticate, authorize, run, audit.
 pub async fn guard(State(guard): State<Guard>, req: Request, next: Next) -> Response {
-    let request_id = Uuid::now_v7();
+    // The id access.rs set (a trusted incoming one, or one it made); a new one
+    // only outside those layers.
+    let request_id = crate::access::request_id(&req).unwrap_or_else(Uuid::now_v7);
     let method = req.method().clone();
     let route = req
         .extensions()
         .get::<MatchedPath>()
         .map(|m| m.as_str().to_owned());
     let target = req.uri().path().to_owned();
-    let mut response = match required(&method, route.as_deref()) {
+    match required(&method, route.as_deref()) {
         Access::Open => next.run(req).await,
         Access::Role(needed) => {
             authorized(
@@ -124,11 +127,7 @@ pub async fn guard(State(guard): State<Guard>, req: Request, next: Next) -> Resp
             )
             .await
         }
-    };
-    if let Ok(v) = HeaderValue::from_str(&request_id.to_string()) {
-        response.headers_mut().insert(REQUEST_ID_HEADER, v);
     }
-    response
 }
 
 #[allow(clippy::too_many_arguments)]

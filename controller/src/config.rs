@@ -174,6 +174,14 @@ pub struct Settings {
     /// How long `controller_unreachable` stays open after a node reported
     /// the broker outage it lived through, in seconds. Default 900.
     pub outage_alert_secs: u64,
+    /// How often the controller reads the gauges it serves from the broker
+    /// and the database, in seconds: the depth of every queue it consumes and
+    /// of the dead-letter queue (one passive declare per queue on its own
+    /// connection: `mesh_controller_queue_messages`, and the value other parts
+    /// of the controller read, `broker_stats::QueueDepths`), the nodes per
+    /// state and the age of each context's oldest unsent outbox row. Default
+    /// 10 (minimum 1).
+    pub broker_stats_secs: u64,
 }
 
 impl Default for Settings {
@@ -217,6 +225,7 @@ impl Default for Settings {
             certificate_alert_secs: 14 * 24 * 3600,
             behind_alert_secs: 300,
             outage_alert_secs: 900,
+            broker_stats_secs: 10,
         }
     }
 }
@@ -312,6 +321,12 @@ impl Settings {
         if self.event_retention_secs == 0 {
             return Err(ConfigError::Invalid {
                 field: "event_retention_secs",
+                message: "must be at least 1".into(),
+            });
+        }
+        if self.broker_stats_secs == 0 {
+            return Err(ConfigError::Invalid {
+                field: "broker_stats_secs",
                 message: "must be at least 1".into(),
             });
         }
@@ -415,6 +430,10 @@ impl Settings {
 
     pub fn resync_interval(&self) -> Duration {
         Duration::from_secs(self.resync_interval_secs.max(1))
+    }
+
+    pub fn broker_stats_interval(&self) -> Duration {
+        Duration::from_secs(self.broker_stats_secs.max(1))
     }
 }
 

@@ -17,6 +17,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
 use crate::config::{ConfigError, Credentials, Settings};
+use crate::metrics::{HandlerLabels, Histograms};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContextsError {
@@ -45,6 +46,10 @@ pub struct Contexts {
     /// What was declared to each node: heartbeats in step with it stay in
     /// memory (filled by [`Contexts::load_in_step`], raised by the relay).
     pub in_step: Arc<InStep>,
+    /// How long each context's transaction takes per batch, by context and
+    /// kind: `mesh_controller_handler_duration_seconds` once `app::run` put
+    /// the registered family here (`Metrics::handler_seconds`).
+    pub handler_seconds: Histograms<HandlerLabels>,
 }
 
 async fn pool(
@@ -212,6 +217,7 @@ impl Contexts {
             connectivity: Arc::new(connectivity),
             observability: Arc::new(observability),
             in_step: Arc::new(InStep::new()),
+            handler_seconds: Histograms::new_with_constructor(crate::metrics::batch_buckets),
         })
     }
 

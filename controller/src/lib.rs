@@ -7,11 +7,13 @@
 //! It never writes a context's tables itself: each context does, through its own
 //! pool and role. It acknowledges a report only after every context committed.
 
+pub mod access;
 pub mod accounts;
 pub mod amqp;
 pub mod api;
 pub mod app;
 pub mod auth;
+pub mod broker_stats;
 pub mod config;
 pub mod contexts;
 pub mod evaluator;

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use mesh_controller::app;
 use mesh_controller::config::Settings;
 use tokio_util::sync::CancellationToken;
@@ -17,8 +17,19 @@ struct Cli {
     /// Credentials file written by bundle/up (overrides the settings file).
     #[arg(long, global = true)]
     credentials: Option<PathBuf>,
+    /// Log format: `text` (one human-readable line per event) or `json` (one
+    /// JSON object per line, for a log collector). The level comes from
+    /// RUST_LOG (default `info,sqlx=warn,lapin=warn`). docs/observability.md, "Logs".
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "MESH_LOG_FORMAT", global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -38,18 +49,11 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,sqlx=warn,lapin=warn".into()),
-        )
-        // Colour only on a terminal: journald and log files get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
-        .init();
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
     // One crypto provider for every TLS connection of the process (decision
     // 0028); the HTTPS listener also names it explicitly.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let cli = Cli::parse();
     let mut settings = Settings::load(cli.config.as_deref()).context("loading settings")?;
     if let Some(c) = cli.credentials {
         settings.credentials = c;
@@ -93,6 +97,19 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "info,sqlx=warn,lapin=warn".into());
+    // Colour only on a terminal: journald and log files get plain text.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()));
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().with_current_span(true).init(),
+    }
 }
 
 /// The first SIGINT/SIGTERM shuts down gracefully; the second exits at once.

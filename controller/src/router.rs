@@ -9,6 +9,9 @@ use mesh_inventory::Inventory;
 use mesh_observability::Observability;
 use mesh_plumbing::{Context, HandlerError, inbox};
 use mesh_protocol::{Envelope, RecordEvent, Report, ReportKind};
+use std::time::Instant;
+
+use crate::metrics::{HandlerLabels, Histograms};
 
 pub use crate::contexts::{Contexts, ContextsError};
 
@@ -29,11 +32,23 @@ impl Contexts {
             ReportKind::Hello => {
                 let (a, b) = tokio::join!(
                     all(
-                        run(&*self.inventory, batch, true),
-                        run(&*self.config, batch, true),
-                        run(&*self.connectivity, batch, true),
+                        run(&self.handler_seconds, kind, &*self.inventory, batch, true),
+                        run(&self.handler_seconds, kind, &*self.config, batch, true),
+                        run(
+                            &self.handler_seconds,
+                            kind,
+                            &*self.connectivity,
+                            batch,
+                            true
+                        ),
                     ),
-                    run(&*self.observability, batch, true),
+                    run(
+                        &self.handler_seconds,
+                        kind,
+                        &*self.observability,
+                        batch,
+                        true
+                    ),
                 );
                 a.and(b)
             }
@@ -49,18 +64,44 @@ impl Contexts {
             // observability derives health and crash loops from them.
             ReportKind::Units => {
                 let (a, b) = tokio::join!(
-                    run(&*self.inventory, batch, true),
-                    run(&*self.observability, batch, true),
+                    run(&self.handler_seconds, kind, &*self.inventory, batch, true),
+                    run(
+                        &self.handler_seconds,
+                        kind,
+                        &*self.observability,
+                        batch,
+                        true
+                    ),
                 );
                 a.and(b)
             }
             // applied: what the node applied of each section (inventory records it
             // for every section; decision 0015).
-            ReportKind::Applied => run(&*self.inventory, batch, true).await,
+            ReportKind::Applied => {
+                run(&self.handler_seconds, kind, &*self.inventory, batch, true).await
+            }
             // certificates: CSRs to sign and what the node holds (connectivity).
-            ReportKind::Certificates => run(&*self.connectivity, batch, true).await,
+            ReportKind::Certificates => {
+                run(
+                    &self.handler_seconds,
+                    kind,
+                    &*self.connectivity,
+                    batch,
+                    true,
+                )
+                .await
+            }
             // health: probe results (observability owns health and alerts).
-            ReportKind::Health => run(&*self.observability, batch, true).await,
+            ReportKind::Health => {
+                run(
+                    &self.handler_seconds,
+                    kind,
+                    &*self.observability,
+                    batch,
+                    true,
+                )
+                .await
+            }
         }
     }
 
@@ -78,9 +119,27 @@ impl Contexts {
             return Ok(0);
         }
         all(
-            run(&*self.inventory, &durable, false),
-            run(&*self.config, &durable, false),
-            run(&*self.connectivity, &durable, false),
+            run(
+                &self.handler_seconds,
+                ReportKind::Heartbeat,
+                &*self.inventory,
+                &durable,
+                false,
+            ),
+            run(
+                &self.handler_seconds,
+                ReportKind::Heartbeat,
+                &*self.config,
+                &durable,
+                false,
+            ),
+            run(
+                &self.handler_seconds,
+                ReportKind::Heartbeat,
+                &*self.connectivity,
+                &durable,
+                false,
+            ),
         )
         .await?;
         self.inventory.written_alive(&durable);
@@ -94,11 +153,21 @@ impl Contexts {
         events: &[RecordEvent],
     ) -> Result<(), HandlerError> {
         match context {
-            c if c == Inventory::SCHEMA => run_events(&*self.inventory, events).await,
-            c if c == Config::SCHEMA => run_events(&*self.config, events).await,
-            c if c == Identity::SCHEMA => run_events(&*self.identity, events).await,
-            c if c == Connectivity::SCHEMA => run_events(&*self.connectivity, events).await,
-            c if c == Observability::SCHEMA => run_events(&*self.observability, events).await,
+            c if c == Inventory::SCHEMA => {
+                run_events(&self.handler_seconds, &*self.inventory, events).await
+            }
+            c if c == Config::SCHEMA => {
+                run_events(&self.handler_seconds, &*self.config, events).await
+            }
+            c if c == Identity::SCHEMA => {
+                run_events(&self.handler_seconds, &*self.identity, events).await
+            }
+            c if c == Connectivity::SCHEMA => {
+                run_events(&self.handler_seconds, &*self.connectivity, events).await
+            }
+            c if c == Observability::SCHEMA => {
+                run_events(&self.handler_seconds, &*self.observability, events).await
+            }
             other => Err(HandlerError::Permanent(format!(
                 "no context named `{other}`"
             ))),
@@ -121,7 +190,31 @@ async fn all(
     a.and(b).and(c)
 }
 
+/// Record how long `context`'s transaction took for one batch of `kind`
+/// (`mesh_controller_handler_duration_seconds`), failed or not.
+fn observe(timer: &Histograms<HandlerLabels>, context: &str, kind: &str, started: Instant) {
+    timer
+        .get_or_create(&HandlerLabels {
+            context: context.to_owned(),
+            kind: kind.to_owned(),
+        })
+        .observe(started.elapsed().as_secs_f64());
+}
+
 async fn run<C: Context>(
+    timer: &Histograms<HandlerLabels>,
+    kind: ReportKind,
+    ctx: &C,
+    batch: &[Envelope<Report>],
+    use_inbox: bool,
+) -> Result<(), HandlerError> {
+    let started = Instant::now();
+    let outcome = handle_reports(ctx, batch, use_inbox).await;
+    observe(timer, C::SCHEMA, kind.as_str(), started);
+    outcome
+}
+
+async fn handle_reports<C: Context>(
     ctx: &C,
     batch: &[Envelope<Report>],
     use_inbox: bool,
@@ -154,7 +247,18 @@ async fn run<C: Context>(
     Ok(())
 }
 
-async fn run_events<C: Context>(ctx: &C, events: &[RecordEvent]) -> Result<(), HandlerError> {
+async fn run_events<C: Context>(
+    timer: &Histograms<HandlerLabels>,
+    ctx: &C,
+    events: &[RecordEvent],
+) -> Result<(), HandlerError> {
+    let started = Instant::now();
+    let outcome = handle_events(ctx, events).await;
+    observe(timer, C::SCHEMA, "record", started);
+    outcome
+}
+
+async fn handle_events<C: Context>(ctx: &C, events: &[RecordEvent]) -> Result<(), HandlerError> {
     let mut tx = ctx.pool().begin().await?;
     let ids: Vec<_> = events.iter().map(|e| e.id).collect();
     let mut fresh = inbox::claim(&mut tx, C::SCHEMA, &ids).await?;

@@ -61,6 +61,7 @@ async fn fixture() -> anyhow::Result<Fixture> {
         broker_up: Arc::new(AtomicBool::new(true)),
         signal,
         metrics,
+        queue_depths: tokio::sync::watch::channel(None).1,
     });
     Ok(Fixture {
         env,

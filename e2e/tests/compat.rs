@@ -1,6 +1,6 @@
 //! Version skew against a real controller and broker (decision 0020):
 //! - a report or record event with fields this version does not know is
-//!   handled, and the fields are counted (`mesh_unknown_fields_total{kind}`);
+//!   handled, and the fields are counted (`mesh_controller_unknown_fields_total{kind}`);
 //! - an unknown report kind on an existing queue, and an unknown record event,
 //!   are dead-lettered with reason `unknown_kind`, and the rest flows;
 //! - leniency loosens no security: identity is still the `user_id`, a body
@@ -170,7 +170,7 @@ async fn unknown_fields_are_handled_and_counted_unknown_kinds_dead_lettered() ->
             let sum = |kind: &str| {
                 metric_sum(
                     &text,
-                    "mesh_unknown_fields_total",
+                    "mesh_controller_unknown_fields_total",
                     &format!("kind=\"{kind}\""),
                 )
             };
@@ -191,7 +191,7 @@ async fn unknown_fields_are_handled_and_counted_unknown_kinds_dead_lettered() ->
         Duration::from_secs(30),
         || async {
             let text = metrics(&mesh).await?;
-            Ok((metric_sum(&text, "mesh_dead_lettered_total", "") >= 5.0).then_some(()))
+            Ok((metric_sum(&text, "mesh_controller_dead_lettered_total", "") >= 5.0).then_some(()))
         },
     )
     .await?;

@@ -98,10 +98,10 @@ async fn a_database_restart_mid_stream_loses_nothing() -> anyhow::Result<()> {
     // may be lost or refused, and the broker session must hold.
     eprintln!(
         "batches retried during the outage: {}",
-        metric_sum(&text, "mesh_batches_retried_total", "")
+        metric_sum(&text, "mesh_controller_batches_retried_total", "")
     );
     assert_eq!(
-        metric_sum(&text, "mesh_broker_connects_total", ""),
+        metric_sum(&text, "mesh_controller_broker_connects_total", ""),
         1.0,
         "the broker session was dropped instead of holding the batch"
     );
@@ -369,7 +369,7 @@ async fn a_database_restart_keeps_the_controller_fenced() -> anyhow::Result<()> 
     mesh.wait_healthy().await?;
     let text = metrics(&mesh).await?;
     assert_eq!(
-        metric_sum(&text, "mesh_broker_connects_total", ""),
+        metric_sum(&text, "mesh_controller_broker_connects_total", ""),
         1.0,
         "the broker session was dropped for the fence"
     );

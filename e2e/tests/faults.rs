@@ -439,15 +439,19 @@ async fn ten_thousand_poison_messages_are_dead_lettered_and_valid_traffic_flows(
 
     let text = metrics(&mesh).await?;
     assert_eq!(
-        metric_sum(&text, "mesh_dead_lettered_total", ""),
+        metric_sum(&text, "mesh_controller_dead_lettered_total", ""),
         dead_letters as f64
     );
     assert_eq!(
-        metric_sum(&text, "mesh_dead_lettered_total", "reason=\"unroutable\""),
+        metric_sum(
+            &text,
+            "mesh_controller_dead_lettered_total",
+            "reason=\"unroutable\""
+        ),
         UNROUTABLE as f64
     );
     assert_eq!(
-        metric_sum(&text, "mesh_broker_connects_total", ""),
+        metric_sum(&text, "mesh_controller_broker_connects_total", ""),
         1.0,
         "the consumer restarted:\n{text}"
     );

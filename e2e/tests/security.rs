@@ -974,7 +974,7 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
     }
     // Every success carried its entry in its own transaction: the auth layer
     // never had to write one afterwards.
-    let unaudited = samples(&mesh, "mesh_api_mutations_unaudited_total").await?;
+    let unaudited = samples(&mesh, "mesh_controller_api_mutations_unaudited_total").await?;
     assert!(unaudited.iter().all(|(_, v)| *v == 0.0), "{unaudited:?}");
     assert!(
         !mesh
@@ -983,13 +983,13 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
     );
 
     // A 401 has no principal: counted and logged, not in the audit log.
-    let before = samples(&mesh, "mesh_api_unauthenticated_total").await?;
+    let before = samples(&mesh, "mesh_controller_api_unauthenticated_total").await?;
     let r = reqwest::Client::new()
         .delete(format!("{}/v1/files/anything", mesh.api))
         .send()
         .await?;
     assert_eq!(r.status(), 401);
-    let after = samples(&mesh, "mesh_api_unauthenticated_total").await?;
+    let after = samples(&mesh, "mesh_controller_api_unauthenticated_total").await?;
     let total = |s: &[(String, f64)]| s.iter().map(|(_, v)| v).sum::<f64>();
     assert_eq!(total(&after), total(&before) + 1.0, "{after:?}");
     let anything = audit_entries(&mesh, "target=/v1/files/anything").await?;

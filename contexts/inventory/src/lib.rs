@@ -54,7 +54,8 @@ use sqlx::{PgConnection, PgPool};
 pub use error::Error;
 pub use liveness::HeartbeatView;
 pub use query::{
-    AppliedView, AssignmentView, LabelsView, ModuleView, NodeSummary, NodeView, ProtocolView,
+    AppliedView, AssignmentView, LabelsView, ModuleView, NODE_STATES, NodeSummary, NodeView,
+    ProtocolView,
 };
 pub use state::ReconcileReport;
 pub use sweep::SweepReport;

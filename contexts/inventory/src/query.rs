@@ -310,6 +310,38 @@ struct ModuleRow {
     updated_at: DateTime<Utc>,
 }
 
+/// Every state [`Inventory::node_counts`] (and `GET /v1/nodes`) gives a node,
+/// in the order they are judged: revoked, then refused, unreachable, draining
+/// or drained, else alive.
+pub const NODE_STATES: [&str; 6] = [
+    "alive",
+    "unreachable",
+    "draining",
+    "drained",
+    "refused",
+    "revoked",
+];
+
+impl Inventory {
+    /// How many nodes are in each of [`NODE_STATES`] (a state no node is in
+    /// counts 0): one scan of `inventory.nodes`, for the controller's metrics.
+    pub async fn node_counts(&self) -> Result<Vec<(String, i64)>, Error> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS s, count(*) \
+             FROM inventory.nodes GROUP BY 1",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(NODE_STATES
+            .iter()
+            .map(|state| {
+                let n = rows.iter().find(|(s, _)| s == state).map_or(0, |(_, n)| *n);
+                ((*state).to_owned(), n)
+            })
+            .collect())
+    }
+}
+
 impl Inventory {
     /// Assignments of one module and/or one node, by module, replica, node.
     pub async fn assignments(

@@ -211,6 +211,22 @@ pub async fn backlog(pool: &PgPool, schema: &str) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(pool).await
 }
 
+/// Age of the oldest row not yet sent, in seconds (by the database's clock);
+/// `None` when nothing waits. A gauge for metrics: a relay that cannot
+/// publish shows here as a growing age. The row with the lowest unsent id is
+/// taken as the oldest (one read of the `outbox_unsent` index, whatever the
+/// backlog); ids are allocated before commit, so it is the oldest give or
+/// take one transaction's length.
+pub async fn oldest_unsent(pool: &PgPool, schema: &str) -> Result<Option<f64>, sqlx::Error> {
+    let sql = format!(
+        "SELECT greatest(extract(epoch FROM now() - created_at), 0)::float8 FROM {schema}.outbox \
+         WHERE sent_at IS NULL ORDER BY id LIMIT 1"
+    );
+    sqlx::query_scalar(AssertSqlSafe(sql))
+        .fetch_optional(pool)
+        .await
+}
+
 /// Delete sent rows older than `keep`.
 pub async fn prune(
     pool: &PgPool,
