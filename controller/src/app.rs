@@ -269,8 +269,16 @@ async fn run_fenced(
     });
     let evaluator_shutdown = shutdown.clone();
     let evaluator_contexts = contexts.clone();
+    let evaluator_metrics = metrics.clone();
+    let evaluator_depths = queue_depths.clone();
     tasks.spawn(async move {
-        crate::evaluator::run(evaluator_contexts, evaluator_shutdown).await;
+        crate::evaluator::run(
+            evaluator_contexts,
+            evaluator_metrics,
+            evaluator_depths,
+            evaluator_shutdown,
+        )
+        .await;
         ("evaluator", Ok(()))
     });
     let stats_shutdown = shutdown.clone();

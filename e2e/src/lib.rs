@@ -242,7 +242,7 @@ impl Mesh {
         std::fs::write(
             dir.path().join("controller.toml"),
             format!(
-                "credentials = {:?}\napi_listen = \"127.0.0.1:{api_port}\"\nresend_after_secs = 2\nrelay_poll_ms = 200\nshutdown_deadline_secs = 3\n{FLEET_SETTINGS}",
+                "credentials = {:?}\napi_listen = \"127.0.0.1:{api_port}\"\nresend_after_secs = 2\nrelay_poll_ms = 200\nshutdown_deadline_secs = 3\nevaluate_ms = 500\nbroker_stats_secs = 1\n{FLEET_SETTINGS}",
                 dir.path().join("credentials.toml")
             ),
         )?;
