@@ -162,6 +162,8 @@ async fn run_fenced(
     let metrics = Metrics::new(&mut registry);
     let mut contexts = Contexts::connect(&creds, &settings, signal.clone()).await?;
     contexts.handler_seconds = metrics.handler_seconds.clone();
+    let schemas: Vec<&str> = contexts.schemas().iter().map(|(s, _)| *s).collect();
+    metrics.initialize(&schemas);
     let contexts = Arc::new(contexts);
     // Before the first report: what was declared to each node (heartbeats in
     // step stay in memory) and the fleet's heartbeat interval.

@@ -352,6 +352,41 @@ impl Metrics {
         &self.families
     }
 
+    /// Create at 0 the series whose label values are known from the start
+    /// (each report queue, each context, each report kind, the common
+    /// dead-letter reasons), as Prometheus advises: a counter that first
+    /// appears at 1 hides its first increase from `rate()`, and a family
+    /// with no series is absent from a scrape altogether.
+    pub fn initialize(&self, contexts: &[&str]) {
+        for kind in mesh_protocol::ReportKind::ALL {
+            let queue = mesh_protocol::topology::report_queue(kind);
+            let _ = self.handled.get_or_create(&Self::queue(&queue));
+            let _ = self.retried.get_or_create(&Self::queue(&queue));
+            for reason in ["malformed", "invalid", "handler"] {
+                let _ = self.dead_lettered.get_or_create(&ReasonLabels {
+                    queue: queue.clone(),
+                    reason: reason.to_owned(),
+                });
+            }
+            let _ = self.unknown_fields.get_or_create(&KindLabels {
+                kind: kind.as_str().to_owned(),
+            });
+        }
+        for context in contexts {
+            let c = Self::context(context);
+            let _ = self.published.get_or_create(&c);
+            let _ = self.outbox_backlog.get_or_create(&c);
+            let _ = self.mutations_unaudited.get_or_create(&c);
+            let _ = self.audit_lost.get_or_create(&c);
+        }
+        for path in ["memory", "durable"] {
+            let _ = self
+                .heartbeats
+                .get_or_create(&PathLabels { path: path.into() });
+        }
+        self.set_module_health_counts(&[]);
+    }
+
     /// Count a heartbeat batch: `durable` of its `total` took the durable path.
     pub fn heartbeats(&self, total: usize, durable: usize) {
         let count = |path: &str, n: usize| {

@@ -18,7 +18,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail, ensure};
-use mesh_e2e::netns::Lan;
+use mesh_e2e::netns::{Lan, in_netns};
 use mesh_e2e::{AGENT_OFF_THE_OVERLAY, GRACE, Mesh, Proc, bin, wait_for};
 use reqwest::Method;
 use serde_json::{Value, json};
@@ -230,6 +230,7 @@ async fn probes(mesh: &mut Mesh, lan: &Lan, agents: &mut Vec<Proc>) -> anyhow::R
             format!(
                 "state_dir = {state:?}\nroot = {root:?}\nheartbeat_interval = \"1s\"\n\
                  reconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\nhostname = \"{name}\"\n\
+                 metrics_listen = \"127.0.0.1:{AGENT_METRICS_PORT}\"\n\
                  labels = {{ role = \"web\" }}\n{AGENT_OFF_THE_OVERLAY}"
             ),
         )?;
@@ -300,11 +301,141 @@ async fn probes(mesh: &mut Mesh, lan: &Lan, agents: &mut Vec<Proc>) -> anyhow::R
     let (_, view) = mesh.get(&format!("/v1/nodes/{}", nodes[0])).await?;
     ensure!(view["health"]["health"] == "degraded", "{view}");
 
+    // With the alert open, every family docs/observability.md lists is on
+    // the controller's /metrics, with sensible values.
+    let docs = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/observability.md"),
+    )?;
+    let controller = wait_for("the controller's gauges", WITHIN, || async {
+        let text = reqwest::get(format!("{}/metrics", mesh.api))
+            .await?
+            .text()
+            .await?;
+        Ok(
+            (sample(&text, "mesh_controller_nodes", &[("state", "alive")]) == Some(2.0)
+                && sample(&text, "mesh_controller_modules", &[("health", "degraded")])
+                    == Some(1.0)
+                && sample(
+                    &text,
+                    "mesh_controller_alerts",
+                    &[("kind", "module_degraded"), ("severity", "warning")],
+                ) == Some(1.0))
+            .then_some(text),
+        )
+    })
+    .await?;
+    families_present(&docs, "mesh_controller_", &controller)?;
+    for (name, want) in [
+        ("mesh_controller_build_info", 1.0),
+        ("mesh_controller_broker_connected", 1.0),
+    ] {
+        ensure!(
+            sample(&controller, name, &[]) == Some(want),
+            "{name} is not {want}"
+        );
+    }
+    ensure!(
+        sample(
+            &controller,
+            "mesh_controller_queue_messages",
+            &[("queue", "dead-letter")]
+        ) == Some(0.0),
+        "dead-letter depth"
+    );
+    ensure!(
+        controller.contains("mesh_controller_http_requests_total{route=\"/v1/health\""),
+        "no /v1/health requests counted"
+    );
+
     std::fs::remove_file(roots[0].join("fail"))?;
     wait_resolved(mesh, "module_degraded", "module/web").await?;
     let m = module_health(mesh, "web").await?;
     if m["health"] != "healthy" {
         bail!("web not healthy after recovery: {m}");
     }
+
+    // After the scenario, every family docs/observability.md lists is on
+    // each agent's /metrics, with sensible values.
+    let agent = in_netns(lan.ns(0), || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", AGENT_METRICS_PORT))?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        Ok(out)
+    })?;
+    families_present(&docs, "mesh_agent_", &agent)?;
+    for (name, labels, want) in [
+        ("mesh_agent_build_info", vec![], 1.0),
+        ("mesh_agent_broker_connected", vec![], 1.0),
+        ("mesh_agent_units_running", vec![], 1.0),
+        ("mesh_agent_probe_healthy", vec![("probe", "ready")], 1.0),
+    ] {
+        ensure!(
+            sample(&agent, name, &labels) == Some(want),
+            "{name}{labels:?} is not {want}:\n{agent}"
+        );
+    }
+    ensure!(
+        sample(
+            &agent,
+            "mesh_agent_applied_generation",
+            &[("section", "inventory")]
+        )
+        .is_some_and(|g| g >= 1.0),
+        "no inventory generation applied:\n{agent}"
+    );
+    ensure!(
+        sample(
+            &agent,
+            "mesh_agent_probe_checks_total",
+            &[("probe", "ready"), ("result", "fail")]
+        )
+        .is_some_and(|n| n >= 2.0),
+        "the failed checks are not counted:\n{agent}"
+    );
     Ok(())
+}
+
+/// The agent's metrics port on each probe-test host (each its own loopback).
+const AGENT_METRICS_PORT: u16 = 19_464;
+
+/// Every family of `prefix` the page's tables list is in `text` (its
+/// `# TYPE` line; a counter's family is named without `_total`).
+fn families_present(docs: &str, prefix: &str, text: &str) -> anyhow::Result<()> {
+    let listed: Vec<&str> = docs
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .filter(|f| f.starts_with(prefix))
+        .collect();
+    ensure!(listed.len() >= 10, "docs list only {listed:?}");
+    for family in listed {
+        let base = family.strip_suffix("_total").unwrap_or(family);
+        ensure!(
+            text.lines()
+                .any(|l| l.starts_with(&format!("# TYPE {base} "))),
+            "{family} (listed in docs/observability.md) is not served:\n{text}"
+        );
+    }
+    Ok(())
+}
+
+/// The value of the first sample of `name` whose labels include `labels`.
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(name)?;
+        let (lbls, value) = match rest.strip_prefix('{') {
+            Some(r) => {
+                let (l, v) = r.split_once('}')?;
+                (l, v)
+            }
+            None if rest.starts_with(' ') => ("", rest),
+            None => return None,
+        };
+        labels
+            .iter()
+            .all(|(k, v)| lbls.contains(&format!("{k}=\"{v}\"")))
+            .then(|| value.split_whitespace().next()?.parse().ok())?
+    })
 }

@@ -147,6 +147,13 @@ impl Metrics {
             "Fields of accepted messages this agent does not know (a newer controller's), ignored, by kind",
             unknown_fields.clone(),
         );
+        // At 0 from the start where the label values are known (Prometheus'
+        // advice: a series that first appears at 1 hides that increase from
+        // rate(), and a family without series is absent from a scrape).
+        let _ = unknown_fields.get_or_create(&vec![("kind", "declaration")]);
+        for outcome in ["applied", "failed", "rejected", "stale", "unsupported"] {
+            let _ = declarations_applied.get_or_create(&vec![("outcome", outcome)]);
+        }
         Metrics {
             registry: Arc::new(registry),
             unknown_fields,
@@ -224,6 +231,13 @@ impl Metrics {
     /// The broker was reached again after `seconds` without it.
     pub fn outage_ended(&self, seconds: f64) {
         self.outage_seconds.inc_by(seconds.max(0.0));
+    }
+
+    /// A unit is supervised: its restarts series exists from 0.
+    pub fn unit_known(&self, unit: &str) {
+        let _ = self
+            .unit_restarts
+            .get_or_create(&vec![("unit", unit.to_owned())]);
     }
 
     pub fn unit_restarted(&self, unit: &str) {

@@ -286,6 +286,7 @@ impl Runner {
         if let Some(p) = predecessor {
             let _ = p.await;
         }
+        self.shared.metrics.unit_known(&self.item.name);
         if let Err(e) = tokio::fs::create_dir_all(&self.dir).await {
             warn!(unit = %self.item.name, dir = %self.dir.display(), error = %e, "cannot create the unit's directory");
         }
