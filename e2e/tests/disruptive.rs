@@ -503,3 +503,67 @@ async fn a_broker_restart_under_a_fleet_marks_no_node_unreachable_and_moves_no_r
     assert_eq!(placed().await?, before, "a replica moved");
     mesh.teardown().await
 }
+
+/// The broker stops for a while under two agents (issue 13): the controller
+/// itself stays up, but each node could not reach it. After the broker is
+/// back, each agent's first hello states the outage it lived through, and
+/// the `controller_unreachable` alert names both nodes and what each saw.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "restarts RabbitMQ: run alone (bundle/test does)"]
+async fn a_broker_outage_is_alerted_as_the_controller_unreachable_from_each_node()
+-> anyhow::Result<()> {
+    let mut mesh = Mesh::prepare().await?;
+    let path = mesh.dir.path().join("controller.toml");
+    let toml =
+        std::fs::read_to_string(&path)?.replace("grace_intervals = 3", "grace_intervals = 10");
+    std::fs::write(&path, toml)?;
+    mesh.agent_toml = Some("reconnect_max = \"1s\"\n".into());
+    mesh.start_controller(&[]).await?;
+    let a = mesh.add_agent("oa", &[]).await?;
+    let b = mesh.add_agent("ob", &[]).await?;
+    for n in [&a, &b] {
+        wait_for(&format!("{n} known"), Duration::from_secs(30), || async {
+            let (status, _) = mesh.get(&format!("/v1/nodes/{n}")).await?;
+            Ok((status == 200).then_some(()))
+        })
+        .await?;
+    }
+    restart_broker(Duration::from_secs(5)).await?;
+    let alert = wait_for(
+        "the controller_unreachable alert naming both nodes",
+        Duration::from_secs(60),
+        || async {
+            let (status, v) = mesh.get("/v1/alerts?kind=controller_unreachable").await?;
+            anyhow::ensure!(status == 200, "GET /v1/alerts: {status} {v}");
+            Ok(v["alerts"].as_array().and_then(|list| {
+                list.iter()
+                    .find(|x| {
+                        let m = x["message"].as_str().unwrap_or_default();
+                        m.contains(a.as_str()) && m.contains(b.as_str())
+                    })
+                    .cloned()
+            }))
+        },
+    )
+    .await?;
+    assert_eq!(alert["subject"], "controller", "{alert}");
+    let message = alert["message"].as_str().unwrap_or_default();
+    assert!(message.starts_with("2 nodes could not reach"), "{message}");
+    assert!(message.contains("reports buffered"), "{message}");
+    // Each outage is at least as long as the broker was away (5 s), as the
+    // node saw it; the sentence says "for <n> s".
+    for n in [&a, &b] {
+        let part = message
+            .split("; ")
+            .find(|p| p.contains(n.as_str()))
+            .unwrap_or_default();
+        let secs: u64 = part
+            .split(" for ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        assert!(secs >= 4, "{n}'s outage: {part}");
+    }
+    mesh.teardown().await
+}
