@@ -297,9 +297,24 @@ async fn probes(mesh: &mut Mesh, lan: &Lan, agents: &mut Vec<Proc>) -> anyhow::R
             .contains("503"),
         "{alert}"
     );
-    // The node view says the same.
+    // The node view says the same, and so does the module view (inventory
+    // learns it from the record: observability.module.health).
     let (_, view) = mesh.get(&format!("/v1/nodes/{}", nodes[0])).await?;
     ensure!(view["health"]["health"] == "degraded", "{view}");
+    let module = wait_for("the module view's health", WITHIN, || async {
+        let (_, v) = mesh.get("/v1/modules/web").await?;
+        Ok((v["health"]["health"] == "degraded").then_some(v))
+    })
+    .await?;
+    let told = module["health"]["replicas"]
+        .as_array()
+        .and_then(|r| r.iter().find(|r| r["node"] == nodes[0].as_str()).cloned())
+        .ok_or_else(|| anyhow!("{module}"))?;
+    ensure!(
+        told["health"] == "unhealthy"
+            && told["reason"].as_str().unwrap_or_default().contains("HTTP 503"),
+        "{told}"
+    );
 
     // With the alert open, every family docs/observability.md lists is on
     // the controller's /metrics, with sensible values.

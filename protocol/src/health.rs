@@ -376,6 +376,10 @@ pub struct ReplicaHealth {
     pub node: NodeId,
     pub unit: String,
     pub health: HealthState,
+    /// Why it is not healthy, in words: the probe results or unit state that
+    /// decided it (`probe `ready`: HTTP 503`). Absent when healthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// Body of `observability.module.health`: a module's health changed (its own
@@ -395,6 +399,12 @@ impl ModuleHealth {
         validate_module_name("body.module", &self.module)?;
         for (i, r) in self.replicas.iter().enumerate() {
             validate_unit_name(&format!("body.replicas[{i}].unit"), &r.unit)?;
+            if r.reason.as_ref().is_some_and(|x| x.chars().count() > 4 * MAX_PROBE_DETAIL) {
+                return Err(DecodeError::invalid(
+                    format!("body.replicas[{i}].reason"),
+                    format!("at most {} characters", 4 * MAX_PROBE_DETAIL),
+                ));
+            }
         }
         Ok(())
     }

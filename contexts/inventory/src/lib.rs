@@ -245,9 +245,10 @@ impl Context for Inventory {
 
     /// Identity's word on a node: revoked nodes are never scheduled again (the
     /// next sweep moves their stateless assignments); re-enrolment makes them
-    /// schedulable again.
+    /// schedulable again. Observability's word on a module's health, shown
+    /// in the module view.
     fn subscriptions(&self) -> &'static [&'static str] {
-        &["identity.node.*"]
+        &["identity.node.*", "observability.module.health"]
     }
 
     async fn handle_event(
@@ -258,6 +259,11 @@ impl Context for Inventory {
         let (body, revoked) = match &event.kind {
             RecordKind::NodeRevoked(body) => (body, true),
             RecordKind::NodeEnrolled(body) => (body, false),
+            RecordKind::ModuleHealth(body) => {
+                return query::record_module_health(tx, body)
+                    .await
+                    .map_err(HandlerError::from);
+            }
             _ => {
                 tracing::debug!(key = %event.routing_key(), "not an event inventory acts on");
                 return Ok(());

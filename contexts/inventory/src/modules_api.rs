@@ -511,6 +511,12 @@ impl Inventory {
             .bind(name)
             .execute(&mut *tx)
             .await?;
+        // Its health as observability told it goes too (a module created
+        // again under the name is told anew).
+        sqlx::query("DELETE FROM inventory.module_health WHERE module = $1")
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
         audit::record_ok(&mut tx, SCHEMA, audit).await?;
         tx.commit().await?;

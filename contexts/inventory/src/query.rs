@@ -298,6 +298,55 @@ pub struct ModuleView {
     pub assignments: Vec<AssignmentView>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// The module's health as observability last told the record (none:
+    /// not told yet): `healthy`, `degraded`, `down` or `unknown`, with each
+    /// replica's and why it is not healthy. `GET /v1/health?module=` has the
+    /// probe results in full.
+    pub health: Option<ModuleHealthView>,
+}
+
+/// A module's health, as `observability.module.health` told it.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct ModuleHealthView {
+    pub health: String,
+    pub replicas: Vec<ReplicaHealthView>,
+    /// When observability derived it.
+    pub at: DateTime<Utc>,
+}
+
+/// One replica's health in a [`ModuleHealthView`].
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ReplicaHealthView {
+    pub node: String,
+    pub unit: String,
+    pub health: String,
+    /// The probe results or unit state that decided it, in words.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// Keep `observability.module.health` (the newest of each module, by its
+/// version) for the module view.
+pub(crate) async fn record_module_health(
+    tx: &mut sqlx::PgConnection,
+    body: &mesh_protocol::ModuleHealth,
+) -> Result<(), Error> {
+    let replicas = serde_json::to_value(&body.replicas).unwrap_or(serde_json::Value::Null);
+    sqlx::query(
+        "INSERT INTO inventory.module_health AS h (module, version, health, replicas, at) \
+         VALUES ($1, $2, $3, $4, $5) \
+         ON CONFLICT (module) DO UPDATE SET version = excluded.version, health = excluded.health, \
+             replicas = excluded.replicas, at = excluded.at \
+         WHERE h.version < excluded.version",
+    )
+    .bind(&body.module)
+    .bind(body.version)
+    .bind(body.health.as_str())
+    .bind(replicas)
+    .bind(body.at)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 #[derive(sqlx::FromRow)]
@@ -405,7 +454,19 @@ impl Inventory {
         } else {
             effective_replicas(&intent)
         };
+        let health: Option<(String, serde_json::Value, DateTime<Utc>)> = sqlx::query_as(
+            "SELECT health, replicas, at FROM inventory.module_health WHERE module = $1",
+        )
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await?;
+        let health = health.map(|(health, replicas, at)| ModuleHealthView {
+            health,
+            replicas: serde_json::from_value(replicas).unwrap_or_default(),
+            at,
+        });
         Ok(Some(ModuleView {
+            health,
             assignments: self.assignments(Some(name), None).await?,
             name: m.name,
             spec: m.spec.0,

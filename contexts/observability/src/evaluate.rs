@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use mesh_protocol::{
-    FleetCondition, HealthState, ModuleHealth, NodeId, RecordEvent, RecordKind, ReplicaHealth,
+    FleetCondition, HealthState, MAX_PROBE_DETAIL, ModuleHealth, NodeId, RecordEvent, RecordKind,
+    ReplicaHealth,
 };
 use sqlx::PgConnection;
 
@@ -283,6 +284,10 @@ async fn health_changes(
                     node: NodeId::parse(&r.node).ok()?,
                     unit: r.unit.clone(),
                     health: r.health,
+                    reason: r
+                        .reason
+                        .as_ref()
+                        .map(|x| x.chars().take(4 * MAX_PROBE_DETAIL).collect()),
                 })
             })
             .collect();
