@@ -21,6 +21,7 @@ use mesh_e2e::{Mesh, hello, wait_for};
 use mesh_protocol::{Envelope, Heartbeat, NodeId, Report};
 
 mod fleet;
+mod health;
 mod ideal;
 mod paths;
 mod plan;
@@ -103,6 +104,17 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', default_value = "10,100,1000,3000")]
         nodes: Vec<usize>,
     },
+    /// Health and alerts (observability) per fleet size, against a real
+    /// PostgreSQL: recording a health report of every node, and an
+    /// evaluation (first, steady, with a tenth of the probes failing).
+    Health {
+        /// Fleet sizes, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "100,1000,5000")]
+        nodes: Vec<usize>,
+        /// Units (one module each, two probes each) on every node.
+        #[arg(long, default_value_t = 3)]
+        units: usize,
+    },
     /// Heartbeat ingest: reports/s committed, controller CPU and RSS.
     Heartbeats {
         /// Simulated nodes (broker users and connections).
@@ -156,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
         } => paths::run(messages, rate, paced_secs).await,
         Cmd::IdealConsume { queue } => ideal::consume(&queue).await,
         Cmd::ConnectivityPlan { nodes } => plan::run(&nodes),
+        Cmd::Health { nodes, units } => health::run(&nodes, units).await,
         Cmd::Heartbeats {
             nodes,
             seconds,

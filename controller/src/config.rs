@@ -165,8 +165,9 @@ pub struct Settings {
     pub crash_restarts: u32,
     /// Default 600 (10 minutes).
     pub crash_window_secs: u64,
-    /// A certificate expiring sooner than this, in seconds, raises
-    /// `certificate_expiring`. Default 1209600 (14 days).
+    /// A certificate with less left than this, in seconds, or than a
+    /// quarter of its lifetime (agents renew at two thirds; whichever is
+    /// shorter), raises `certificate_expiring`. Default 1209600 (14 days).
     pub certificate_alert_secs: u64,
     /// A node behind on a declared generation for longer than this, in
     /// seconds, raises `node_behind`. Default 300.

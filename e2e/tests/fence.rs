@@ -16,7 +16,8 @@ use mesh_e2e::sim::{
 };
 use mesh_e2e::{Mesh, bin, wait_for};
 use mesh_protocol::topology::{
-    HEARTBEAT_QUEUE_MAX_LEN, REPORT_QUEUE_MAX_LEN, UNITS_QUEUE_MAX_LEN, report_queue,
+    HEALTH_QUEUE_MAX_LEN, HEARTBEAT_QUEUE_MAX_LEN, REPORT_QUEUE_MAX_LEN, UNITS_QUEUE_MAX_LEN,
+    report_queue,
 };
 use mesh_protocol::{ReportKind, Section};
 use serde_json::{Value, json};
@@ -452,6 +453,7 @@ fn legacy_args(kind: ReportKind) -> FieldTable {
     let (max, overflow) = match kind {
         ReportKind::Heartbeat => (HEARTBEAT_QUEUE_MAX_LEN, "drop-head"),
         ReportKind::Units => (UNITS_QUEUE_MAX_LEN, "drop-head"),
+        ReportKind::Health => (HEALTH_QUEUE_MAX_LEN, "drop-head"),
         _ => (REPORT_QUEUE_MAX_LEN, "reject-publish"),
     };
     let mut args = FieldTable::default();

@@ -209,7 +209,10 @@ async fn a_killed_node_loses_its_replicas_and_stops_the_surplus_on_return() -> a
     // Every alert the outage raised (observability's) resolves.
     wait_for("no open alert", WITHIN, || async {
         let (_, alerts) = mesh.get("/v1/alerts").await?;
-        Ok((alerts["alerts"] == json!([])).then_some(()))
+        if alerts["alerts"] == json!([]) {
+            return Ok(Some(()));
+        }
+        Err(anyhow::anyhow!("open: {alerts}"))
     })
     .await?;
     mesh.teardown().await

@@ -312,7 +312,10 @@ async fn probes(mesh: &mut Mesh, lan: &Lan, agents: &mut Vec<Proc>) -> anyhow::R
         .ok_or_else(|| anyhow!("{module}"))?;
     ensure!(
         told["health"] == "unhealthy"
-            && told["reason"].as_str().unwrap_or_default().contains("HTTP 503"),
+            && told["reason"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("HTTP 503"),
         "{told}"
     );
 

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{controller_side, declaration_queue_for};
+use common::{controller_side, declaration_queue_for, free_port, kill_connections, scrape};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
@@ -23,7 +23,6 @@ use mesh_protocol::{
     MAX_REPORT_BYTES, NodeId, Outcome, Report, Section,
 };
 use mesh_testkit::TestEnv;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{Instant, timeout};
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -142,23 +141,6 @@ fn applied(r: &Received) -> Option<&mesh_protocol::Applied> {
         Report::Applied(a) => Some(a),
         _ => None,
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-async fn scrape(port: u16) -> anyhow::Result<String> {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
-    Ok(out)
 }
 
 fn mode_of(p: &Path) -> u32 {
@@ -364,39 +346,6 @@ async fn hello_declarations_and_shutdown() -> anyhow::Result<()> {
     drop(reports);
     let _ = admin.close(200, "done".into()).await;
     env.teardown().await
-}
-
-/// Closes every broker connection of `user` through the management API, as a
-/// broker restart or a network cut would.
-async fn kill_connections(env: &TestEnv, user: &str) -> anyhow::Result<usize> {
-    let a = env.admin_credentials();
-    let http = reqwest::Client::new();
-    let conns: Vec<serde_json::Value> = http
-        // Connection tracking, not statistics: lists a connection at once.
-        .get(format!(
-            "{}/api/connections/username/{}",
-            a.rabbitmq_api.trim_end_matches('/'),
-            urlencoding::encode(user)
-        ))
-        .basic_auth(&a.rabbitmq_user, Some(a.rabbitmq_password.expose()))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    let n = conns.iter().filter(|c| c["user"] == user).count();
-    if n > 0 {
-        http.delete(format!(
-            "{}/api/connections/username/{}",
-            a.rabbitmq_api.trim_end_matches('/'),
-            urlencoding::encode(user)
-        ))
-        .basic_auth(&a.rabbitmq_user, Some(a.rabbitmq_password.expose()))
-        .send()
-        .await?
-        .error_for_status()?;
-    }
-    Ok(n)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{controller_side, declaration_queue_for};
+use common::{api, controller_side, declaration_queue_for, free_port, kill_connections, scrape};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -29,7 +29,6 @@ use mesh_protocol::{
     UnitItem, UnitState,
 };
 use mesh_testkit::TestEnv;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{Instant, timeout};
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -85,14 +84,6 @@ while True:
             pass
     time.sleep(0.02)
 "#;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn probe(json: serde_json::Value) -> Probe {
     let p: Probe = serde_json::from_value(json).expect("a probe");
@@ -211,15 +202,6 @@ async fn publish_declaration(
         "declaration not routed: {confirm:?}"
     );
     Ok(())
-}
-
-async fn scrape(port: u16) -> anyhow::Result<String> {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
-    Ok(out)
 }
 
 /// Record `units` as the inventory section at `generation`, as an applied
@@ -672,40 +654,6 @@ async fn an_agents_restart_keeps_the_unit_and_its_probes_resume() -> anyhow::Res
 }
 
 /// The broker management API: `path` under `/api/`.
-fn api(env: &TestEnv, path: &str) -> (reqwest::Client, String) {
-    let a = env.admin_credentials();
-    (
-        reqwest::Client::new(),
-        format!("{}/api/{path}", a.rabbitmq_api.trim_end_matches('/')),
-    )
-}
-
-/// Close every connection of `user` (as a broker restart or a cut would).
-async fn kill_connections(env: &TestEnv, user: &str) -> anyhow::Result<usize> {
-    let a = env.admin_credentials();
-    let (http, url) = api(
-        env,
-        &format!("connections/username/{}", urlencoding::encode(user)),
-    );
-    let conns: Vec<serde_json::Value> = http
-        .get(&url)
-        .basic_auth(&a.rabbitmq_user, Some(a.rabbitmq_password.expose()))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    let n = conns.iter().filter(|c| c["user"] == user).count();
-    if n > 0 {
-        http.delete(&url)
-            .basic_auth(&a.rabbitmq_user, Some(a.rabbitmq_password.expose()))
-            .send()
-            .await?
-            .error_for_status()?;
-    }
-    Ok(n)
-}
-
 /// Issue 13, part 3: the first hello after an outage states it. The node's
 /// permission on the vhost is taken away and its connection closed, so the
 /// agent cannot come back; given back a while later, the agent's next hello

@@ -38,6 +38,9 @@ CREATE TABLE observability.certificates (
     name text NOT NULL,
     serial text NOT NULL,
     not_after timestamptz NOT NULL,
+    -- When connectivity told the record it issued it (its lifetime is
+    -- not_after - issued_at).
+    issued_at timestamptz NOT NULL,
     PRIMARY KEY (node, name, serial)
 );
 

@@ -399,7 +399,10 @@ impl ModuleHealth {
         validate_module_name("body.module", &self.module)?;
         for (i, r) in self.replicas.iter().enumerate() {
             validate_unit_name(&format!("body.replicas[{i}].unit"), &r.unit)?;
-            if r.reason.as_ref().is_some_and(|x| x.chars().count() > 4 * MAX_PROBE_DETAIL) {
+            if r.reason
+                .as_ref()
+                .is_some_and(|x| x.chars().count() > 4 * MAX_PROBE_DETAIL)
+            {
                 return Err(DecodeError::invalid(
                     format!("body.replicas[{i}].reason"),
                     format!("at most {} characters", 4 * MAX_PROBE_DETAIL),

@@ -94,6 +94,7 @@ pub(crate) struct CertificateRow {
     pub node: String,
     pub name: String,
     pub not_after: DateTime<Utc>,
+    pub issued_at: DateTime<Utc>,
 }
 
 /// An outage a node stated.
@@ -279,7 +280,11 @@ pub(crate) fn rules(i: &RuleInputs<'_>) -> BTreeMap<String, Wanted> {
         chrono::Duration::from_std(i.settings.certificate_window).unwrap_or(chrono::Duration::MAX);
     for c in i.certificates {
         let revoked = i.nodes.get(&c.node).is_some_and(|n| n.revoked);
-        if revoked || c.not_after - now > window {
+        // Agents renew at two thirds of a certificate's lifetime: one with
+        // less than a quarter left has missed its renewal for a while. The
+        // configured window bounds it for long-lived certificates.
+        let quarter = (c.not_after - c.issued_at) / 4;
+        if revoked || c.not_after - now > window.min(quarter) {
             continue;
         }
         let left = secs(now, c.not_after);

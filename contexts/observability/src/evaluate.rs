@@ -150,17 +150,20 @@ pub(crate) async fn run(
         })?,
         None => Vec::new(),
     };
-    let certificates: Vec<(String, String, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT node, name, max(not_after) FROM observability.certificates GROUP BY node, name",
+    // The newest certificate of each node and name (by not_after).
+    let certificates: Vec<(String, String, DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT DISTINCT ON (node, name) node, name, not_after, issued_at \
+         FROM observability.certificates ORDER BY node, name, not_after DESC",
     )
     .fetch_all(&mut *tx)
     .await?;
     let certificates: Vec<CertificateRow> = certificates
         .into_iter()
-        .map(|(node, name, not_after)| CertificateRow {
+        .map(|(node, name, not_after, issued_at)| CertificateRow {
             node,
             name,
             not_after,
+            issued_at,
         })
         .collect();
     let outages: Vec<(String, DateTime<Utc>, i64, i64, i64)> = sqlx::query_as(
@@ -400,6 +403,14 @@ async fn prune(tx: &mut PgConnection, s: &Settings, now: DateTime<Utc>) -> Resul
     )
     .bind(now)
     .bind(s.outage_window.as_secs_f64())
+    .execute(&mut *tx)
+    .await?;
+    // Certificates superseded by a newer one of the same node and name.
+    sqlx::query(
+        "DELETE FROM observability.certificates c WHERE EXISTS \
+         (SELECT 1 FROM observability.certificates n WHERE n.node = c.node AND n.name = c.name \
+          AND n.not_after > c.not_after)",
+    )
     .execute(&mut *tx)
     .await?;
     sqlx::query(

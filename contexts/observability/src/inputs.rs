@@ -328,13 +328,14 @@ pub(crate) async fn events(tx: &mut PgConnection, events: &[&RecordEvent]) -> Re
             }
             RecordKind::CertificateIssued(b) => {
                 sqlx::query(
-                    "INSERT INTO observability.certificates (node, name, serial, not_after) \
-                     VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                    "INSERT INTO observability.certificates (node, name, serial, not_after, issued_at) \
+                     VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
                 )
                 .bind(b.node.as_str())
                 .bind(&b.name)
                 .bind(&b.serial)
                 .bind(b.not_after)
+                .bind(e.sent_at.min(b.not_after))
                 .execute(&mut *tx)
                 .await?;
             }

@@ -115,8 +115,9 @@ pub struct Settings {
     pub crash_restarts: u32,
     /// Default 10 minutes.
     pub crash_window: Duration,
-    /// A certificate whose `not_after` is closer than this is alerted.
-    /// Default 14 days.
+    /// A certificate whose `not_after` is closer than this, or than a
+    /// quarter of its lifetime (whichever is shorter), is alerted. Default
+    /// 14 days.
     pub certificate_window: Duration,
     /// A node behind on a section for longer than this is alerted. Default 5 min.
     pub behind_after: Duration,

@@ -339,20 +339,29 @@ async fn a_unit_restarting_three_times_in_the_window_is_crash_looping() {
 async fn a_certificate_close_to_expiry_is_alerted_until_a_newer_one_is_issued() {
     let f = setup(Settings::default()).await;
     let a = f.node("a");
-    let issued = |serial: &str, days: i64| {
-        RecordEvent::new(RecordKind::CertificateIssued(CertificateIssued {
+    // Issued `ago` days ago, expiring in `left` days.
+    let issued = |serial: &str, ago: i64, left: i64| RecordEvent {
+        id: uuid::Uuid::now_v7(),
+        sent_at: Utc::now() - chrono::Duration::days(ago),
+        kind: RecordKind::CertificateIssued(CertificateIssued {
             node: a.clone(),
             name: "node".into(),
             serial: serial.into(),
-            not_after: Utc::now() + chrono::Duration::days(days),
-        }))
+            not_after: Utc::now() + chrono::Duration::days(left),
+        }),
     };
-    f.events(&[joined(&a), issued("01", 3)]).await;
+    // A fresh short-lived certificate is not alerted: a quarter of its
+    // lifetime (renewal is due at two thirds) is still ahead.
+    f.events(&[joined(&a), issued("00", 0, 1)]).await;
+    f.evaluate().await;
+    assert!(f.open().await.is_empty());
+    // Three days left of ninety: renewal was missed.
+    f.events(&[issued("01", 87, 3)]).await;
     f.evaluate().await;
     let open = f.open().await;
     assert_eq!(open[0]["kind"], "certificate_expiring");
     assert!(open[0]["message"].as_str().unwrap().contains("expires in"));
-    f.events(&[issued("02", 90)]).await;
+    f.events(&[issued("02", 0, 90)]).await;
     assert_eq!(f.evaluate().await.resolved, 1);
     f.env.teardown().await.unwrap();
 }

@@ -101,3 +101,62 @@ pub async fn declaration_queue_for(ch: &Channel, node: &NodeId) -> anyhow::Resul
     .await?;
     Ok(())
 }
+
+/// A free TCP port on loopback (for an agent's metrics listener).
+#[allow(dead_code)]
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// `GET /metrics` of an agent's loopback listener, the raw answer.
+#[allow(dead_code)]
+pub async fn scrape(port: u16) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    Ok(out)
+}
+
+/// A client of the broker's management API and the URL of `path` under it.
+#[allow(dead_code)]
+pub fn api(env: &TestEnv, path: &str) -> (reqwest::Client, String) {
+    let a = env.admin_credentials();
+    (
+        reqwest::Client::new(),
+        format!("{}/api/{path}", a.rabbitmq_api.trim_end_matches('/')),
+    )
+}
+
+/// Close every broker connection of `user` through the management API (as a
+/// broker restart or a network cut would); returns how many there were.
+#[allow(dead_code)]
+pub async fn kill_connections(env: &TestEnv, user: &str) -> anyhow::Result<usize> {
+    let a = env.admin_credentials();
+    let (http, url) = api(
+        env,
+        &format!("connections/username/{}", urlencoding::encode(user)),
+    );
+    let conns: Vec<serde_json::Value> = http
+        .get(&url)
+        .basic_auth(&a.rabbitmq_user, Some(a.rabbitmq_password.expose()))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let n = conns.iter().filter(|c| c["user"] == user).count();
+    if n > 0 {
+        http.delete(&url)
+            .basic_auth(&a.rabbitmq_user, Some(a.rabbitmq_password.expose()))
+            .send()
+            .await?
+            .error_for_status()?;
+    }
+    Ok(n)
+}
