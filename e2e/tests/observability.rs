@@ -457,3 +457,46 @@ fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
             .then(|| value.split_whitespace().next()?.parse().ok())?
     })
 }
+
+/// A node states only its own health: a health report whose body names
+/// another node is dead-lettered (`impersonation`) and changes nothing of
+/// that node; one that names no unit it runs is kept as its own.
+#[tokio::test]
+async fn a_node_cannot_state_another_nodes_health() -> anyhow::Result<()> {
+    let mut mesh = Mesh::start().await?;
+    let a = mesh.add_agent("a", &[]).await?;
+    let b = mesh.add_agent("b", &[]).await?;
+    let forged = mesh_protocol::Envelope::new(
+        mesh_protocol::NodeId::parse(&b)?,
+        1_000_000,
+        mesh_protocol::Report::Health(mesh_protocol::Health {
+            probes: vec![mesh_protocol::ProbeResult {
+                unit: "web-0".into(),
+                module: "web".into(),
+                probe: "ready".into(),
+                state: mesh_protocol::ProbeState::Unhealthy,
+                since: "2026-01-01T00:00:00Z".parse()?,
+                checked_at: None,
+                failures: 9,
+                detail: Some("forged".into()),
+            }],
+            summary: false,
+        }),
+    );
+    let creds = mesh.agent(&a).creds.clone();
+    mesh_e2e::publish_as(&creds, &format!("{a}.health"), &forged.encode(), true).await?;
+    let letters = wait_for("the forged report dead-lettered", WITHIN, || async {
+        let letters = mesh_e2e::drain_dead_letters(&mesh.env.admin_amqp_url()).await?;
+        Ok((!letters.is_empty()).then_some(letters))
+    })
+    .await?;
+    ensure!(letters[0].0 == "impersonation", "{letters:?}");
+    ensure!(letters[0].2.as_deref() == Some(a.as_str()), "{letters:?}");
+    let (_, health) = mesh.get(&format!("/v1/health?node={b}")).await?;
+    ensure!(
+        !health.to_string().contains("forged"),
+        "b's health took a's word: {health}"
+    );
+    mesh.stop_agent(&b);
+    mesh.teardown().await
+}
