@@ -362,3 +362,72 @@ impl Drop for Lan {
         }
     }
 }
+
+/// A host of a [`Lan`] running a real agent: its node id and directories.
+#[derive(Debug, Clone)]
+pub struct LanHost {
+    pub node: String,
+    pub state_dir: std::path::PathBuf,
+    pub root: std::path::PathBuf,
+    /// The host's own `/var/run/wireguard` (see [`Lan::command_with_wireguard_dir`]).
+    pub wireguard_dir: std::path::PathBuf,
+}
+
+impl Lan {
+    /// Enrol `name` (its own broker user) and start its agent on host `i`,
+    /// reaching the broker over AMQPS at the advertised address as a second
+    /// machine would, logging to `agent-<name>.log` in the mesh's directory.
+    /// `extra_toml` follows the agent's base settings (state, root, a 1 s
+    /// heartbeat, quick reconnects, hostname `name`): top-level keys first,
+    /// then tables.
+    pub async fn spawn_agent(
+        &self,
+        mesh: &crate::Mesh,
+        i: usize,
+        name: &str,
+        extra_toml: &str,
+    ) -> anyhow::Result<(LanHost, crate::Proc)> {
+        let tls = mesh_testkit::bundle_tls()?;
+        let creds = mesh.env.add_node(name).await?;
+        let dir = mesh.dir.path().join(format!("host-{name}"));
+        let host = LanHost {
+            node: creds.node.as_str().to_owned(),
+            state_dir: dir.join("state"),
+            root: dir.join("root"),
+            wireguard_dir: dir.join("run-wireguard"),
+        };
+        for d in [&host.state_dir, &host.root, &host.wireguard_dir] {
+            std::fs::create_dir_all(d)?;
+        }
+        creds.write_to_over_tls(&host.state_dir, &tls)?;
+        let config = dir.join("agent.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "state_dir = {state:?}\nroot = {root:?}\nheartbeat_interval = \"1s\"\n\
+                 reconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\nhostname = \"{name}\"\n\
+                 {extra_toml}",
+                state = host.state_dir,
+                root = host.root,
+            ),
+        )?;
+        let log = mesh.dir.path().join(format!("agent-{name}.log"));
+        let append = || {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log)
+        };
+        let agent = crate::Proc::spawn(
+            self.command_with_wireguard_dir(i, &host.wireguard_dir, &crate::bin("mesh-agent")?)
+                .arg("run")
+                .arg("--config")
+                .arg(&config)
+                .env("RUST_LOG", "info,mesh_host_agent=debug")
+                .stdin(std::process::Stdio::null())
+                .stdout(append()?)
+                .stderr(append()?),
+        )?;
+        Ok((host, agent))
+    }
+}

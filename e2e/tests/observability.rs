@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail, ensure};
 use mesh_e2e::netns::{Lan, in_netns};
-use mesh_e2e::{AGENT_OFF_THE_OVERLAY, GRACE, Mesh, Proc, bin, wait_for};
+use mesh_e2e::{AGENT_OFF_THE_OVERLAY, GRACE, Mesh, Proc, wait_for};
 use reqwest::Method;
 use serde_json::{Value, json};
 
@@ -205,49 +205,18 @@ fn nix_root() -> bool {
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
-fn append(path: &Path) -> anyhow::Result<std::fs::File> {
-    Ok(std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?)
-}
-
 async fn probes(mesh: &mut Mesh, lan: &Lan, agents: &mut Vec<Proc>) -> anyhow::Result<()> {
-    let tls = mesh_testkit::bundle_tls()?;
-    let agent_bin = bin("mesh-agent")?;
     let mut roots = Vec::new();
     let mut nodes = Vec::new();
     for (i, name) in HOSTS.iter().enumerate() {
-        let creds = mesh.env.add_node(name).await?;
-        let dir = mesh.dir.path().join(format!("host-{name}"));
-        let (state, root) = (dir.join("state"), dir.join("root"));
-        std::fs::create_dir_all(&state)?;
-        std::fs::create_dir_all(&root)?;
-        creds.write_to_over_tls(&state, &tls)?;
-        let config = dir.join("agent.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "state_dir = {state:?}\nroot = {root:?}\nheartbeat_interval = \"1s\"\n\
-                 reconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\nhostname = \"{name}\"\n\
-                 metrics_listen = \"127.0.0.1:{AGENT_METRICS_PORT}\"\n\
-                 labels = {{ role = \"web\" }}\n{AGENT_OFF_THE_OVERLAY}"
-            ),
-        )?;
-        let log = mesh.dir.path().join(format!("agent-{name}.log"));
-        let mut cmd = std::process::Command::new("ip");
-        cmd.args(["netns", "exec", lan.ns(i)])
-            .arg(&agent_bin)
-            .arg("run")
-            .arg("--config")
-            .arg(&config)
-            .env("RUST_LOG", "info,mesh_host_agent=debug")
-            .stdin(Stdio::null())
-            .stdout(append(&log)?)
-            .stderr(append(&log)?);
-        agents.push(Proc::spawn(&mut cmd)?);
-        roots.push(root);
-        nodes.push(creds.node.as_str().to_owned());
+        let extra = format!(
+            "metrics_listen = \"127.0.0.1:{AGENT_METRICS_PORT}\"\n\
+             labels = {{ role = \"web\" }}\n{AGENT_OFF_THE_OVERLAY}"
+        );
+        let (host, agent) = lan.spawn_agent(mesh, i, name, &extra).await?;
+        agents.push(agent);
+        roots.push(host.root);
+        nodes.push(host.node);
     }
     let port = 18_080;
     let (status, _, body) = mesh

@@ -30,13 +30,13 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail, ensure};
-use mesh_e2e::netns::{Lan, Listener, connect};
-use mesh_e2e::{Mesh, Proc, bin, wait_for};
+use mesh_e2e::netns::{Lan, LanHost, Listener, connect};
+use mesh_e2e::{Mesh, Proc, wait_for};
 use serde_json::{Value, json};
 
 const WITHIN: Duration = Duration::from_secs(30);
@@ -88,21 +88,6 @@ fn unavailable() -> Option<String> {
     }
 }
 
-/// One host of the LAN: its node and its directories.
-struct Host {
-    node: String,
-    state_dir: PathBuf,
-    root: PathBuf,
-    wireguard_dir: PathBuf,
-}
-
-fn append(path: &Path) -> std::io::Result<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-}
-
 fn ip(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new("ip").args(args).output()?;
     ensure!(
@@ -117,7 +102,7 @@ fn ip(args: &[&str]) -> anyhow::Result<()> {
 /// Run `args` in host `i` with its own `/var/run/wireguard` (`wg show …`).
 fn in_host(
     lan: &Lan,
-    host: &Host,
+    host: &LanHost,
     i: usize,
     program: &str,
     args: &[&str],
@@ -139,7 +124,7 @@ fn in_host(
 }
 
 /// The public keys of the peers of `mesh0` on host `i`.
-fn wg_peers(lan: &Lan, host: &Host, i: usize) -> anyhow::Result<Vec<String>> {
+fn wg_peers(lan: &Lan, host: &LanHost, i: usize) -> anyhow::Result<Vec<String>> {
     let out = in_host(lan, host, i, "wg", &["show", "mesh0", "peers"])?;
     Ok(out.split_whitespace().map(str::to_owned).collect())
 }
@@ -245,49 +230,17 @@ async fn the_controller_declares_the_overlay_its_filter_and_a_revocation() -> an
 }
 
 async fn overlay(mesh: &Mesh, lan: &Lan, agents: &mut Vec<Proc>) -> anyhow::Result<()> {
-    let tls = mesh_testkit::bundle_tls()?;
-    let agent_bin = bin("mesh-agent")?;
-
     // An agent per host: its own broker user, AMQPS to the advertised
     // address, its endpoint on the LAN.
     let mut hosts = Vec::new();
     for (i, name) in NAMES.iter().enumerate() {
-        let creds = mesh.env.add_node(name).await?;
-        let dir = mesh.dir.path().join(format!("host-{name}"));
-        let host = Host {
-            node: creds.node.as_str().to_owned(),
-            state_dir: dir.join("state"),
-            root: dir.join("root"),
-            wireguard_dir: dir.join("run-wireguard"),
-        };
-        for d in [&host.state_dir, &host.root, &host.wireguard_dir] {
-            std::fs::create_dir_all(d)?;
-        }
-        creds.write_to_over_tls(&host.state_dir, &tls)?;
-        let config = dir.join("agent.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "state_dir = {state:?}\nroot = {root:?}\nheartbeat_interval = \"1s\"\n\
-                 reconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\nhostname = \"{name}\"\n\
-                 [overlay]\nendpoint = \"{ip}\"\nlisten_port = {WG_PORT}\nkernel = false\n\
-                 check_interval = \"1s\"\n",
-                state = host.state_dir,
-                root = host.root,
-                ip = lan.addr(i),
-            ),
-        )?;
-        let log = mesh.dir.path().join(format!("agent-{name}.log"));
-        agents.push(Proc::spawn(
-            lan.command_with_wireguard_dir(i, &host.wireguard_dir, &agent_bin)
-                .arg("run")
-                .arg("--config")
-                .arg(&config)
-                .env("RUST_LOG", "info,mesh_host_agent=debug")
-                .stdin(Stdio::null())
-                .stdout(append(&log)?)
-                .stderr(append(&log)?),
-        )?);
+        let overlay = format!(
+            "[overlay]\nendpoint = \"{ip}\"\nlisten_port = {WG_PORT}\nkernel = false\n\
+             check_interval = \"1s\"\n",
+            ip = lan.addr(i),
+        );
+        let (host, agent) = lan.spawn_agent(mesh, i, name, &overlay).await?;
+        agents.push(agent);
         hosts.push(host);
     }
 
