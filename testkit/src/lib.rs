@@ -122,6 +122,61 @@ pub fn bundle_tls() -> anyhow::Result<BundleTls> {
     })
 }
 
+/// The environment variable naming the OCI registry's port on 127.0.0.1
+/// (`bundle/up` reads the same one; default [`DEFAULT_REGISTRY_PORT`]).
+pub const REGISTRY_PORT_ENV: &str = "MESH_REGISTRY_PORT";
+
+/// The OCI registry's port when [`REGISTRY_PORT_ENV`] is not set.
+pub const DEFAULT_REGISTRY_PORT: u16 = 5000;
+
+/// The base URL (`http://127.0.0.1:<port>`) of the OCI registry `bundle/up`
+/// raised on loopback (Debian's docker-registry, docs/decisions/0031), for
+/// tests that push and pull artifacts. The port is `$MESH_REGISTRY_PORT`, else
+/// 5000. An error says to run `bundle/up` when `GET /v2/` does not answer 200
+/// (CI runs it first). Repositories are not isolated per test: name yours
+/// uniquely (deletes are disabled, so nothing is torn down).
+pub fn registry_url() -> anyhow::Result<String> {
+    let port = match std::env::var(REGISTRY_PORT_ENV) {
+        Ok(p) => p
+            .parse::<u16>()
+            .with_context(|| format!("{REGISTRY_PORT_ENV}={p} is not a port"))?,
+        Err(_) => DEFAULT_REGISTRY_PORT,
+    };
+    let url = format!("http://127.0.0.1:{port}");
+    let status = registry_version_check(port).with_context(|| {
+        format!("the OCI registry at {url}/v2/ does not answer: run `bash bundle/up` first")
+    })?;
+    anyhow::ensure!(
+        status == 200,
+        "the OCI registry at {url}/v2/ answered {status}, not 200: run `bash bundle/up` first"
+    );
+    Ok(url)
+}
+
+/// `GET /v2/` (the distribution API's version check) on 127.0.0.1:`port`: the
+/// status code. Plain HTTP/1.0 over a socket with timeouts, so the kit needs
+/// no HTTP client.
+fn registry_version_check(port: u16) -> anyhow::Result<u16> {
+    use std::io::{BufRead as _, BufReader, Write as _};
+    use std::time::Duration;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))
+        .with_context(|| format!("connecting to {addr}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(b"GET /v2/ HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut line = String::new();
+    BufReader::new(stream)
+        .read_line(&mut line)
+        .context("reading the status line")?;
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse::<u16>().ok())
+        .with_context(|| format!("not an HTTP status line: {line:?}"))?;
+    Ok(status)
+}
+
 /// One test's isolated environment.
 pub struct TestEnv {
     id: String,
