@@ -129,6 +129,19 @@ pub enum UnitState {
     Stopped,
 }
 
+impl UnitState {
+    /// The state as the wire and every store spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnitState::Starting => "starting",
+            UnitState::Running => "running",
+            UnitState::Exited => "exited",
+            UnitState::Failed => "failed",
+            UnitState::Stopped => "stopped",
+        }
+    }
+}
+
 /// One unit as the agent sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UnitStatus {

@@ -5,21 +5,11 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use mesh_protocol::{Envelope, Report, UnitState, Units};
+use mesh_protocol::{Envelope, Report, Units};
 use sqlx::PgConnection;
 
 use crate::Error;
 use crate::nodes::to_i64;
-
-pub(crate) fn state_str(s: UnitState) -> &'static str {
-    match s {
-        UnitState::Starting => "starting",
-        UnitState::Running => "running",
-        UnitState::Exited => "exited",
-        UnitState::Failed => "failed",
-        UnitState::Stopped => "stopped",
-    }
-}
 
 /// Record the newest units report of each node in the batch, if it is newer
 /// than the one recorded (by the node's `seq`). Assignments the report does not
@@ -60,7 +50,7 @@ pub(crate) async fn record(
         for u in &units.units {
             names.push(u.name.as_str());
             modules.push(u.module.as_str());
-            states.push(state_str(u.state));
+            states.push(u.state.as_str());
             pids.push(u.pid.map(i64::from));
             codes.push(u.exit_code);
             restarts.push(i64::from(u.restarts));

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use mesh_protocol::{Envelope, Health, Outage, RecordEvent, RecordKind, Report, UnitState, Units};
+use mesh_protocol::{Envelope, Health, Outage, RecordEvent, RecordKind, Report, Units};
 use sqlx::PgConnection;
 
 use crate::Error;
@@ -14,16 +14,6 @@ use crate::Error;
 /// the largest: it only orders reports).
 fn seq(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
-}
-
-pub(crate) fn unit_state(s: UnitState) -> &'static str {
-    match s {
-        UnitState::Starting => "starting",
-        UnitState::Running => "running",
-        UnitState::Exited => "exited",
-        UnitState::Failed => "failed",
-        UnitState::Stopped => "stopped",
-    }
 }
 
 /// Record a batch of reports: the newest health and units report of each
@@ -197,7 +187,7 @@ async fn record_units(tx: &mut PgConnection, node: &str, n: u64, u: &Units) -> R
     for s in &u.units {
         names.push(s.name.as_str());
         modules.push(s.module.as_str());
-        states.push(unit_state(s.state));
+        states.push(s.state.as_str());
         restarts.push(i64::from(s.restarts));
     }
     sqlx::query(
