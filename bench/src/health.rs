@@ -32,6 +32,7 @@ fn units_report(units: usize) -> Report {
     Report::Units(Units {
         units: (0..units)
             .map(|u| UnitStatus {
+                revision: None,
                 name: format!("m{u}"),
                 module: format!("m{u}"),
                 state: UnitState::Running,

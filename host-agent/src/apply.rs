@@ -666,6 +666,8 @@ mod tests {
     fn units_are_recorded_for_the_inventory_section_only() {
         let fx = fixture();
         let unit = mesh_protocol::UnitItem {
+            artifact: None,
+            revision: None,
             name: "web-0".into(),
             module: "web".into(),
             command: "/bin/true".into(),

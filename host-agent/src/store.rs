@@ -325,6 +325,8 @@ mod tests {
             last_error: None,
             updated_at: Some(Utc::now()),
             units: vec![UnitItem {
+                artifact: None,
+                revision: None,
                 name: "web".into(),
                 module: "web".into(),
                 command: "/bin/sleep".into(),

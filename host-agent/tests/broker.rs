@@ -537,6 +537,8 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
     assert_eq!(r.user_id.as_deref(), Some(node.as_str()));
 
     let unit = UnitItem {
+        artifact: None,
+        revision: None,
         name: "svc-0".into(),
         module: "svc".into(),
         command: "/bin/sh".into(),
@@ -692,6 +694,8 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
          log_max_bytes = 1024\nlog_files = 2\n",
     )?;
     let unit = |name: &str, script: &str| UnitItem {
+        artifact: None,
+        revision: None,
         name: name.into(),
         module: "keep".into(),
         command: "/bin/sh".into(),

@@ -93,6 +93,8 @@ fn probe(json: serde_json::Value) -> Probe {
 
 fn python_unit(name: &str, script: &str, port: u16, flag: &Path, probes: Vec<Probe>) -> UnitItem {
     UnitItem {
+        artifact: None,
+        revision: None,
         name: name.into(),
         module: "web".into(),
         command: python(),
@@ -374,6 +376,8 @@ async fn an_http_probe_turns_unhealthy_after_its_threshold_and_back() -> anyhow:
         generation: 2,
         items: DeclarationItems {
             units: vec![UnitItem {
+                artifact: None,
+                revision: None,
                 probes: vec![],
                 ..unit.clone()
             }],
@@ -534,6 +538,8 @@ async fn tcp_and_exec_probes_turn_and_return() {
 
     // Other probes: only the new one is listed.
     let other = UnitItem {
+        artifact: None,
+        revision: None,
         probes: vec![probe(serde_json::json!({
             "name": "port2",
             "tcp": {"port": port},
@@ -813,6 +819,8 @@ async fn the_first_check_waits_the_initial_delay_and_a_stopped_unit_drops_its_pr
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let unit = UnitItem {
+        artifact: None,
+        revision: None,
         name: "late-0".into(),
         module: "late".into(),
         command: "/bin/sh".into(),
@@ -853,6 +861,8 @@ async fn the_first_check_waits_the_initial_delay_and_a_stopped_unit_drops_its_pr
 
     // Stopped: no probes. Running again: anew, unknown first.
     let stopped = UnitItem {
+        artifact: None,
+        revision: None,
         desired: DesiredState::Stopped,
         ..unit.clone()
     };

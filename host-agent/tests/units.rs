@@ -35,6 +35,8 @@ fn fast() -> UnitsConfig {
 
 fn sh(name: &str, script: &str) -> UnitItem {
     UnitItem {
+        artifact: None,
+        revision: None,
         name: name.into(),
         module: "m".into(),
         command: "/bin/sh".into(),
@@ -149,6 +151,8 @@ async fn starts_restarts_after_kill_and_stops() {
 
     // Desired stopped: stopped, still listed.
     let stopped = UnitItem {
+        artifact: None,
+        revision: None,
         desired: DesiredState::Stopped,
         ..item.clone()
     };
@@ -188,6 +192,8 @@ async fn spec_change_restarts_and_policy_change_does_not() {
 
     // Restart policy only: applied in place, the process is untouched.
     let v1b = UnitItem {
+        artifact: None,
+        revision: None,
         restart: RestartPolicy::OnFailure,
         ..v1.clone()
     };
@@ -197,6 +203,8 @@ async fn spec_change_restarts_and_policy_change_does_not() {
 
     // New args: the old process stops, a new one starts with the new spec.
     let v2 = UnitItem {
+        artifact: None,
+        revision: None,
         args: vec!["-c".into(), "exec sleep 999".into()],
         ..v1b.clone()
     };
@@ -221,19 +229,27 @@ async fn spec_change_restarts_and_policy_change_does_not() {
 async fn restart_policies() {
     let mut fx = fixture(fast()).await;
     let never = UnitItem {
+        artifact: None,
+        revision: None,
         restart: RestartPolicy::Never,
         ..sh("never", "exec sleep 1000")
     };
     let clean_exit = UnitItem {
+        artifact: None,
+        revision: None,
         restart: RestartPolicy::OnFailure,
         ..sh("clean", "exit 0")
     };
     let failing = UnitItem {
+        artifact: None,
+        revision: None,
         restart: RestartPolicy::OnFailure,
         ..sh("failing", "exit 3")
     };
     let missing = sh("missing", "unused");
     let missing = UnitItem {
+        artifact: None,
+        revision: None,
         command: "/nonexistent/mesh-test-binary".into(),
         ..missing
     };
@@ -354,6 +370,8 @@ async fn output_is_captured_and_rotation_caps_its_size() {
     let mut fx = fixture(fast()).await;
     std::fs::create_dir_all(fx.root.join("srv/app")).unwrap();
     let item = UnitItem {
+        artifact: None,
+        revision: None,
         env: [("GREETING".to_owned(), "hello".to_owned())].into(),
         working_dir: Some("/srv/app".into()),
         ..sh(
@@ -392,6 +410,8 @@ async fn output_is_captured_and_rotation_caps_its_size() {
     // The first line (declared env, working dir under the root) before it was
     // rotated away: run a unit that only says it.
     let probe = UnitItem {
+        artifact: None,
+        revision: None,
         restart: RestartPolicy::Never,
         ..sh(
             "probe",
@@ -399,6 +419,8 @@ async fn output_is_captured_and_rotation_caps_its_size() {
         )
     };
     let probe = UnitItem {
+        artifact: None,
+        revision: None,
         env: item.env.clone(),
         working_dir: item.working_dir.clone(),
         ..probe
@@ -583,6 +605,8 @@ async fn wait_metric(port: u16, line: &str) {
 /// INT), and otherwise runs until it is killed.
 fn trapping(name: &str, marks: &Path) -> UnitItem {
     UnitItem {
+        artifact: None,
+        revision: None,
         env: [(
             "MARK".to_owned(),
             marks.join(name).to_string_lossy().into_owned(),
@@ -626,6 +650,8 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
     );
     // `e` ran once and failed; `never` restart it.
     let e = UnitItem {
+        artifact: None,
+        revision: None,
         restart: RestartPolicy::Never,
         ..sh(
             "e",
@@ -664,6 +690,8 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
     // The next supervisor: `c` is no longer declared, `d` has a new spec.
     let mut next = Supervisor::start(fast(), &root, &state, Metrics::new()).await;
     let d2 = UnitItem {
+        artifact: None,
+        revision: None,
         env: [
             (
                 "MARK".to_owned(),

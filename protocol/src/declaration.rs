@@ -249,6 +249,11 @@ pub struct DeclarationItems {
     /// Certificates issued to the node for its CSRs (the connectivity section).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub certificates: Vec<crate::CertificateItem>,
+    /// Artifacts the node must hold in its cache, pulled and verified by
+    /// digest and signature (the delivery section). An agent older than
+    /// artifacts ignores the field.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub artifacts: Vec<crate::ArtifactItem>,
 }
 
 /// The heartbeat interval and grace the controller asks of a node.
@@ -319,6 +324,23 @@ impl DeclarationItems {
                 format!("more than {} certificates", crate::MAX_CERTIFICATES),
             ));
         }
+        if self.artifacts.len() > crate::MAX_ARTIFACTS {
+            return Err(DecodeError::invalid(
+                "body.items.artifacts",
+                format!("more than {} artifacts", crate::MAX_ARTIFACTS),
+            ));
+        }
+        let mut digests = BTreeSet::new();
+        for (i, a) in self.artifacts.iter().enumerate() {
+            let field = format!("body.items.artifacts[{i}]");
+            a.validate(&field)?;
+            if !digests.insert(a.digest.as_str()) {
+                return Err(DecodeError::invalid(
+                    format!("{field}.digest"),
+                    format!("`{}` is declared twice", a.digest),
+                ));
+            }
+        }
         let mut certs = BTreeSet::new();
         for (i, c) in self.certificates.iter().enumerate() {
             let field = format!("body.items.certificates[{i}]");
@@ -374,6 +396,7 @@ pub fn digest_items(items: &DeclarationItems) -> String {
     sorted.units.sort_by(|a, b| a.name.cmp(&b.name));
     sorted.secrets.sort_by(|a, b| a.path.cmp(&b.path));
     sorted.certificates.sort_by(|a, b| a.name.cmp(&b.name));
+    sorted.artifacts.sort_by(|a, b| a.digest.cmp(&b.digest));
     let bytes = serde_json::to_vec(&sorted).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }

@@ -12,6 +12,7 @@
 //!
 //! docs/protocol.md is the contract this crate implements.
 
+mod artifact;
 mod connectivity;
 mod declaration;
 mod envelope;
@@ -27,6 +28,11 @@ pub mod signing;
 pub mod topology;
 mod unit;
 
+pub use artifact::{
+    ARTIFACT_MEDIA_TYPE, ARTIFACT_REPOSITORY, ArtifactDigest, ArtifactItem, ArtifactSignature,
+    ArtifactSignatureError, MAX_ARTIFACTS, MAX_TARGET_REVISIONS, ModuleTargets, NodeTarget, RevisionUnit,
+    SIGNATURE_MEDIA_TYPE, signature_payload,
+};
 pub use connectivity::{
     CertificateItem, CertificateRequest, Certificates, FirewallPlan, HeldCertificate,
     MAX_CERTIFICATES, MAX_PEERS, MAX_PEM_BYTES, MAX_PORTS, MAX_RULESET_BYTES, ModulePort,

@@ -22,7 +22,7 @@ pub const AUDIT_EVENT: &str = "operator.audit";
 
 /// Every record event of this version, as `<context>.<event>` (`*` for any
 /// context). The compatibility corpus (tests/compat/v1/) holds one of each.
-pub const RECORD_EVENTS: [&str; 14] = [
+pub const RECORD_EVENTS: [&str; 15] = [
     "inventory.node.joined",
     "inventory.node.updated",
     "inventory.node.unreachable",
@@ -36,6 +36,7 @@ pub const RECORD_EVENTS: [&str; 14] = [
     "observability.module.health",
     "observability.alert.raised",
     "observability.alert.resolved",
+    "delivery.module.targets",
     "*.operator.audit",
 ];
 
@@ -90,6 +91,8 @@ pub enum RecordKind {
     AlertRaised(crate::AlertChanged),
     /// `observability.alert.resolved`: an alert closed.
     AlertResolved(crate::AlertChanged),
+    /// `delivery.module.targets`: the revision each node's replicas of a module run.
+    ModuleTargets(crate::ModuleTargets),
     /// `<context>.operator.audit`: an operator's mutation served by `context`.
     OperatorAudit { context: String, entry: AuditEntry },
 }
@@ -110,6 +113,7 @@ impl RecordKind {
             RecordKind::ModuleHealth(_)
             | RecordKind::AlertRaised(_)
             | RecordKind::AlertResolved(_) => "observability",
+            RecordKind::ModuleTargets(_) => "delivery",
             RecordKind::OperatorAudit { context, .. } => context,
         }
     }
@@ -128,6 +132,7 @@ impl RecordKind {
             RecordKind::ModuleHealth(_) => "module.health",
             RecordKind::AlertRaised(_) => "alert.raised",
             RecordKind::AlertResolved(_) => "alert.resolved",
+            RecordKind::ModuleTargets(_) => "module.targets",
             RecordKind::NodeEnrolled(_) => "node.enrolled",
             RecordKind::NodeRevoked(_) => "node.revoked",
             RecordKind::OperatorAudit { .. } => AUDIT_EVENT,
@@ -143,6 +148,7 @@ impl RecordKind {
             RecordKind::FleetConditions(b) => serde_json::to_value(b),
             RecordKind::CertificateIssued(b) => serde_json::to_value(b),
             RecordKind::ModuleHealth(b) => serde_json::to_value(b),
+            RecordKind::ModuleTargets(b) => serde_json::to_value(b),
             RecordKind::AlertRaised(b) | RecordKind::AlertResolved(b) => serde_json::to_value(b),
             RecordKind::NodeEnrolled(b) | RecordKind::NodeRevoked(b) => serde_json::to_value(b),
             RecordKind::OperatorAudit { entry, .. } => serde_json::to_value(entry),
@@ -193,6 +199,9 @@ impl RecordKind {
             ("observability", "alert.resolved") => {
                 RecordKind::AlertResolved(parse(&key, body, unknown)?)
             }
+            ("delivery", "module.targets") => {
+                RecordKind::ModuleTargets(parse(&key, body, unknown)?)
+            }
             ("identity", "node.enrolled") => RecordKind::NodeEnrolled(parse(&key, body, unknown)?),
             ("identity", "node.revoked") => RecordKind::NodeRevoked(parse(&key, body, unknown)?),
             (context, AUDIT_EVENT) => {
@@ -229,6 +238,7 @@ impl RecordKind {
             RecordKind::FleetConditions(b) => b.validate(),
             RecordKind::CertificateIssued(b) => b.validate(),
             RecordKind::ModuleHealth(b) => b.validate(),
+            RecordKind::ModuleTargets(b) => b.validate(),
             RecordKind::AlertRaised(b) if b.resolved_at.is_some() => Err(DecodeError::invalid(
                 "body.resolved_at",
                 "a raised alert is not resolved",

@@ -56,6 +56,16 @@ pub struct UnitItem {
     /// reports. An agent older than probes ignores them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub probes: Vec<crate::Probe>,
+    /// The artifact the unit runs from (delivery), by digest: the agent starts
+    /// it only from its verified cache; a relative `command` is resolved in
+    /// the artifact's directory, which is also the default working directory.
+    /// Absent for a unit of the host's own programs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<crate::ArtifactDigest>,
+    /// The delivery revision this unit runs, echoed in the unit's status so a
+    /// rollout knows which revision is running where.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<uuid::Uuid>,
 }
 
 /// Unit names: 1 to 63 characters of `[a-z0-9-_.]`, starting with a letter or digit.
@@ -156,6 +166,9 @@ pub struct UnitStatus {
     pub restarts: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<DateTime<Utc>>,
+    /// The revision of the unit as declared (its `revision`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<uuid::Uuid>,
 }
 
 /// Body of the `units` report: the state of every unit the node supervises.

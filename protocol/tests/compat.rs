@@ -260,6 +260,7 @@ fn write_corpus() {
         }),
         Report::Units(Units {
             units: vec![UnitStatus {
+                revision: None,
                 name: "web-0".into(),
                 module: "web".into(),
                 state: UnitState::Running,
@@ -278,6 +279,8 @@ fn write_corpus() {
     for (n, section) in Section::ALL.into_iter().enumerate() {
         let units = if section == Section::Inventory {
             vec![UnitItem {
+                artifact: None,
+                revision: None,
                 name: "web-0".into(),
                 module: "web".into(),
                 command: "/usr/bin/web".into(),

@@ -126,6 +126,8 @@ impl ModuleSpec {
     /// The unit one replica runs, under the name `unit_name`.
     pub fn unit_item(&self, module: &str, unit_name: &str) -> UnitItem {
         UnitItem {
+            artifact: None,
+            revision: None,
             name: unit_name.to_owned(),
             module: module.to_owned(),
             command: self.unit.command.clone(),

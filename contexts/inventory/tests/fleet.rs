@@ -273,6 +273,7 @@ impl Fixture {
                 units: units
                     .iter()
                     .map(|(name, module, state, restarts)| UnitStatus {
+                        revision: None,
                         name: name.to_string(),
                         module: module.to_string(),
                         state: *state,

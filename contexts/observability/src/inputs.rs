@@ -332,6 +332,7 @@ pub(crate) async fn events(tx: &mut PgConnection, events: &[&RecordEvent]) -> Re
             // Its own events, and audit entries: only kept for the stream.
             RecordKind::ModuleHealth(_)
             | RecordKind::AlertRaised(_)
+            | RecordKind::ModuleTargets(_)
             | RecordKind::AlertResolved(_)
             | RecordKind::OperatorAudit { .. } => {}
         }

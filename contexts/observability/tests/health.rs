@@ -141,6 +141,7 @@ fn placed(module: &str, version: i64, nodes: &[&NodeId]) -> RecordEvent {
 fn units(module: &str, unit: &str, state: UnitState, restarts: u32) -> Report {
     Report::Units(Units {
         units: vec![UnitStatus {
+            revision: None,
             name: unit.into(),
             module: module.into(),
             state,

@@ -205,6 +205,7 @@ impl Runner {
         self.shared.update(
             self.id,
             UnitStatus {
+                revision: None,
                 name: self.item.name.clone(),
                 module: self.item.module.clone(),
                 state: self.state,
