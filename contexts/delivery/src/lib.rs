@@ -1,0 +1,1 @@
+//! The delivery context (stub; built by issue 14).

@@ -1,0 +1,1 @@
+//! A small client of the OCI distribution API (stub; built by issue 14).
