@@ -1,0 +1,438 @@
+//! HTTP routes of the delivery context. Reads need the viewer role,
+//! everything else the operator role (the controller's auth layer). Errors are
+//! problem+json naming the field; a freeze or a rollout in progress is 409.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::DefaultBodyLimit;
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use mesh_plumbing::api::{ApiJson, Problem};
+use mesh_plumbing::audit::Audit;
+use mesh_plumbing::openapi::{
+    BadRequest, BodyErrors, Conflict, NotFound, Unavailable, Unprocessable,
+};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+use uuid::Uuid;
+
+use crate::{
+    ArtifactView, Delivery, FreezeRequest, FreezeView, NewRevision, Policy, Receipt, RevisionView,
+    RolloutRequest, RolloutView, RunView,
+};
+
+/// `artifact_max_bytes` bounds the body of `POST /v1/artifacts` (every other
+/// route keeps the API's 2 MiB).
+pub(crate) fn routes(artifact_max_bytes: usize) -> OpenApiRouter<Arc<Delivery>> {
+    OpenApiRouter::new()
+        .merge(
+            OpenApiRouter::new()
+                .routes(routes!(push_artifact, list_artifacts))
+                .layer(DefaultBodyLimit::max(artifact_max_bytes.saturating_add(1))),
+        )
+        .routes(routes!(create_revision, list_revisions))
+        .routes(routes!(get_revision))
+        .routes(routes!(get_policy, put_policy))
+        .routes(routes!(start_rollout, list_rollouts))
+        .routes(routes!(get_rollout))
+        .routes(routes!(continue_rollout))
+        .routes(routes!(cancel_rollout))
+        .routes(routes!(get_run))
+        .routes(routes!(approve_run))
+        .routes(routes!(deny_run))
+        .routes(routes!(get_receipts))
+        .routes(routes!(get_freeze, put_freeze, delete_freeze))
+}
+
+fn parse_id(field: &str, text: &str) -> Result<Uuid, Problem> {
+    Uuid::parse_str(text).map_err(|_| {
+        Problem::unprocessable(
+            field,
+            format!(
+                "`{}` is not a UUID",
+                text.chars().take(64).collect::<String>()
+            ),
+        )
+    })
+}
+
+fn parse_module(name: &str) -> Result<(), Problem> {
+    mesh_protocol::validate_module_name("name", name).map_err(Problem::from)
+}
+
+fn created<T>(created: bool, body: T) -> (StatusCode, Json<T>) {
+    (
+        if created {
+            StatusCode::CREATED
+        } else {
+            StatusCode::OK
+        },
+        Json(body),
+    )
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+struct ArtifactList {
+    artifacts: Vec<ArtifactView>,
+}
+
+/// Push an artifact: the body's bytes (a tar archive) are stored in the OCI
+/// registry by their SHA-256 digest and signed by the controller; 201 when
+/// new, 200 when the same bytes were pushed before.
+#[utoipa::path(
+    post,
+    path = "/v1/artifacts",
+    tag = "delivery",
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "The artifact's bytes"),
+    responses(
+        (status = 201, description = "Stored and signed", body = ArtifactView),
+        (status = 200, description = "Already stored", body = ArtifactView),
+        BodyErrors,
+        Unavailable,
+    )
+)]
+async fn push_artifact(
+    State(delivery): State<Arc<Delivery>>,
+    audit: Audit,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<ArtifactView>), Problem> {
+    let body = body.map_err(|e| {
+        Problem::new(
+            e.status(),
+            format!("the artifact's body: {}", e.body_text()),
+        )
+    })?;
+    let (view, new) = delivery.push_artifact(&body, &audit).await?;
+    Ok(created(new, view))
+}
+
+/// Every artifact pushed through the API.
+#[utoipa::path(get, path = "/v1/artifacts", tag = "delivery",
+    responses((status = 200, description = "Artifacts", body = ArtifactList)))]
+async fn list_artifacts(
+    State(delivery): State<Arc<Delivery>>,
+) -> Result<Json<ArtifactList>, Problem> {
+    Ok(Json(ArtifactList {
+        artifacts: delivery.artifacts().await?,
+    }))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+struct RevisionList {
+    revisions: Vec<RevisionView>,
+}
+
+/// Create a revision of a module: its runnable definition (artifact digest,
+/// unit, settings digest), immutable. 201 when new, 200 with the existing
+/// revision when the same definition was made before.
+#[utoipa::path(
+    post,
+    path = "/v1/modules/{name}/revisions",
+    tag = "delivery",
+    params(("name" = String, Path, description = "The module's name")),
+    request_body = NewRevision,
+    responses(
+        (status = 201, description = "Created", body = RevisionView),
+        (status = 200, description = "The same definition's revision", body = RevisionView),
+        BodyErrors,
+    )
+)]
+async fn create_revision(
+    State(delivery): State<Arc<Delivery>>,
+    Path(name): Path<String>,
+    audit: Audit,
+    ApiJson(new): ApiJson<NewRevision>,
+) -> Result<(StatusCode, Json<RevisionView>), Problem> {
+    parse_module(&name)?;
+    let (view, new) = delivery.create_revision(&name, &new, &audit).await?;
+    Ok(created(new, view))
+}
+
+/// A module's revisions, oldest first.
+#[utoipa::path(get, path = "/v1/modules/{name}/revisions", tag = "delivery",
+    params(("name" = String, Path, description = "The module's name")),
+    responses((status = 200, description = "Revisions", body = RevisionList), Unprocessable))]
+async fn list_revisions(
+    State(delivery): State<Arc<Delivery>>,
+    Path(name): Path<String>,
+) -> Result<Json<RevisionList>, Problem> {
+    parse_module(&name)?;
+    Ok(Json(RevisionList {
+        revisions: delivery.revisions(&name).await?,
+    }))
+}
+
+/// One revision.
+#[utoipa::path(get, path = "/v1/revisions/{id}", tag = "delivery",
+    params(("id" = String, Path, description = "The revision's id (UUID)")),
+    responses((status = 200, description = "The revision", body = RevisionView), NotFound, Unprocessable))]
+async fn get_revision(
+    State(delivery): State<Arc<Delivery>>,
+    Path(id): Path<String>,
+) -> Result<Json<RevisionView>, Problem> {
+    let id = parse_id("id", &id)?;
+    Ok(Json(delivery.revision(id).await?))
+}
+
+/// Whether a module's rollouts wait for approval.
+#[utoipa::path(get, path = "/v1/modules/{name}/delivery", tag = "delivery",
+    params(("name" = String, Path, description = "The module's name")),
+    responses((status = 200, description = "The policy", body = Policy), Unprocessable))]
+async fn get_policy(
+    State(delivery): State<Arc<Delivery>>,
+    Path(name): Path<String>,
+) -> Result<Json<Policy>, Problem> {
+    parse_module(&name)?;
+    Ok(Json(delivery.policy(&name).await?))
+}
+
+/// Set whether a module's rollouts wait for approval.
+#[utoipa::path(put, path = "/v1/modules/{name}/delivery", tag = "delivery",
+    params(("name" = String, Path, description = "The module's name")),
+    request_body = Policy,
+    responses((status = 200, description = "The policy", body = Policy), BodyErrors))]
+async fn put_policy(
+    State(delivery): State<Arc<Delivery>>,
+    Path(name): Path<String>,
+    audit: Audit,
+    ApiJson(policy): ApiJson<Policy>,
+) -> Result<Json<Policy>, Problem> {
+    parse_module(&name)?;
+    Ok(Json(delivery.set_policy(&name, &policy, &audit).await?))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+struct RolloutList {
+    rollouts: Vec<RolloutView>,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+struct RolloutParams {
+    /// Only this module's rollouts.
+    module: Option<String>,
+    /// Only rollouts in this state.
+    state: Option<String>,
+}
+
+/// Roll a revision of a module out: one run per node the module runs on
+/// that is not on it already, in steps of `max_unavailable`. 409 during a
+/// freeze (with its reason) or while the module has a rollout in progress.
+#[utoipa::path(
+    post,
+    path = "/v1/rollouts",
+    tag = "delivery",
+    request_body = RolloutRequest,
+    responses(
+        (status = 201, description = "Started (or awaiting approval)", body = RolloutView),
+        BodyErrors,
+        NotFound,
+        Conflict,
+    )
+)]
+async fn start_rollout(
+    State(delivery): State<Arc<Delivery>>,
+    audit: Audit,
+    ApiJson(req): ApiJson<RolloutRequest>,
+) -> Result<(StatusCode, Json<RolloutView>), Problem> {
+    Ok((
+        StatusCode::CREATED,
+        Json(delivery.start_rollout(&req, &audit).await?),
+    ))
+}
+
+/// The newest rollouts (at most 100), filtered.
+#[utoipa::path(get, path = "/v1/rollouts", tag = "delivery", params(RolloutParams),
+    responses((status = 200, description = "Rollouts", body = RolloutList), BadRequest, Unprocessable))]
+async fn list_rollouts(
+    State(delivery): State<Arc<Delivery>>,
+    params: Result<Query<RolloutParams>, QueryRejection>,
+) -> Result<Json<RolloutList>, Problem> {
+    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
+    if let Some(m) = &params.module {
+        mesh_protocol::validate_module_name("module", m)?;
+    }
+    if let Some(s) = &params.state
+        && ![
+            "awaiting_approval",
+            "running",
+            "paused",
+            "succeeded",
+            "failed",
+            "rolled_back",
+            "denied",
+            "canceled",
+        ]
+        .contains(&s.as_str())
+    {
+        return Err(Problem::unprocessable(
+            "state",
+            format!(
+                "`{}` is not a rollout state",
+                s.chars().take(40).collect::<String>()
+            ),
+        ));
+    }
+    Ok(Json(RolloutList {
+        rollouts: delivery
+            .rollouts(params.module.as_deref(), params.state.as_deref())
+            .await?,
+    }))
+}
+
+/// A rollout: its state, step, nodes done and every run with its latest receipt.
+#[utoipa::path(get, path = "/v1/rollouts/{id}", tag = "delivery",
+    params(("id" = String, Path, description = "The rollout's id (UUID)")),
+    responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Unprocessable))]
+async fn get_rollout(
+    State(delivery): State<Arc<Delivery>>,
+    Path(id): Path<String>,
+) -> Result<Json<RolloutView>, Problem> {
+    let id = parse_id("id", &id)?;
+    Ok(Json(delivery.rollout(id).await?))
+}
+
+/// Continue a paused rollout (after its canary, or a lifted freeze).
+#[utoipa::path(post, path = "/v1/rollouts/{id}/continue", tag = "delivery",
+    params(("id" = String, Path, description = "The rollout's id (UUID)")),
+    responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Conflict, Unprocessable))]
+async fn continue_rollout(
+    State(delivery): State<Arc<Delivery>>,
+    Path(id): Path<String>,
+    audit: Audit,
+) -> Result<Json<RolloutView>, Problem> {
+    let id = parse_id("id", &id)?;
+    Ok(Json(delivery.continue_rollout(id, &audit).await?))
+}
+
+/// Cancel a rollout: runs not yet deployed are canceled.
+#[utoipa::path(post, path = "/v1/rollouts/{id}/cancel", tag = "delivery",
+    params(("id" = String, Path, description = "The rollout's id (UUID)")),
+    responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Conflict, Unprocessable))]
+async fn cancel_rollout(
+    State(delivery): State<Arc<Delivery>>,
+    Path(id): Path<String>,
+    audit: Audit,
+) -> Result<Json<RolloutView>, Problem> {
+    let id = parse_id("id", &id)?;
+    Ok(Json(delivery.cancel_rollout(id, &audit).await?))
+}
+
+/// One run.
+#[utoipa::path(get, path = "/v1/runs/{id}", tag = "delivery",
+    params(("id" = String, Path, description = "The run's id (UUID)")),
+    responses((status = 200, description = "The run", body = RunView), NotFound, Unprocessable))]
+async fn get_run(
+    State(delivery): State<Arc<Delivery>>,
+    Path(id): Path<String>,
+) -> Result<Json<RunView>, Problem> {
+    let id = parse_id("id", &id)?;
+    Ok(Json(delivery.run(id).await?))
+}
+
+/// An approval's or a denial's reason.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct Decision {
+    /// Why (required to deny).
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// Approve the rollout of a run awaiting approval; `decided_by` is the
+/// operator's token, never the body.
+#[utoipa::path(post, path = "/v1/runs/{id}/approve", tag = "delivery",
+    params(("id" = String, Path, description = "The run's id (UUID)")),
+    request_body = Decision,
+    responses((status = 200, description = "The run", body = RunView), BodyErrors, NotFound, Conflict))]
+async fn approve_run(
+    State(delivery): State<Arc<Delivery>>,
+    Path(id): Path<String>,
+    audit: Audit,
+    ApiJson(d): ApiJson<Decision>,
+) -> Result<Json<RunView>, Problem> {
+    let id = parse_id("id", &id)?;
+    Ok(Json(
+        delivery
+            .decide(id, true, d.reason.as_deref(), &audit)
+            .await?,
+    ))
+}
+
+/// Deny the rollout of a run awaiting approval, with a reason: its runs end
+/// canceled, the reason in their receipts.
+#[utoipa::path(post, path = "/v1/runs/{id}/deny", tag = "delivery",
+    params(("id" = String, Path, description = "The run's id (UUID)")),
+    request_body = Decision,
+    responses((status = 200, description = "The run", body = RunView), BodyErrors, NotFound, Conflict))]
+async fn deny_run(
+    State(delivery): State<Arc<Delivery>>,
+    Path(id): Path<String>,
+    audit: Audit,
+    ApiJson(d): ApiJson<Decision>,
+) -> Result<Json<RunView>, Problem> {
+    let id = parse_id("id", &id)?;
+    Ok(Json(
+        delivery
+            .decide(id, false, d.reason.as_deref(), &audit)
+            .await?,
+    ))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+struct ReceiptList {
+    run: Uuid,
+    receipts: Vec<Receipt>,
+}
+
+/// A run's receipt log, in order (append-only; validated as it is read).
+#[utoipa::path(get, path = "/v1/runs/{id}/receipts", tag = "delivery",
+    params(("id" = String, Path, description = "The run's id (UUID)")),
+    responses((status = 200, description = "The receipts", body = ReceiptList), NotFound, Unprocessable))]
+async fn get_receipts(
+    State(delivery): State<Arc<Delivery>>,
+    Path(id): Path<String>,
+) -> Result<Json<ReceiptList>, Problem> {
+    let run = parse_id("id", &id)?;
+    Ok(Json(ReceiptList {
+        run,
+        receipts: delivery.receipts(run).await?,
+    }))
+}
+
+/// The freeze, if one is set.
+#[utoipa::path(get, path = "/v1/freeze", tag = "delivery",
+    responses((status = 200, description = "The freeze", body = FreezeView)))]
+async fn get_freeze(State(delivery): State<Arc<Delivery>>) -> Result<Json<FreezeView>, Problem> {
+    Ok(Json(delivery.freeze().await?))
+}
+
+/// Freeze deliveries: every new rollout is refused with 409 and the reason;
+/// rollouts in progress pause at their next step unless `pause_in_flight`
+/// is false.
+#[utoipa::path(put, path = "/v1/freeze", tag = "delivery", request_body = FreezeRequest,
+    responses((status = 200, description = "The freeze", body = FreezeView), BodyErrors))]
+async fn put_freeze(
+    State(delivery): State<Arc<Delivery>>,
+    audit: Audit,
+    ApiJson(req): ApiJson<FreezeRequest>,
+) -> Result<Json<FreezeView>, Problem> {
+    Ok(Json(delivery.set_freeze(&req, &audit).await?))
+}
+
+/// Lift the freeze; rollouts it paused go on.
+#[utoipa::path(delete, path = "/v1/freeze", tag = "delivery",
+    responses((status = 204, description = "Lifted (or there was none)")))]
+async fn delete_freeze(
+    State(delivery): State<Arc<Delivery>>,
+    audit: Audit,
+) -> Result<StatusCode, Problem> {
+    delivery.lift_freeze(&audit).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,556 @@
+//! The delivery context against a real PostgreSQL, one fresh database per
+//! test: record events and reports fed the way the controller's router feeds
+//! them (inbox, handler, commit), rollouts moved by `tick` as the
+//! controller's clock moves them, read back through the context's methods,
+//! its outbox (`delivery.module.targets`) and the receipt logs.
+//!
+//! Revisions here have no artifact (the artifact path, with the real
+//! registry and real agents, is e2e/tests/delivery.rs); the store refuses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use mesh_delivery::{
+    ArtifactStore, BoxFuture, Delivery, FreezeRequest, NewRevision, Policy, RevisionUnitSpec,
+    RolloutRequest, RolloutView, SCHEMA, Settings,
+};
+use mesh_plumbing::api::{Principal, Role};
+use mesh_plumbing::audit::Audit;
+use mesh_plumbing::{Context, inbox};
+use mesh_protocol::{
+    ArtifactDigest, Envelope, ModulePlacement, ModuleTargets, NodeId, RecordEvent, RecordKind,
+    Report, UnitState, UnitStatus, Units,
+};
+use mesh_testkit::TestEnv;
+use sqlx::postgres::PgPoolOptions;
+use uuid::Uuid;
+
+/// These tests push no artifact.
+struct NoRegistry;
+
+impl ArtifactStore for NoRegistry {
+    fn push_signed<'a>(
+        &'a self,
+        _bytes: &'a [u8],
+    ) -> BoxFuture<'a, Result<(ArtifactDigest, String), String>> {
+        Box::pin(async { Err("no registry in this test".to_owned()) })
+    }
+    fn pull_location(&self) -> (String, String) {
+        (
+            "http://127.0.0.1:5000".to_owned(),
+            "mesh/artifacts".to_owned(),
+        )
+    }
+}
+
+struct Fixture {
+    env: TestEnv,
+    delivery: Arc<Delivery>,
+    seq: std::sync::atomic::AtomicU64,
+}
+
+fn audit(name: &str) -> Audit {
+    Audit::new(
+        Principal {
+            id: Uuid::now_v7(),
+            name: name.to_owned(),
+            role: Role::Operator,
+        },
+        "POST /v1/test".to_owned(),
+        "/v1/test",
+        Uuid::now_v7(),
+    )
+}
+
+async fn setup() -> Fixture {
+    let env = TestEnv::new().await.unwrap();
+    let url = env.database_url(SCHEMA);
+    mesh_delivery::migrate(&url).await.unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    let delivery = Arc::new(Delivery::new(
+        pool,
+        mesh_plumbing::OutboxSignal::default(),
+        Settings::default(),
+        Arc::new(NoRegistry),
+    ));
+    Fixture {
+        env,
+        delivery,
+        seq: 1.into(),
+    }
+}
+
+impl Fixture {
+    fn node(&self, suffix: &str) -> NodeId {
+        NodeId::parse(&format!("{}-{suffix}", self.env.id())).unwrap()
+    }
+
+    async fn events(&self, events: &[RecordEvent]) {
+        let mut tx = self.delivery.pool().begin().await.unwrap();
+        let ids: Vec<_> = events.iter().map(|e| e.id).collect();
+        let mut fresh = inbox::claim(&mut tx, SCHEMA, &ids).await.unwrap();
+        let fresh: Vec<&RecordEvent> = events.iter().filter(|e| fresh.remove(&e.id)).collect();
+        if !fresh.is_empty() {
+            self.delivery.handle_events(&mut tx, &fresh).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+
+    async fn report(&self, node: &NodeId, report: Report) {
+        let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let env = Envelope::new(node.clone(), seq, report);
+        let mut tx = self.delivery.pool().begin().await.unwrap();
+        inbox::claim(&mut tx, SCHEMA, &[env.id]).await.unwrap();
+        self.delivery.handle_reports(&mut tx, &[env]).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    /// `web` placed on `nodes`.
+    async fn place(&self, nodes: &[NodeId], version: i64) {
+        let mut nodes = nodes.to_vec();
+        nodes.sort();
+        self.events(&[RecordEvent::new(RecordKind::ModulePlaced(
+            ModulePlacement {
+                module: "web".to_owned(),
+                version,
+                nodes,
+                settings_files: vec![],
+                ports: vec![],
+            },
+        ))])
+        .await;
+    }
+
+    async fn revision(&self, command: &str) -> Uuid {
+        let new = NewRevision {
+            artifact: None,
+            unit: RevisionUnitSpec {
+                command: command.to_owned(),
+                args: vec![],
+                env: Default::default(),
+                working_dir: None,
+                restart: Default::default(),
+                probes: vec![],
+            },
+            settings_digest: None,
+        };
+        let (rev, created) = self
+            .delivery
+            .create_revision("web", &new, &audit("alice"))
+            .await
+            .unwrap();
+        assert!(created);
+        rev.id
+    }
+
+    /// The node states its `web` unit running `revision` (or failed).
+    async fn unit(&self, node: &NodeId, revision: Uuid, state: UnitState, restarts: u32) {
+        self.report(
+            node,
+            Report::Units(Units {
+                units: vec![UnitStatus {
+                    revision: Some(revision),
+                    name: "web-0".to_owned(),
+                    module: "web".to_owned(),
+                    state,
+                    pid: Some(42),
+                    exit_code: None,
+                    restarts,
+                    started_at: Some(chrono::Utc::now()),
+                }],
+            }),
+        )
+        .await;
+    }
+
+    /// The newest `delivery.module.targets` in the outbox.
+    async fn targets(&self) -> Option<ModuleTargets> {
+        let rows = mesh_plumbing::outbox::pending(self.delivery.pool(), SCHEMA, 10_000)
+            .await
+            .unwrap();
+        rows.iter()
+            .rev()
+            .filter(|r| r.routing_key == "delivery.module.targets")
+            .find_map(|r| match RecordEvent::decode(&r.payload).ok()?.kind {
+                RecordKind::ModuleTargets(t) => Some(t),
+                _ => None,
+            })
+    }
+
+    async fn rollout(&self, id: Uuid) -> RolloutView {
+        self.delivery.rollout(id).await.unwrap()
+    }
+
+    /// Tick and answer for every node as `answer` says, until the rollout is
+    /// final or the deadline passes. Returns the most runs seen deploying or
+    /// settling at once.
+    async fn drive(
+        &self,
+        id: Uuid,
+        answer: impl Fn(&str, Uuid) -> (UnitState, u32),
+    ) -> (RolloutView, usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut most = 0;
+        loop {
+            self.delivery.tick().await.unwrap();
+            let view = self.rollout(id).await;
+            let busy: Vec<_> = view
+                .runs
+                .iter()
+                .filter(|r| matches!(r.state.as_str(), "deploying" | "settling"))
+                .collect();
+            most = most.max(busy.len());
+            if !matches!(view.state.as_str(), "running" | "awaiting_approval")
+                || std::time::Instant::now() > deadline
+            {
+                return (view, most);
+            }
+            for run in busy {
+                let node = NodeId::parse(&run.node).unwrap();
+                let (state, restarts) = answer(&run.node, run.revision);
+                self.unit(&node, run.revision, state, restarts).await;
+            }
+        }
+    }
+}
+
+fn request(revision: Uuid) -> RolloutRequest {
+    serde_json::from_value(serde_json::json!({
+        "module": "web", "revision": revision, "max_unavailable": 1, "settle_secs": 0,
+    }))
+    .unwrap()
+}
+
+fn kinds(receipts: &[mesh_delivery::Receipt]) -> Vec<&str> {
+    receipts.iter().map(|r| r.kind.as_str()).collect()
+}
+
+#[tokio::test]
+async fn a_rollout_goes_node_by_node_with_receipts_in_order() {
+    let f = setup().await;
+    let nodes = [f.node("a"), f.node("b"), f.node("c")];
+    f.place(&nodes, 1).await;
+    let rev = f.revision("/bin/web-v1").await;
+    let view = f
+        .delivery
+        .start_rollout(&request(rev), &audit("alice"))
+        .await
+        .unwrap();
+    assert_eq!(view.state, "running");
+    assert_eq!((view.nodes_total, view.steps), (3, 3));
+    let (done, most) = f.drive(view.id, |_, _| (UnitState::Running, 0)).await;
+    assert_eq!(done.state, "succeeded", "{done:?}");
+    assert_eq!(done.nodes_done, 3);
+    assert_eq!(most, 1, "max_unavailable 1: one node at a time");
+    for run in &done.runs {
+        let receipts = f.delivery.receipts(run.id).await.unwrap();
+        assert_eq!(
+            kinds(&receipts),
+            [
+                "run.queued",
+                "run.started",
+                "unit.deployed",
+                "unit.running",
+                "run.succeeded"
+            ]
+        );
+        assert!(
+            receipts
+                .windows(2)
+                .all(|w| w[0].seq + 1 == w[1].seq && w[0].at <= w[1].at)
+        );
+    }
+    let targets = f.targets().await.unwrap();
+    assert_eq!(targets.targets.len(), 3);
+    assert!(targets.targets.iter().all(|t| t.revision == rev));
+    assert_eq!(targets.revisions.len(), 1);
+    assert_eq!(targets.revisions[0].command, "/bin/web-v1");
+    // The same revision again: every node already runs it.
+    let again = f
+        .delivery
+        .start_rollout(&request(rev), &audit("alice"))
+        .await;
+    assert!(matches!(again, Err(mesh_delivery::Error::Conflict(_))));
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_failing_revision_is_rolled_back_on_every_node_it_reached() {
+    let f = setup().await;
+    let nodes = [f.node("a"), f.node("b"), f.node("c")];
+    f.place(&nodes, 1).await;
+    let good = f.revision("/bin/web-v1").await;
+    let first = f
+        .delivery
+        .start_rollout(&request(good), &audit("alice"))
+        .await
+        .unwrap();
+    let (done, _) = f.drive(first.id, |_, _| (UnitState::Running, 0)).await;
+    assert_eq!(done.state, "succeeded");
+    let bad = f.revision("/bin/false").await;
+    let second = f
+        .delivery
+        .start_rollout(&request(bad), &audit("alice"))
+        .await
+        .unwrap();
+    assert_eq!(second.previous_revision, Some(good));
+    let (done, _) = f
+        .drive(second.id, |_, rev| {
+            if rev == bad {
+                (UnitState::Failed, 1)
+            } else {
+                (UnitState::Running, 0)
+            }
+        })
+        .await;
+    assert_eq!(done.state, "rolled_back", "{done:?}");
+    assert!(done.reason.as_deref().unwrap_or("").contains("failed"));
+    let targets = f.targets().await.unwrap();
+    assert!(
+        targets.targets.iter().all(|t| t.revision == good),
+        "every node runs the previous revision again: {targets:?}"
+    );
+    let reached = &done.runs[0];
+    let receipts = f.delivery.receipts(reached.id).await.unwrap();
+    assert_eq!(
+        kinds(&receipts),
+        [
+            "run.queued",
+            "run.started",
+            "unit.deployed",
+            "run.failed",
+            "run.rolled_back"
+        ]
+    );
+    for run in &done.runs[1..] {
+        let receipts = f.delivery.receipts(run.id).await.unwrap();
+        assert_eq!(kinds(&receipts), ["run.queued", "run.canceled"]);
+    }
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn approval_holds_the_rollout_and_a_denial_ends_it_with_the_reason() {
+    let f = setup().await;
+    let nodes = [f.node("a"), f.node("b")];
+    f.place(&nodes, 1).await;
+    f.delivery
+        .set_policy(
+            "web",
+            &Policy {
+                require_approval: true,
+            },
+            &audit("alice"),
+        )
+        .await
+        .unwrap();
+    let rev = f.revision("/bin/web-v1").await;
+    let view = f
+        .delivery
+        .start_rollout(&request(rev), &audit("alice"))
+        .await
+        .unwrap();
+    assert_eq!(view.state, "awaiting_approval");
+    for _ in 0..3 {
+        f.delivery.tick().await.unwrap();
+    }
+    assert!(
+        f.targets().await.is_none(),
+        "nothing starts before approval"
+    );
+    assert!(
+        f.rollout(view.id)
+            .await
+            .runs
+            .iter()
+            .all(|r| r.state == "awaiting_approval")
+    );
+    // A denial needs a reason.
+    assert!(matches!(
+        f.delivery
+            .decide(view.runs[0].id, false, None, &audit("bob"))
+            .await,
+        Err(mesh_delivery::Error::Invalid { .. })
+    ));
+    f.delivery
+        .decide(
+            view.runs[0].id,
+            false,
+            Some("not during the sale"),
+            &audit("bob"),
+        )
+        .await
+        .unwrap();
+    let denied = f.rollout(view.id).await;
+    assert_eq!(denied.state, "denied");
+    for run in &denied.runs {
+        assert_eq!(run.state, "canceled");
+        let receipts = f.delivery.receipts(run.id).await.unwrap();
+        assert_eq!(
+            kinds(&receipts),
+            [
+                "run.queued",
+                "approval.requested",
+                "approval.denied",
+                "run.canceled"
+            ]
+        );
+        assert_eq!(receipts[2].detail["decided_by"], "bob");
+        assert_eq!(receipts[2].detail["reason"], "not during the sale");
+    }
+    f.delivery.tick().await.unwrap();
+    assert!(f.targets().await.is_none());
+
+    // Approved, it runs.
+    let view = f
+        .delivery
+        .start_rollout(&request(rev), &audit("alice"))
+        .await
+        .unwrap();
+    f.delivery
+        .decide(view.runs[1].id, true, None, &audit("carol"))
+        .await
+        .unwrap();
+    let (done, _) = f.drive(view.id, |_, _| (UnitState::Running, 0)).await;
+    assert_eq!(done.state, "succeeded");
+    let receipts = f.delivery.receipts(done.runs[0].id).await.unwrap();
+    assert_eq!(receipts[2].kind, "approval.approved");
+    assert_eq!(receipts[2].detail["decided_by"], "carol");
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_freeze_refuses_rollouts_with_its_reason_until_lifted() {
+    let f = setup().await;
+    let nodes = [f.node("a"), f.node("b")];
+    f.place(&nodes, 1).await;
+    let rev = f.revision("/bin/web-v1").await;
+    f.delivery
+        .set_freeze(
+            &FreezeRequest {
+                reason: "end of quarter".to_owned(),
+                pause_in_flight: true,
+            },
+            &audit("alice"),
+        )
+        .await
+        .unwrap();
+    match f.delivery.start_rollout(&request(rev), &audit("bob")).await {
+        Err(mesh_delivery::Error::Conflict(detail)) => {
+            assert!(detail.contains("end of quarter"), "{detail}")
+        }
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    f.delivery.lift_freeze(&audit("alice")).await.unwrap();
+    let view = f
+        .delivery
+        .start_rollout(&request(rev), &audit("bob"))
+        .await
+        .unwrap();
+    // A freeze set while it runs pauses it at its next step; lifting resumes.
+    f.delivery.tick().await.unwrap();
+    f.delivery
+        .set_freeze(
+            &FreezeRequest {
+                reason: "incident 42".to_owned(),
+                pause_in_flight: true,
+            },
+            &audit("alice"),
+        )
+        .await
+        .unwrap();
+    let (paused, _) = f.drive(view.id, |_, _| (UnitState::Running, 0)).await;
+    assert_eq!(paused.state, "paused", "{paused:?}");
+    assert_eq!(paused.paused_reason.as_deref(), Some("freeze: incident 42"));
+    assert_eq!(paused.nodes_done, 1, "the step in flight finished");
+    f.delivery.lift_freeze(&audit("alice")).await.unwrap();
+    let (done, _) = f.drive(view.id, |_, _| (UnitState::Running, 0)).await;
+    assert_eq!(done.state, "succeeded");
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_canary_pauses_after_the_first_node_until_continued() {
+    let f = setup().await;
+    let nodes = [f.node("a"), f.node("b"), f.node("c")];
+    f.place(&nodes, 1).await;
+    let rev = f.revision("/bin/web-v1").await;
+    let mut req = request(rev);
+    req.canary = 1;
+    let view = f
+        .delivery
+        .start_rollout(&req, &audit("alice"))
+        .await
+        .unwrap();
+    let (paused, _) = f.drive(view.id, |_, _| (UnitState::Running, 0)).await;
+    assert_eq!(paused.state, "paused");
+    assert_eq!(paused.nodes_done, 1);
+    assert!(paused.paused_reason.unwrap().starts_with("canary"));
+    f.delivery
+        .continue_rollout(view.id, &audit("alice"))
+        .await
+        .unwrap();
+    let (done, _) = f.drive(view.id, |_, _| (UnitState::Running, 0)).await;
+    assert_eq!(done.state, "succeeded");
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn receipts_and_revisions_refuse_update_and_delete_as_the_runtime_role() {
+    let f = setup().await;
+    f.place(&[f.node("a")], 1).await;
+    let rev = f.revision("/bin/web-v1").await;
+    let view = f
+        .delivery
+        .start_rollout(&request(rev), &audit("alice"))
+        .await
+        .unwrap();
+    let run = view.runs[0].id;
+    let pool = f.delivery.pool();
+    for sql in [
+        "UPDATE delivery.receipts SET kind = 'run.succeeded'",
+        "DELETE FROM delivery.receipts",
+        "TRUNCATE delivery.receipts",
+        "UPDATE delivery.revisions SET unit = '{}'",
+        "DELETE FROM delivery.revisions",
+    ] {
+        let err = sqlx::query(sql).execute(pool).await.unwrap_err();
+        assert!(
+            err.to_string().contains("permission denied")
+                || err.to_string().contains("append-only"),
+            "{sql}: {err}"
+        );
+    }
+    // An insert out of order, or back in time, is refused by the table too.
+    for (seq, at) in [(5, "now()"), (1, "now()"), (2, "now() - interval '1 hour'")] {
+        let sql = format!(
+            "INSERT INTO delivery.receipts (id, run, seq, kind, at) VALUES ('{}', '{run}', {seq}, 'run.forged', {at})",
+            Uuid::now_v7()
+        );
+        assert!(
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(pool)
+                .await
+                .is_err(),
+            "seq {seq} at {at} must be refused"
+        );
+    }
+    let receipts = f.delivery.receipts(run).await.unwrap();
+    assert_eq!(kinds(&receipts), ["run.queued"]);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_role_cannot_touch_another_schema() {
+    let f = setup().await;
+    let err = sqlx::query("SELECT 1 FROM inventory.nodes")
+        .execute(f.delivery.pool())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("permission denied"), "{err}");
+    f.env.teardown().await.unwrap();
+}
