@@ -8,16 +8,24 @@
 //! default `/etc/mesh/ca.pem`) and nothing else: no system roots, never
 //! skipped. Plain `http://` is accepted for a loopback API only (the bearer
 //! token would otherwise cross the network in cleartext).
+//!
+//! Errors (the API's problems: title, detail, field) go to stderr with exit
+//! code 1.
 
-use anyhow::{Context as _, bail};
+mod client;
+
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use serde_json::{Value, json};
+use client::{Api, urlencode};
+use serde_json::json;
+use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(
     name = "meshctl",
     version,
-    about = "Operate a mesh through its HTTP API"
+    about = "Operate a mesh through its HTTP API",
+    after_help = "Errors (usage, transport, the API's problems) exit 1."
 )]
 struct Cli {
     /// The controller's API.
@@ -97,93 +105,34 @@ enum TokenCommand {
     Revoke { id: String },
 }
 
-struct Api {
-    http: reqwest::Client,
-    base: String,
-    token: Option<String>,
-}
-
-impl Api {
-    async fn call(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> anyhow::Result<Value> {
-        let mut req = self
-            .http
-            .request(method.clone(), format!("{}{path}", self.base));
-        if let Some(t) = &self.token {
-            req = req.bearer_auth(t);
-        }
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| anyhow::anyhow!("{method} {path}: {}", e.without_url()))?;
-        let status = resp.status();
-        let value: Value = resp.json().await.unwrap_or(Value::Null);
-        if !status.is_success() {
-            let detail = value["detail"].as_str().unwrap_or("no detail");
-            bail!("{method} {path}: {status}: {detail}");
-        }
-        Ok(value)
-    }
-}
-
-/// The HTTP client for `api`: an https:// API verified against the CA in
-/// `ca` alone; plain http:// only to a loopback host.
-fn client(api: &str, ca: &std::path::Path) -> anyhow::Result<reqwest::Client> {
-    let url = reqwest::Url::parse(api).with_context(|| format!("--api `{api}` is not a URL"))?;
-    let builder = reqwest::Client::builder().timeout(std::time::Duration::from_secs(30));
-    match url.scheme() {
-        "https" => {
-            let pem = std::fs::read(ca).with_context(|| {
-                format!(
-                    "reading the mesh CA {} (--ca / MESH_CA) to verify {api}",
-                    ca.display()
-                )
-            })?;
-            let cert = reqwest::Certificate::from_pem(&pem)
-                .with_context(|| format!("{} is not a PEM certificate", ca.display()))?;
-            Ok(builder
-                .use_rustls_tls()
-                .tls_built_in_root_certs(false)
-                .add_root_certificate(cert)
-                .https_only(true)
-                .build()?)
-        }
-        "http" => {
-            let host = url.host_str().unwrap_or_default();
-            let loopback = host == "localhost"
-                || host
-                    .trim_start_matches('[')
-                    .trim_end_matches(']')
-                    .parse::<std::net::IpAddr>()
-                    .is_ok_and(|ip| ip.is_loopback());
-            if !loopback {
-                bail!(
-                    "--api `{api}`: plain http:// would send your token in cleartext; it is for a loopback API only (use the controller's https:// URL and --ca)"
-                );
-            }
-            Ok(builder.build()?)
-        }
-        other => bail!("--api `{api}`: scheme `{other}` is neither https nor http"),
-    }
-}
-
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
+    // Usage errors exit 1 like every other error (clap's own would be 2);
+    // --help and --version exit 0.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    match run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("meshctl: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     // The one crypto provider (ring) of every TLS connection (decision 0028).
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let cli = Cli::parse();
-    let api = Api {
-        http: client(&cli.api, &cli.ca)?,
-        base: cli.api.trim_end_matches('/').to_owned(),
-        token: cli.token,
-    };
+    let api = Api::new(&cli.api, &cli.ca, cli.token)?;
     use reqwest::Method;
     match cli.command {
         Command::Node(NodeCommand::Add {
@@ -269,17 +218,5 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
     }
-    Ok(())
-}
-
-fn urlencode(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
+    Ok(ExitCode::SUCCESS)
 }
