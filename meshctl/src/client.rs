@@ -119,7 +119,7 @@ impl Api {
         let resp = req
             .send()
             .await
-            .map_err(|e| anyhow::anyhow!("{method} {path}: {}", e.without_url()))?;
+            .map_err(|e| anyhow::anyhow!("{method} {path}: {}", chain(&e.without_url())))?;
         let status = resp.status();
         let bytes = resp.bytes().await.map_err(|e| {
             anyhow::anyhow!("{method} {path}: reading the answer: {}", e.without_url())
@@ -134,6 +134,22 @@ impl Api {
             .with_context(|| format!("{method} {path}: {status}: the answer is not JSON"))?;
         Ok((status, value))
     }
+}
+
+/// An error and its causes on one line (reqwest's own says only "error
+/// sending request"; the cause tells refused, timed out, certificate…).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
 }
 
 /// The HTTP client for `api`: an https:// API verified against the CA in

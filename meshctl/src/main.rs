@@ -10,9 +10,13 @@
 //! token would otherwise cross the network in cleartext).
 //!
 //! Errors (the API's problems: title, detail, field) go to stderr with exit
-//! code 1.
+//! code 1; `rollout status` (and `rollout start --wait`) exit with the
+//! rollout's end (see `delivery::EXIT_CODES`).
 
 mod client;
+mod delivery;
+mod pack;
+mod progress;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
@@ -25,7 +29,7 @@ use std::process::ExitCode;
     name = "meshctl",
     version,
     about = "Operate a mesh through its HTTP API",
-    after_help = "Errors (usage, transport, the API's problems) exit 1."
+    after_help = "Errors (usage, transport, the API's problems) exit 1; `rollout status` and `rollout start --wait` exit 0 succeeded, 3 failed, 4 rolled_back, 5 denied or canceled, 6 --timeout elapsed."
 )]
 struct Cli {
     /// The controller's API.
@@ -68,6 +72,24 @@ enum Command {
         #[arg(long, default_value_t = 100)]
         limit: u32,
     },
+    /// Artifacts: push a file or directory (a tar archive by digest), list them.
+    #[command(subcommand)]
+    Artifact(delivery::ArtifactCommand),
+    /// Revisions of a module: what a rollout deploys.
+    #[command(subcommand)]
+    Revision(delivery::RevisionCommand),
+    /// A module's delivery policy.
+    #[command(subcommand)]
+    Module(delivery::ModuleCommand),
+    /// Rollouts: start, watch, list, continue, cancel.
+    #[command(subcommand)]
+    Rollout(delivery::RolloutCommand),
+    /// Runs (one node's part of a rollout): approve, deny, receipts.
+    #[command(subcommand)]
+    Run(delivery::RunCommand),
+    /// The delivery freeze: set, lift, status.
+    #[command(subcommand)]
+    Freeze(delivery::FreezeCommand),
 }
 
 #[derive(Subcommand)]
@@ -114,7 +136,7 @@ async fn main() -> ExitCode {
         Err(e) => {
             let _ = e.print();
             return if e.use_stderr() {
-                ExitCode::from(1)
+                ExitCode::from(progress::EXIT_ERROR)
             } else {
                 ExitCode::SUCCESS
             };
@@ -124,7 +146,7 @@ async fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("meshctl: {e:#}");
-            ExitCode::from(1)
+            ExitCode::from(progress::EXIT_ERROR)
         }
     }
 }
@@ -217,6 +239,423 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await?;
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
+        Command::Artifact(c) => return delivery::artifact(&api, c).await,
+        Command::Revision(c) => return delivery::revision(&api, c).await,
+        Command::Module(c) => return delivery::module(&api, c).await,
+        Command::Rollout(c) => return delivery::rollout(&api, c).await,
+        Command::Run(c) => return delivery::run(&api, c).await,
+        Command::Freeze(c) => return delivery::freeze(&api, c).await,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use delivery::{
+        ArtifactCommand, FreezeCommand, ModuleCommand, RevisionCommand, RolloutCommand, RunCommand,
+    };
+
+    fn parse(args: &[&str]) -> Result<Command, clap::Error> {
+        Cli::try_parse_from(std::iter::once("meshctl").chain(args.iter().copied()))
+            .map(|c| c.command)
+    }
+
+    fn ok(args: &[&str]) -> Command {
+        match parse(args) {
+            Ok(c) => c,
+            Err(e) => panic!("{args:?}: {e}"),
+        }
+    }
+
+    #[test]
+    fn artifact_commands() {
+        assert!(matches!(
+            ok(&["artifact", "push", "./app"]),
+            Command::Artifact(ArtifactCommand::Push { path }) if path == std::path::Path::new("./app")
+        ));
+        assert!(matches!(
+            ok(&["artifact", "list"]),
+            Command::Artifact(ArtifactCommand::List)
+        ));
+        assert!(parse(&["artifact", "push"]).is_err());
+    }
+
+    #[test]
+    fn revision_create_from_flags() {
+        let Command::Revision(RevisionCommand::Create(r)) = ok(&[
+            "revision",
+            "create",
+            "web",
+            "--artifact",
+            "sha256:abc",
+            "--command",
+            "bin/web",
+            "--arg",
+            "--port",
+            "--arg",
+            "8080",
+            "--env",
+            "A=1",
+            "--env",
+            "B=x=y",
+            "--working-dir",
+            "/srv",
+            "--restart",
+            "on_failure",
+        ]) else {
+            panic!("not revision create");
+        };
+        assert_eq!(r.module, "web");
+        assert_eq!(
+            delivery::revision_body(&r).unwrap(),
+            json!({
+                "artifact": "sha256:abc",
+                "unit": {"command": "bin/web", "args": ["--port", "8080"],
+                         "env": {"A": "1", "B": "x=y"}, "working_dir": "/srv",
+                         "restart": "on_failure", "probes": []},
+                "settings_digest": null,
+            })
+        );
+        let Command::Revision(RevisionCommand::Create(r)) =
+            ok(&["revision", "create", "web", "--command", "bin/x"])
+        else {
+            panic!("not revision create");
+        };
+        assert_eq!(
+            delivery::revision_body(&r).unwrap(),
+            json!({"artifact": null,
+                   "unit": {"command": "bin/x", "args": [], "env": {}, "working_dir": null,
+                            "restart": "always", "probes": []},
+                   "settings_digest": null})
+        );
+    }
+
+    #[test]
+    fn revision_create_refuses_bad_input() {
+        assert!(
+            parse(&["revision", "create", "web"]).is_err(),
+            "no --command nor -f"
+        );
+        assert!(
+            parse(&[
+                "revision",
+                "create",
+                "web",
+                "--command",
+                "x",
+                "--env",
+                "NOEQUALS"
+            ])
+            .is_err()
+        );
+        assert!(parse(&["revision", "create", "web", "--command", "x", "--env", "=v"]).is_err());
+        assert!(
+            parse(&[
+                "revision",
+                "create",
+                "web",
+                "--command",
+                "x",
+                "--restart",
+                "sometimes"
+            ])
+            .is_err()
+        );
+        assert!(
+            parse(&[
+                "revision",
+                "create",
+                "web",
+                "-f",
+                "r.json",
+                "--command",
+                "x"
+            ])
+            .is_err()
+        );
+        let Command::Revision(RevisionCommand::Create(r)) = ok(&[
+            "revision",
+            "create",
+            "web",
+            "--command",
+            "x",
+            "--artifact",
+            "abc",
+        ]) else {
+            panic!("not revision create");
+        };
+        assert!(
+            delivery::revision_body(&r).is_err(),
+            "an artifact is sha256:…"
+        );
+    }
+
+    #[test]
+    fn revision_create_from_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("revision.json");
+        let def = json!({"artifact": null, "unit": {"command": "bin/x", "restart": "never"}, "settings_digest": null});
+        std::fs::write(&f, def.to_string()).unwrap();
+        let Command::Revision(RevisionCommand::Create(r)) =
+            ok(&["revision", "create", "web", "-f", f.to_str().unwrap()])
+        else {
+            panic!("not revision create");
+        };
+        assert_eq!(delivery::revision_body(&r).unwrap(), def);
+        std::fs::write(&f, "{\"artifact\": null}").unwrap();
+        assert!(delivery::revision_body(&r).is_err(), "no unit");
+        std::fs::write(&f, "not json").unwrap();
+        assert!(delivery::revision_body(&r).is_err());
+        assert!(matches!(
+            ok(&["revision", "list", "web"]),
+            Command::Revision(RevisionCommand::List { module }) if module == "web"
+        ));
+    }
+
+    #[test]
+    fn module_delivery() {
+        assert!(matches!(
+            ok(&["module", "delivery", "web", "--require-approval", "true"]),
+            Command::Module(ModuleCommand::Delivery {
+                require_approval: Some(true),
+                ..
+            })
+        ));
+        assert!(matches!(
+            ok(&["module", "delivery", "web", "--require-approval", "false"]),
+            Command::Module(ModuleCommand::Delivery {
+                require_approval: Some(false),
+                ..
+            })
+        ));
+        assert!(matches!(
+            ok(&["module", "delivery", "web"]),
+            Command::Module(ModuleCommand::Delivery {
+                require_approval: None,
+                ..
+            })
+        ));
+        assert!(parse(&["module", "delivery", "web", "--require-approval", "maybe"]).is_err());
+        assert!(parse(&["module", "delivery", "web", "--require-approval"]).is_err());
+    }
+
+    #[test]
+    fn rollout_start() {
+        let Command::Rollout(RolloutCommand::Start {
+            module,
+            revision,
+            max_unavailable,
+            max_extra,
+            settle_secs,
+            failure_threshold,
+            no_rollback,
+            canary,
+            wait,
+            watch,
+        }) = ok(&[
+            "rollout",
+            "start",
+            "web",
+            "--revision",
+            "0190-rev",
+            "--max-unavailable",
+            "2",
+            "--max-extra",
+            "1",
+            "--settle",
+            "30",
+            "--failure-threshold",
+            "3",
+            "--no-rollback",
+            "--canary",
+            "--wait",
+            "--interval-ms",
+            "200",
+            "--timeout",
+            "600",
+        ])
+        else {
+            panic!("not rollout start");
+        };
+        assert_eq!((module.as_str(), revision.as_str()), ("web", "0190-rev"));
+        assert_eq!(
+            (max_unavailable, max_extra, settle_secs, failure_threshold),
+            (Some(2), Some(1), Some(30), Some(3))
+        );
+        assert!(no_rollback && wait);
+        assert_eq!(canary, Some(1));
+        assert_eq!((watch.interval_ms, watch.timeout), (200, Some(600)));
+
+        let Command::Rollout(RolloutCommand::Start {
+            canary,
+            no_rollback,
+            wait,
+            watch,
+            max_unavailable,
+            ..
+        }) = ok(&["rollout", "start", "web", "--revision", "r", "--canary=2"])
+        else {
+            panic!("not rollout start");
+        };
+        assert_eq!(
+            (canary, no_rollback, wait, max_unavailable),
+            (Some(2), false, false, None)
+        );
+        assert_eq!((watch.interval_ms, watch.timeout), (1000, None));
+        // `--canary` takes no separate value: the module stays the positional.
+        assert!(matches!(
+            ok(&["rollout", "start", "--canary", "web", "--revision", "r"]),
+            Command::Rollout(RolloutCommand::Start { canary: Some(1), module, .. }) if module == "web"
+        ));
+        assert!(
+            parse(&["rollout", "start", "web"]).is_err(),
+            "--revision is required"
+        );
+        assert!(
+            parse(&[
+                "rollout",
+                "start",
+                "web",
+                "--revision",
+                "r",
+                "--settle",
+                "-1"
+            ])
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn rollout_status_list_continue_cancel() {
+        assert!(matches!(
+            ok(&["rollout", "status", "r-1"]),
+            Command::Rollout(RolloutCommand::Status { id, watch }) if id == "r-1" && watch.interval_ms == 1000 && watch.timeout.is_none()
+        ));
+        assert!(matches!(
+            ok(&["rollout", "status", "r-1", "--interval-ms", "50", "--timeout", "5"]),
+            Command::Rollout(RolloutCommand::Status { watch, .. }) if watch.interval_ms == 50 && watch.timeout == Some(5)
+        ));
+        assert!(parse(&["rollout", "status", "r-1", "--interval-ms", "0"]).is_err());
+        assert!(parse(&["rollout", "status"]).is_err());
+        assert!(matches!(
+            ok(&["rollout", "list", "--module", "web"]),
+            Command::Rollout(RolloutCommand::List { module: Some(m), state: None }) if m == "web"
+        ));
+        assert!(matches!(
+            ok(&["rollout", "list"]),
+            Command::Rollout(RolloutCommand::List {
+                module: None,
+                state: None
+            })
+        ));
+        assert!(matches!(
+            ok(&["rollout", "continue", "r-1"]),
+            Command::Rollout(RolloutCommand::Continue { id }) if id == "r-1"
+        ));
+        assert!(matches!(
+            ok(&["rollout", "cancel", "r-1"]),
+            Command::Rollout(RolloutCommand::Cancel { id }) if id == "r-1"
+        ));
+    }
+
+    #[test]
+    fn run_commands() {
+        assert!(matches!(
+            ok(&["run", "approve", "u1"]),
+            Command::Run(RunCommand::Approve { id, reason: None }) if id == "u1"
+        ));
+        assert!(matches!(
+            ok(&["run", "approve", "u1", "--reason", "looks good"]),
+            Command::Run(RunCommand::Approve { reason: Some(r), .. }) if r == "looks good"
+        ));
+        assert!(matches!(
+            ok(&["run", "deny", "u1", "--reason", "not today"]),
+            Command::Run(RunCommand::Deny { id, reason }) if id == "u1" && reason == "not today"
+        ));
+        assert!(
+            parse(&["run", "deny", "u1"]).is_err(),
+            "deny needs a reason"
+        );
+        assert!(matches!(
+            ok(&["run", "receipts", "u1"]),
+            Command::Run(RunCommand::Receipts { id }) if id == "u1"
+        ));
+    }
+
+    #[test]
+    fn freeze_commands() {
+        assert!(matches!(
+            ok(&["freeze", "set", "--reason", "release week"]),
+            Command::Freeze(FreezeCommand::Set { reason, keep_running: false }) if reason == "release week"
+        ));
+        assert!(matches!(
+            ok(&["freeze", "set", "--reason", "r", "--keep-running"]),
+            Command::Freeze(FreezeCommand::Set {
+                keep_running: true,
+                ..
+            })
+        ));
+        assert!(
+            parse(&["freeze", "set"]).is_err(),
+            "a freeze needs a reason"
+        );
+        assert!(matches!(
+            ok(&["freeze", "lift"]),
+            Command::Freeze(FreezeCommand::Lift)
+        ));
+        assert!(matches!(
+            ok(&["freeze", "status"]),
+            Command::Freeze(FreezeCommand::Status)
+        ));
+    }
+
+    #[test]
+    fn the_global_flags_go_anywhere_and_old_commands_still_parse() {
+        let cli = Cli::try_parse_from([
+            "meshctl",
+            "rollout",
+            "status",
+            "r",
+            "--api",
+            "https://c:7443",
+            "--token",
+            "t",
+        ])
+        .unwrap();
+        assert_eq!(cli.api, "https://c:7443");
+        assert_eq!(cli.token.as_deref(), Some("t"));
+        assert!(matches!(
+            ok(&["token", "list"]),
+            Command::Token(TokenCommand::List)
+        ));
+        assert!(matches!(
+            ok(&["node", "add", "web-3", "--join-command"]),
+            Command::Node(NodeCommand::Add {
+                join_command: true,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn the_exit_codes_are_in_the_help() {
+        use clap::CommandFactory as _;
+        let mut cmd = Cli::command();
+        let status = cmd
+            .find_subcommand_mut("rollout")
+            .and_then(|r| r.find_subcommand_mut("status"))
+            .unwrap();
+        let help = status.render_long_help().to_string();
+        for code in [
+            "0  the rollout succeeded",
+            "3  the rollout failed",
+            "4  the rollout was rolled back",
+            "5  the rollout was denied or canceled",
+            "6  --timeout",
+        ] {
+            assert!(help.contains(code), "{code} missing from\n{help}");
+        }
+        Cli::command().debug_assert();
+    }
 }
