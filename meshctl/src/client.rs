@@ -43,7 +43,11 @@ impl ApiError {
             status,
             title: text("title"),
             detail,
-            field: text("field"),
+            field: match problem.get("field") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(f)) => Some(f.clone()),
+                Some(other) => Some(other.to_string()),
+            },
         }
     }
 }
@@ -112,8 +116,10 @@ impl Api {
         req = match body {
             Body::None => req,
             Body::Json(v) => req.json(&v),
+            // An upload takes as long as its size needs, not the usual 30 s.
             Body::Bytes(b) => req
                 .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .timeout(std::time::Duration::from_secs(600))
                 .body(b),
         };
         let resp = req

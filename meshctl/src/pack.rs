@@ -117,6 +117,10 @@ mod tests {
         fs::set_permissions(root.join("bin/app"), fs::Permissions::from_mode(0o755)).unwrap();
         fs::set_permissions(root.join("a.txt"), fs::Permissions::from_mode(0o640)).unwrap();
         std::os::unix::fs::symlink("bin/app", root.join("run")).unwrap();
+        // Past ustar's 100-byte names (a GNU long-name entry, itself mtime 0).
+        let deep = root.join("share").join("d".repeat(60)).join("e".repeat(60));
+        fs::create_dir_all(&deep).unwrap();
+        fs::write(deep.join("f.txt"), b"deep").unwrap();
         for f in ["z.txt", "bin/app", "a.txt"] {
             fs::File::options()
                 .write(true)
@@ -176,7 +180,21 @@ mod tests {
         let archive = pack(dir.path()).unwrap();
         let got = entries(&archive);
         let names: Vec<&str> = got.iter().map(|e| e.0.as_str()).collect();
-        assert_eq!(names, ["a.txt", "bin/", "bin/app", "run", "z.txt"]);
+        let deep = format!("share/{}/{}/", "d".repeat(60), "e".repeat(60));
+        assert_eq!(
+            names,
+            [
+                "a.txt",
+                "bin/",
+                "bin/app",
+                "run",
+                "share/",
+                &format!("share/{}/", "d".repeat(60)),
+                &deep,
+                &format!("{deep}f.txt"),
+                "z.txt"
+            ]
+        );
         let mode = |n: &str| got.iter().find(|e| e.0 == n).unwrap().1;
         assert_eq!(mode("bin/app"), 0o755);
         assert_eq!(mode("a.txt"), 0o640);

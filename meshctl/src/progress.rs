@@ -133,6 +133,9 @@ pub fn render(rollout: &Value) -> Vec<String> {
     lines
 }
 
+const NO_WRAP: &str = "\x1b[?7l";
+const WRAP: &str = "\x1b[?7h";
+
 /// How frames reach the terminal: redrawn in place on a TTY; otherwise only
 /// the lines that were not in the frame before, without escape codes.
 pub struct Screen {
@@ -156,10 +159,15 @@ impl Screen {
                 // Back to the frame's first line, and clear to the end.
                 out.push_str(&format!("\x1b[{}A\r\x1b[J", self.previous.len()));
             }
+            // Autowrap off while drawing: a line wider than the terminal is
+            // cut at its edge instead of taking two rows, so the next frame's
+            // cursor-up lands on the first line.
+            out.push_str(NO_WRAP);
             for l in &lines {
                 out.push_str(l);
                 out.push('\n');
             }
+            out.push_str(WRAP);
         } else {
             for l in lines.iter().filter(|l| !self.previous.contains(l)) {
                 out.push_str(l);
@@ -257,15 +265,24 @@ mod tests {
     #[test]
     fn on_a_tty_each_frame_redraws_in_place() {
         let mut screen = Screen::new(true);
-        let first = screen.frame(render(&rollout("running")));
-        assert!(!first.contains('\x1b'));
-        assert_eq!(first.lines().count(), 6);
+        let lines = render(&rollout("running"));
+        let first = screen.frame(lines.clone());
+        assert_eq!(first, format!("\x1b[?7l{}\n\x1b[?7h", lines.join("\n")));
         let mut done = rollout("succeeded");
         done["nodes_done"] = json!(5);
         let second = screen.frame(render(&done));
-        assert!(second.starts_with("\x1b[6A\r\x1b[J"));
-        assert!(second.ends_with("  now: web-3: run.started\n"));
+        assert!(second.starts_with(
+            "\x1b[6A\r\x1b[J\x1b[?7lrollout r-1 of web to revision rev-2: succeeded\n"
+        ));
+        assert!(second.ends_with("  now: web-3: run.started\n\x1b[?7h"));
         assert_eq!(second.matches('\n').count(), 6);
+        // A frame with fewer lines goes back over all of the last one's.
+        let third = screen.frame(vec!["one".to_owned()]);
+        assert_eq!(third, "\x1b[6A\r\x1b[J\x1b[?7lone\n\x1b[?7h");
+        assert_eq!(
+            screen.frame(vec!["one".to_owned()]),
+            "\x1b[1A\r\x1b[J\x1b[?7lone\n\x1b[?7h"
+        );
     }
 
     #[test]
