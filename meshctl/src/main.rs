@@ -1,8 +1,11 @@
 //! `meshctl`: the operator's command line for the mesh's HTTP API.
 //!
-//! Every command is one API request with the operator's bearer token
-//! (`--token` / `MESH_TOKEN`) against `--api` / `MESH_API`. Secrets it receives
-//! (join tokens, API tokens) are printed once, on stdout, and nowhere else.
+//! Every command is one API request (`rollout status` polls one) with the
+//! operator's bearer token (`--token` / `MESH_TOKEN`) against `--api` /
+//! `MESH_API`. Secrets it receives (join tokens, API tokens) are printed once,
+//! on stdout, and nowhere else. The delivery commands (artifacts, revisions,
+//! rollouts, runs, the freeze) are in `delivery.rs`, packing in `pack.rs`, the
+//! live view in `progress.rs`, HTTP and problems in `client.rs`.
 //!
 //! An `https://` API is verified against the mesh CA (`--ca` / `MESH_CA`,
 //! default `/etc/mesh/ca.pem`) and nothing else: no system roots, never
