@@ -1,0 +1,242 @@
+//! The HTTP side of `meshctl`: the verified client, one call per request, and
+//! the API's `application/problem+json` errors turned into readable ones.
+
+use anyhow::{Context as _, bail};
+use reqwest::{Method, StatusCode};
+use serde_json::Value;
+
+/// What a request carries.
+pub enum Body {
+    None,
+    Json(Value),
+    /// Raw bytes, sent as `application/octet-stream`.
+    Bytes(Vec<u8>),
+}
+
+/// An API error: its problem (`{type,title,status,detail,field?}`) or, when
+/// the answer was not one, the status and what came back.
+#[derive(Debug)]
+pub struct ApiError {
+    pub method: Method,
+    pub path: String,
+    pub status: StatusCode,
+    pub title: Option<String>,
+    pub detail: Option<String>,
+    pub field: Option<String>,
+}
+
+impl ApiError {
+    /// The error for a failed answer with `body` (a problem or anything else).
+    pub fn from_answer(method: Method, path: &str, status: StatusCode, body: &[u8]) -> Self {
+        let problem: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        let text = |k: &str| problem.get(k).and_then(Value::as_str).map(str::to_owned);
+        let mut detail = text("detail");
+        if problem.is_null() && !body.is_empty() {
+            // Not JSON (a proxy's page, say): a short, one-line excerpt.
+            let raw = String::from_utf8_lossy(body);
+            let one_line: String = raw.split_whitespace().collect::<Vec<_>>().join(" ");
+            detail = Some(one_line.chars().take(200).collect());
+        }
+        ApiError {
+            method,
+            path: path.to_owned(),
+            status,
+            title: text("title"),
+            detail,
+            field: match problem.get("field") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(f)) => Some(f.clone()),
+                Some(other) => Some(other.to_string()),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}: {}", self.method, self.path, self.status.as_u16())?;
+        match &self.title {
+            Some(t) => write!(f, " {t}")?,
+            None => write!(f, " {}", self.status.canonical_reason().unwrap_or(""))?,
+        }
+        if let Some(d) = &self.detail {
+            write!(f, ": {d}")?;
+        }
+        if let Some(field) = &self.field {
+            write!(f, " (field: {field})")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+pub struct Api {
+    http: reqwest::Client,
+    pub base: String,
+    token: Option<String>,
+}
+
+impl Api {
+    pub fn new(api: &str, ca: &std::path::Path, token: Option<String>) -> anyhow::Result<Self> {
+        Ok(Api {
+            http: client(api, ca)?,
+            base: api.trim_end_matches('/').to_owned(),
+            token,
+        })
+    }
+
+    /// One request; the answer's JSON (`null` when it had none, as a 204).
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
+        let body = match body {
+            Some(v) => Body::Json(v),
+            None => Body::None,
+        };
+        Ok(self.send(method, path, body).await?.1)
+    }
+
+    /// One request; the success status too (201 created, 200 already there).
+    pub async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Body,
+    ) -> anyhow::Result<(StatusCode, Value)> {
+        let mut req = self
+            .http
+            .request(method.clone(), format!("{}{path}", self.base));
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        req = match body {
+            Body::None => req,
+            Body::Json(v) => req.json(&v),
+            // An upload takes as long as its size needs, not the usual 30 s.
+            Body::Bytes(b) => req
+                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .timeout(std::time::Duration::from_secs(600))
+                .body(b),
+        };
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| anyhow::anyhow!("{method} {path}: {}", chain(&e.without_url())))?;
+        let status = resp.status();
+        let bytes = resp.bytes().await.map_err(|e| {
+            anyhow::anyhow!("{method} {path}: reading the answer: {}", e.without_url())
+        })?;
+        if !status.is_success() {
+            return Err(ApiError::from_answer(method, path, status, &bytes).into());
+        }
+        if bytes.is_empty() {
+            return Ok((status, Value::Null));
+        }
+        let value = serde_json::from_slice(&bytes)
+            .with_context(|| format!("{method} {path}: {status}: the answer is not JSON"))?;
+        Ok((status, value))
+    }
+}
+
+/// An error and its causes on one line (reqwest's own says only "error
+/// sending request"; the cause tells refused, timed out, certificate…).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+/// The HTTP client for `api`: an https:// API verified against the CA in
+/// `ca` alone; plain http:// only to a loopback host.
+fn client(api: &str, ca: &std::path::Path) -> anyhow::Result<reqwest::Client> {
+    let url = reqwest::Url::parse(api).with_context(|| format!("--api `{api}` is not a URL"))?;
+    let builder = reqwest::Client::builder().timeout(std::time::Duration::from_secs(30));
+    match url.scheme() {
+        "https" => {
+            let pem = std::fs::read(ca).with_context(|| {
+                format!(
+                    "reading the mesh CA {} (--ca / MESH_CA) to verify {api}",
+                    ca.display()
+                )
+            })?;
+            let cert = reqwest::Certificate::from_pem(&pem)
+                .with_context(|| format!("{} is not a PEM certificate", ca.display()))?;
+            Ok(builder
+                .use_rustls_tls()
+                .tls_built_in_root_certs(false)
+                .add_root_certificate(cert)
+                .https_only(true)
+                .build()?)
+        }
+        "http" => {
+            let host = url.host_str().unwrap_or_default();
+            let loopback = host == "localhost"
+                || host
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback());
+            if !loopback {
+                bail!(
+                    "--api `{api}`: plain http:// would send your token in cleartext; it is for a loopback API only (use the controller's https:// URL and --ca)"
+                );
+            }
+            Ok(builder.build()?)
+        }
+        other => bail!("--api `{api}`: scheme `{other}` is neither https nor http"),
+    }
+}
+
+/// Percent-encodes `s` for a URL's path segment or query value.
+pub fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_problem_prints_title_detail_and_field() {
+        let body = br#"{"type":"about:blank","title":"Conflict","status":409,"detail":"frozen: release week","field":"module"}"#;
+        let e = ApiError::from_answer(Method::POST, "/v1/rollouts", StatusCode::CONFLICT, body);
+        assert_eq!(
+            e.to_string(),
+            "POST /v1/rollouts: 409 Conflict: frozen: release week (field: module)"
+        );
+    }
+
+    #[test]
+    fn a_non_json_error_keeps_the_status_and_an_excerpt() {
+        let e = ApiError::from_answer(
+            Method::GET,
+            "/v1/x",
+            StatusCode::BAD_GATEWAY,
+            b"<html>\n bad gateway </html>",
+        );
+        assert_eq!(
+            e.to_string(),
+            "GET /v1/x: 502 Bad Gateway: <html> bad gateway </html>"
+        );
+    }
+}
