@@ -110,6 +110,11 @@ fn routes(state: ApiState) -> OpenApiRouter {
             mesh_observability::SCHEMA,
             c.observability.pool(),
         ))
+        .merge(guarded(
+            c.delivery.clone().routes(),
+            mesh_delivery::SCHEMA,
+            c.delivery.pool(),
+        ))
 }
 
 /// The document, serialized once when the router is built.

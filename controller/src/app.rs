@@ -283,6 +283,13 @@ async fn run_fenced(
         .await;
         ("evaluator", Ok(()))
     });
+    let clock_shutdown = shutdown.clone();
+    let clock_contexts = contexts.clone();
+    let clock_every = std::time::Duration::from_millis(settings.rollout_tick_ms);
+    tasks.spawn(async move {
+        crate::rollout_clock::run(clock_contexts, clock_every, clock_shutdown).await;
+        ("rollouts", Ok(()))
+    });
     let stats_shutdown = shutdown.clone();
     let stats_contexts = contexts.clone();
     let stats_metrics = metrics.clone();

@@ -155,6 +155,20 @@ pub struct Settings {
     /// after reports committed, at most five times as often). Default 5000;
     /// at least 100.
     pub evaluate_ms: u64,
+    /// How often rollouts are moved on, in milliseconds (also soon after
+    /// reports or events committed). Default 1000; at least 50.
+    pub rollout_tick_ms: u64,
+    /// The OCI registry the controller pushes artifacts to and signs them in
+    /// (base URL; plain `http://` only to loopback). Default
+    /// `http://127.0.0.1:5000`, the bundle's.
+    pub registry_url: String,
+    /// The registry base URL agents pull artifacts from, when it differs
+    /// from `registry_url` (another name for the same registry). Default:
+    /// `registry_url`.
+    pub registry_pull_url: Option<String>,
+    /// Largest artifact `POST /v1/artifacts` takes, in bytes. Default
+    /// 268435456 (256 MiB).
+    pub artifact_max_bytes: usize,
     /// How long a probe's history of state changes is kept, in seconds.
     /// Default 604800 (7 days).
     pub probe_retention_secs: u64,
@@ -219,6 +233,10 @@ impl Default for Settings {
             event_retention_secs: mesh_observability::DEFAULT_RETENTION.as_secs(),
             event_streams: mesh_observability::Settings::default().max_streams,
             evaluate_ms: 5000,
+            rollout_tick_ms: 1000,
+            registry_url: "http://127.0.0.1:5000".to_owned(),
+            registry_pull_url: None,
+            artifact_max_bytes: 256 * 1024 * 1024,
             probe_retention_secs: 7 * 24 * 3600,
             alert_retention_secs: 7 * 24 * 3600,
             crash_restarts: 3,
@@ -334,6 +352,18 @@ impl Settings {
         if self.event_streams == 0 {
             return Err(ConfigError::Invalid {
                 field: "event_streams",
+                message: "must be at least 1".into(),
+            });
+        }
+        if self.rollout_tick_ms < 50 {
+            return Err(ConfigError::Invalid {
+                field: "rollout_tick_ms",
+                message: "must be at least 50".into(),
+            });
+        }
+        if self.artifact_max_bytes == 0 {
+            return Err(ConfigError::Invalid {
+                field: "artifact_max_bytes",
                 message: "must be at least 1".into(),
             });
         }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use mesh_config::Config;
 use mesh_connectivity::Connectivity;
+use mesh_delivery::Delivery;
 use mesh_identity::Identity;
 use mesh_inventory::Inventory;
 use mesh_observability::Observability;
@@ -34,6 +35,8 @@ pub enum ContextsError {
     Sections(#[from] section::SectionError),
     #[error("inventory: {0}")]
     Inventory(#[from] mesh_inventory::Error),
+    #[error("the artifact registry (registry_url): {0}")]
+    Registry(#[from] mesh_oci::OciError),
 }
 
 /// Every context the controller runs, each with its own pool (its own role).
@@ -43,6 +46,7 @@ pub struct Contexts {
     pub identity: Arc<Identity>,
     pub connectivity: Arc<Connectivity>,
     pub observability: Arc<Observability>,
+    pub delivery: Arc<Delivery>,
     /// What was declared to each node: heartbeats in step with it stay in
     /// memory (filled by [`Contexts::load_in_step`], raised by the relay).
     pub in_step: Arc<InStep>,
@@ -91,6 +95,10 @@ impl Contexts {
                 Observability::SCHEMA,
                 mesh_observability::migrate(creds.database(Observability::SCHEMA)?.expose())
                     .await?,
+            ),
+            (
+                Delivery::SCHEMA,
+                mesh_delivery::migrate(creds.database(Delivery::SCHEMA)?.expose()).await?,
             ),
         ])
     }
@@ -201,6 +209,20 @@ impl Contexts {
                 ..mesh_observability::Settings::default()
             },
         );
+        let store = crate::artifacts::RegistryStore::new(
+            &settings.registry_url,
+            settings.registry_pull_url.as_deref(),
+            Arc::new(creds.signer()?),
+        )?;
+        let delivery = Delivery::new(
+            pool(creds, Delivery::SCHEMA, settings.pool_size).await?,
+            signal.clone(),
+            mesh_delivery::Settings {
+                artifact_max_bytes: settings.artifact_max_bytes,
+                resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
+            },
+            Arc::new(store),
+        );
         let identity = Identity::new(
             pool(creds, Identity::SCHEMA, settings.pool_size).await?,
             signal,
@@ -216,6 +238,7 @@ impl Contexts {
             identity: Arc::new(identity),
             connectivity: Arc::new(connectivity),
             observability: Arc::new(observability),
+            delivery: Arc::new(delivery),
             in_step: Arc::new(InStep::new()),
             handler_seconds: Histograms::new_with_constructor(crate::metrics::batch_buckets),
         })
@@ -242,6 +265,10 @@ impl Contexts {
                     .generations(self.connectivity.pool())
                     .await?,
             ),
+            (
+                Delivery::SECTIONS.section,
+                Delivery::SECTIONS.generations(self.delivery.pool()).await?,
+            ),
         ] {
             self.in_step.load(section, rows);
         }
@@ -256,6 +283,7 @@ impl Contexts {
             (Identity::SCHEMA, self.identity.pool()),
             (Connectivity::SCHEMA, self.connectivity.pool()),
             (Observability::SCHEMA, self.observability.pool()),
+            (Delivery::SCHEMA, self.delivery.pool()),
         ]
     }
 
@@ -276,6 +304,7 @@ impl Contexts {
             (Identity::SCHEMA, self.identity.subscriptions()),
             (Connectivity::SCHEMA, self.connectivity.subscriptions()),
             (Observability::SCHEMA, self.observability.subscriptions()),
+            (Delivery::SCHEMA, self.delivery.subscriptions()),
         ]
     }
 
@@ -300,6 +329,12 @@ impl Contexts {
             (
                 Connectivity::SCHEMA,
                 section::resync(&*self.connectivity)
+                    .await
+                    .map_err(|e| e.to_string()),
+            ),
+            (
+                Delivery::SCHEMA,
+                section::resync(&*self.delivery)
                     .await
                     .map_err(|e| e.to_string()),
             ),

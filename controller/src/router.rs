@@ -4,6 +4,7 @@
 
 use mesh_config::Config;
 use mesh_connectivity::Connectivity;
+use mesh_delivery::Delivery;
 use mesh_identity::Identity;
 use mesh_inventory::Inventory;
 use mesh_observability::Observability;
@@ -28,9 +29,10 @@ impl Contexts {
             // hello: facts and labels (inventory), the seal key (config), the
             // overlay facts (connectivity); every context catches the node up on
             // its section (mesh_plumbing::section).
-            // observability reads the outage the agent lived through.
+            // observability reads the outage the agent lived through;
+            // delivery catches the node up on its section.
             ReportKind::Hello => {
-                let (a, b) = tokio::join!(
+                let (a, b, c) = tokio::join!(
                     all(
                         run(&self.handler_seconds, kind, &*self.inventory, batch, true),
                         run(&self.handler_seconds, kind, &*self.config, batch, true),
@@ -49,8 +51,9 @@ impl Contexts {
                         batch,
                         true
                     ),
+                    run(&self.handler_seconds, kind, &*self.delivery, batch, true),
                 );
-                a.and(b)
+                a.and(b).and(c)
             }
             // heartbeat: liveness, in memory (inventory, written in batches);
             // only a heartbeat out of step with what was declared to its node,
@@ -61,9 +64,10 @@ impl Contexts {
             // heartbeat: that would double the cost of the hottest path.
             ReportKind::Heartbeat => self.route_heartbeats(batch).await.map(|_| ()),
             // units: what runs where (inventory owns assignments and units);
-            // observability derives health and crash loops from them.
+            // observability derives health and crash loops from them;
+            // delivery's rollouts see which revision runs where.
             ReportKind::Units => {
-                let (a, b) = tokio::join!(
+                let (a, b, c) = tokio::join!(
                     run(&self.handler_seconds, kind, &*self.inventory, batch, true),
                     run(
                         &self.handler_seconds,
@@ -72,13 +76,19 @@ impl Contexts {
                         batch,
                         true
                     ),
+                    run(&self.handler_seconds, kind, &*self.delivery, batch, true),
                 );
-                a.and(b)
+                a.and(b).and(c)
             }
             // applied: what the node applied of each section (inventory records it
-            // for every section; decision 0015).
+            // for every section; decision 0015); delivery reads its own
+            // section's artifact outcomes (pulled and verified, or why not).
             ReportKind::Applied => {
-                run(&self.handler_seconds, kind, &*self.inventory, batch, true).await
+                let (a, b) = tokio::join!(
+                    run(&self.handler_seconds, kind, &*self.inventory, batch, true),
+                    run(&self.handler_seconds, kind, &*self.delivery, batch, true),
+                );
+                a.and(b)
             }
             // certificates: CSRs to sign and what the node holds (connectivity).
             ReportKind::Certificates => {
@@ -142,6 +152,14 @@ impl Contexts {
             ),
         )
         .await?;
+        run(
+            &self.handler_seconds,
+            ReportKind::Heartbeat,
+            &*self.delivery,
+            &durable,
+            false,
+        )
+        .await?;
         self.inventory.written_alive(&durable);
         Ok(durable.len())
     }
@@ -167,6 +185,9 @@ impl Contexts {
             }
             c if c == Observability::SCHEMA => {
                 run_events(&self.handler_seconds, &*self.observability, events).await
+            }
+            c if c == Delivery::SCHEMA => {
+                run_events(&self.handler_seconds, &*self.delivery, events).await
             }
             other => Err(HandlerError::Permanent(format!(
                 "no context named `{other}`"
