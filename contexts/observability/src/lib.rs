@@ -71,7 +71,7 @@ pub async fn migrate(url: &str) -> Result<Vec<String>, MigrateError> {
 
 /// What this context subscribes to: every record event of
 /// [`mesh_protocol::RECORD_EVENTS`] but `*.operator.audit`.
-pub const SUBSCRIPTIONS: [&str; 13] = [
+pub const SUBSCRIPTIONS: [&str; 14] = [
     "inventory.node.joined",
     "inventory.node.updated",
     "inventory.node.unreachable",
@@ -85,6 +85,7 @@ pub const SUBSCRIPTIONS: [&str; 13] = [
     "observability.module.health",
     "observability.alert.raised",
     "observability.alert.resolved",
+    "delivery.module.targets",
 ];
 
 /// Tunables of the observability context.
