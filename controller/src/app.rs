@@ -286,8 +286,9 @@ async fn run_fenced(
     let clock_shutdown = shutdown.clone();
     let clock_contexts = contexts.clone();
     let clock_every = std::time::Duration::from_millis(settings.rollout_tick_ms);
+    let clock_metrics = metrics.clone();
     tasks.spawn(async move {
-        crate::rollout_clock::run(clock_contexts, clock_every, clock_shutdown).await;
+        crate::rollout_clock::run(clock_contexts, clock_metrics, clock_every, clock_shutdown).await;
         ("rollouts", Ok(()))
     });
     let stats_shutdown = shutdown.clone();

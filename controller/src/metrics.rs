@@ -105,6 +105,18 @@ fn request_buckets() -> Histogram {
 /// (zero when no module is in it).
 pub const MODULE_HEALTH: [&str; 4] = ["healthy", "degraded", "down", "unknown"];
 
+/// The states a rollout can be in, each a series of `mesh_controller_rollouts`.
+pub const ROLLOUT_STATES: [&str; 8] = [
+    "awaiting_approval",
+    "running",
+    "paused",
+    "succeeded",
+    "failed",
+    "rolled_back",
+    "denied",
+    "canceled",
+];
+
 /// Every metric the controller exports. Cheap to clone (the families are shared).
 #[derive(Clone)]
 pub struct Metrics {
@@ -156,6 +168,9 @@ pub struct Metrics {
     /// Modules by health (set by the observability work through
     /// [`Metrics::set_module_health_counts`]).
     pub modules: Family<HealthLabels, Gauge>,
+    /// Rollouts by state (set by the rollout clock through
+    /// [`Metrics::set_rollout_counts`]).
+    pub rollouts: Family<StateLabels, Gauge>,
     /// Open alerts by kind and severity (set through [`Metrics::set_open_alerts`]).
     pub alerts: Family<AlertLabels, Gauge>,
     /// Always 1, labelled with this build's version.
@@ -204,6 +219,7 @@ impl Metrics {
             liveness_written: Counter::default(),
             nodes: Family::default(),
             modules: Family::default(),
+            rollouts: Family::default(),
             alerts: Family::default(),
             build_info: Family::default(),
             families: Arc::from(Vec::new()),
@@ -335,6 +351,11 @@ impl Metrics {
             m.modules.clone(),
         );
         r.add(
+            "mesh_controller_rollouts",
+            "Rollouts by state",
+            m.rollouts.clone(),
+        );
+        r.add(
             "mesh_controller_alerts",
             "Open alerts by kind and severity",
             m.alerts.clone(),
@@ -385,6 +406,7 @@ impl Metrics {
                 .get_or_create(&PathLabels { path: path.into() });
         }
         self.set_module_health_counts(&[]);
+        self.set_rollout_counts(&[]);
     }
 
     /// Count a heartbeat batch: `durable` of its `total` took the durable path.
@@ -443,6 +465,22 @@ impl Metrics {
                     state: state.clone(),
                 })
                 .set(*n);
+        }
+    }
+
+    /// Replace `mesh_controller_rollouts` with `counts` (state, rollouts):
+    /// every state of [`ROLLOUT_STATES`] is set (0 when `counts` does not name it).
+    pub fn set_rollout_counts(&self, counts: &[(String, i64)]) {
+        for state in ROLLOUT_STATES {
+            let n = counts
+                .iter()
+                .find(|(s, _)| s == state)
+                .map_or(0, |(_, n)| *n);
+            self.rollouts
+                .get_or_create(&StateLabels {
+                    state: state.to_owned(),
+                })
+                .set(n);
         }
     }
 

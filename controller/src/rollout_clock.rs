@@ -7,9 +7,16 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::contexts::Contexts;
+use crate::metrics::Metrics;
 
-/// Tick rollouts until `shutdown`.
-pub async fn run(contexts: Arc<Contexts>, every: Duration, shutdown: CancellationToken) {
+/// Tick rollouts until `shutdown`; each tick's counts go to
+/// `mesh_controller_rollouts`.
+pub async fn run(
+    contexts: Arc<Contexts>,
+    metrics: Metrics,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
     // A stream of reports wakes it often: never more than this.
     let spacing = (every / 10).max(Duration::from_millis(50));
     loop {
@@ -19,6 +26,10 @@ pub async fn run(contexts: Arc<Contexts>, every: Duration, shutdown: Cancellatio
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "moving rollouts on failed; retrying"),
+        }
+        match contexts.delivery.rollout_counts().await {
+            Ok(counts) => metrics.set_rollout_counts(&counts),
+            Err(e) => tracing::debug!(error = %e, "counting rollouts failed"),
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,

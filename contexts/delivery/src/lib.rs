@@ -162,6 +162,15 @@ impl Delivery {
         Ok(tick)
     }
 
+    /// Rollouts by state (for the controller's gauge).
+    pub async fn rollout_counts(&self) -> Result<Vec<(String, i64)>, Error> {
+        Ok(
+            sqlx::query_as("SELECT state, count(*) FROM delivery.rollouts GROUP BY state")
+                .fetch_all(&self.pool)
+                .await?,
+        )
+    }
+
     /// Recompute every node's delivery section and declare what differs.
     pub async fn resync(&self) -> Result<section::Declared, Error> {
         section::resync(self).await
