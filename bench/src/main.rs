@@ -25,6 +25,7 @@ mod health;
 mod ideal;
 mod paths;
 mod plan;
+mod rollout;
 
 #[derive(Parser)]
 #[command(name = "mesh-bench")]
@@ -115,6 +116,14 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         units: usize,
     },
+    /// A rollout (delivery) per fleet size, against a real PostgreSQL:
+    /// starting it, each tick of the rollout clock, and the units reports
+    /// that move it, with max_unavailable a tenth of the fleet.
+    Rollout {
+        /// Fleet sizes, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "10,100,1000")]
+        nodes: Vec<usize>,
+    },
     /// Heartbeat ingest: reports/s committed, controller CPU and RSS.
     Heartbeats {
         /// Simulated nodes (broker users and connections).
@@ -169,6 +178,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::IdealConsume { queue } => ideal::consume(&queue).await,
         Cmd::ConnectivityPlan { nodes } => plan::run(&nodes),
         Cmd::Health { nodes, units } => health::run(&nodes, units).await,
+        Cmd::Rollout { nodes } => rollout::run(&nodes).await,
         Cmd::Heartbeats {
             nodes,
             seconds,
