@@ -801,6 +801,25 @@ impl Agent {
             }
             report.items.extend(items);
         }
+        // A unit whose artifact is not cached is declared (it starts once the
+        // cache gains it), but its item says why it does not run yet.
+        if section == Section::Inventory
+            && !report.stale
+            && report.outcome == Outcome::Applied
+            && let Some(state) = &report.state
+        {
+            for unit in &state.units {
+                if let Some(d) = &unit.artifact
+                    && !crate::artifacts::is_cached(&self.config.state_dir, d)
+                    && let Some(i) = report.items.iter_mut().find(|i| i.item == unit.name)
+                {
+                    i.ok = false;
+                    i.error = Some(format!(
+                        "artifact {d} is not cached: the unit starts once the delivery section caches it"
+                    ));
+                }
+            }
+        }
         if section == Section::Connectivity
             && !report.stale
             && report.outcome != Outcome::Rejected

@@ -561,6 +561,13 @@ async fn a_unit_waits_for_its_artifact() -> anyhow::Result<()> {
         ..Default::default()
     };
     declare(&ch, &controller, &node, Section::Inventory, 1, items).await?;
+    let a = wait_applied(&mut reports, Section::Inventory, 1).await?;
+    assert_eq!(a.outcome, Outcome::Applied, "{a:?}");
+    let why = item(&a, "w-0")?.error.clone().unwrap_or_default();
+    assert!(
+        why.contains("not cached") && why.contains(d.as_str()),
+        "{why}"
+    );
     let units = wait_units(&mut reports, "the unit failed without its artifact", |u| {
         u.iter()
             .any(|s| s.name == "w-0" && s.state == UnitState::Failed)
