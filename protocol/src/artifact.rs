@@ -195,7 +195,9 @@ impl ArtifactItem {
             && self.repository.split('/').all(|part| {
                 !part.is_empty()
                     && part.bytes().all(|b| {
-                        b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+                        b.is_ascii_lowercase()
+                            || b.is_ascii_digit()
+                            || matches!(b, b'.' | b'_' | b'-')
                     })
             });
         if !repo_ok {
@@ -349,7 +351,11 @@ mod tests {
         let trusted = [PublicKey::from_hex(&controller.public_key_hex()).unwrap()];
         let d = ArtifactDigest::of(b"bytes");
         let other = ArtifactDigest::of(b"other");
-        assert!(ArtifactSignature::sign(&controller, &d).verify(&d, &trusted).is_ok());
+        assert!(
+            ArtifactSignature::sign(&controller, &d)
+                .verify(&d, &trusted)
+                .is_ok()
+        );
         assert!(matches!(
             ArtifactSignature::sign(&stranger, &d).verify(&d, &trusted),
             Err(ArtifactSignatureError::Untrusted { .. })
