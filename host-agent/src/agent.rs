@@ -122,6 +122,8 @@ pub(crate) struct Agent {
     connectivity_changes: Option<tokio::sync::mpsc::Receiver<Vec<ItemOutcome>>>,
     /// The node's certificates (none: not set up, as in some tests).
     certs: Option<crate::certs::Certs>,
+    /// The artifact cache the delivery section fills (none: not set up).
+    artifacts: Option<crate::artifacts::Artifacts>,
 }
 
 impl Agent {
@@ -158,6 +160,7 @@ impl Agent {
             connectivity: None,
             connectivity_changes: None,
             certs: None,
+            artifacts: None,
             config,
             creds,
             store,
@@ -183,6 +186,12 @@ impl Agent {
     ) -> Self {
         self.connectivity = Some(c);
         self.connectivity_changes = Some(changes);
+        self
+    }
+
+    /// Cache the delivery section's artifacts with `artifacts`.
+    pub(crate) fn with_artifacts(mut self, artifacts: crate::artifacts::Artifacts) -> Self {
+        self.artifacts = Some(artifacts);
         self
     }
 
@@ -718,6 +727,9 @@ impl Agent {
         let plans = (decl.section == Section::Connectivity)
             .then(|| (decl.items.overlay.clone(), decl.items.firewall.clone()));
         let certs_declared = decl.items.certificates.clone();
+        let artifacts_declared =
+            (decl.section == Section::Delivery).then(|| decl.items.artifacts.clone());
+        let prev_state = self.store.section(decl.section);
         let prev = self.store.section(decl.section);
         let applier = self.applier.clone();
         let section = decl.section;
@@ -757,6 +769,56 @@ impl Agent {
                 ));
             }
             report.items.extend(items);
+        }
+        // The delivery section's artifacts: fetched, verified and cached
+        // (inline, each within `[artifacts] fetch_timeout`); the section is
+        // applied only once every one is cached, so a failed one is fetched
+        // again when the declaration comes again.
+        if let (Some(declared), Some(artifacts), false, false) = (
+            artifacts_declared,
+            &self.artifacts,
+            report.stale,
+            report.outcome == Outcome::Rejected,
+        ) {
+            let (items, gained) = artifacts.ensure_all(&declared).await;
+            if gained {
+                self.units.artifacts_changed();
+            }
+            if let Some(bad) = items.iter().find(|i| !i.ok) {
+                let error = format!(
+                    "{}: {}",
+                    bad.item,
+                    bad.error.as_deref().unwrap_or("not cached")
+                );
+                report.outcome = Outcome::Failed;
+                report.error.get_or_insert(error);
+                if let Some(state) = &mut report.state {
+                    state.generation = prev_state.generation;
+                    state.digest = prev_state.digest.clone();
+                    state.last_outcome = Some(Outcome::Failed);
+                    state.last_error = report.error.clone();
+                }
+            }
+            report.items.extend(items);
+        }
+        // A unit whose artifact is not cached is declared (it starts once the
+        // cache gains it), but its item says why it does not run yet.
+        if section == Section::Inventory
+            && !report.stale
+            && report.outcome == Outcome::Applied
+            && let Some(state) = &report.state
+        {
+            for unit in &state.units {
+                if let Some(d) = &unit.artifact
+                    && !crate::artifacts::is_cached(&self.config.state_dir, d)
+                    && let Some(i) = report.items.iter_mut().find(|i| i.item == unit.name)
+                {
+                    i.ok = false;
+                    i.error = Some(format!(
+                        "artifact {d} is not cached: the unit starts once the delivery section caches it"
+                    ));
+                }
+            }
         }
         if section == Section::Connectivity
             && !report.stale

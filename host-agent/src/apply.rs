@@ -188,6 +188,14 @@ impl Applier {
                 ),
             );
         }
+        if section != Section::Delivery && !decl.items.artifacts.is_empty() {
+            return rejected(
+                Vec::new(),
+                format!(
+                    "invalid field `body.items.artifacts`: artifacts are declared in the delivery section only, not in `{section}`"
+                ),
+            );
+        }
         let mut targets = Vec::with_capacity(decl.items.files.len());
         let mut items = Vec::new();
         let mut first_error = None;
@@ -702,6 +710,29 @@ mod tests {
         assert!(r.error.unwrap().contains("inventory"));
         assert!(!fx.root.join("etc/x").exists());
         assert_eq!(r.state.unwrap().units, s1.units);
+    }
+
+    #[test]
+    fn artifacts_are_declared_in_the_delivery_section_only() {
+        let fx = fixture();
+        let artifact = mesh_protocol::ArtifactItem {
+            digest: mesh_protocol::ArtifactDigest::of(b"a"),
+            registry: "http://127.0.0.1:5000".into(),
+            repository: "mesh/artifacts".into(),
+        };
+        let mut bad = decl(1, vec![file("/etc/x", "x", 0o644)]);
+        bad.items.artifacts = vec![artifact.clone()];
+        let r = fx.applier.apply(&bad, &SectionState::default());
+        assert_eq!(r.outcome, Outcome::Rejected);
+        assert!(r.error.unwrap().contains("delivery"));
+        assert!(!fx.root.join("etc/x").exists());
+
+        // In the delivery section the applier takes them (the agent caches them).
+        let mut ok = decl(1, vec![]);
+        ok.section = Section::Delivery;
+        ok.items.artifacts = vec![artifact];
+        let r = fx.applier.apply(&ok, &SectionState::default());
+        assert_eq!(r.outcome, Outcome::Applied, "{r:?}");
     }
 
     #[test]

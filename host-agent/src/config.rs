@@ -112,6 +112,9 @@ pub struct Config {
     pub overlay: OverlayConfig,
     /// The packet filter: the `[firewall]` table. Defaults in [`FirewallConfig`].
     pub firewall: FirewallConfig,
+    /// The artifact cache: the `[artifacts]` table (largest artifact, fetch
+    /// timeout). Defaults in [`crate::artifacts::ArtifactsConfig`].
+    pub artifacts: crate::artifacts::ArtifactsConfig,
 }
 
 /// The `[overlay]` table: how the node takes part in the WireGuard overlay
@@ -234,6 +237,7 @@ impl Default for Config {
             units: crate::units::UnitsConfig::default(),
             overlay: OverlayConfig::default(),
             firewall: FirewallConfig::default(),
+            artifacts: crate::artifacts::ArtifactsConfig::default(),
         }
     }
 }
@@ -313,6 +317,9 @@ impl Config {
             .validate()
             .map_err(|(field, reason)| ConfigError::invalid(field, reason))?;
         self.overlay.validate()?;
+        self.artifacts
+            .validate()
+            .map_err(|(field, reason)| ConfigError::invalid(field, reason))?;
         if !self.root.is_absolute() {
             return Err(ConfigError::invalid("root", "must be an absolute path"));
         }

@@ -45,6 +45,7 @@
 
 mod agent;
 pub mod apply;
+pub mod artifacts;
 pub mod broker;
 pub mod buffer;
 pub mod certs;
@@ -83,6 +84,8 @@ pub enum AgentError {
     Connectivity(#[from] connectivity::ConnectivityError),
     #[error(transparent)]
     Certs(#[from] certs::CertError),
+    #[error("the artifact cache: {0}")]
+    Artifacts(String),
     #[error("root {path}: {error}")]
     Root {
         path: std::path::PathBuf,
@@ -139,6 +142,16 @@ pub async fn run(
             .map(|u| u.module.as_str()),
     );
     let metrics = metrics::Metrics::new();
+    // The artifact cache trusts what the controller signed, and https
+    // registries verified against the mesh CA alone.
+    let artifacts = artifacts::Artifacts::new(
+        &config.state_dir,
+        config.artifacts.clone(),
+        vec![creds.controller_key.clone()],
+        creds.ca_certificate.as_deref(),
+        metrics.clone(),
+    )
+    .map_err(AgentError::Artifacts)?;
 
     let (stop_metrics, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics_task = match config.metrics_listen {
@@ -185,6 +198,7 @@ pub async fn run(
     let checks = connectivity.spawn_checks(config.overlay.check_interval, changes_tx);
     let agent = agent::Agent::new(config, creds, store, applier, metrics, supervisor)
         .with_connectivity(connectivity, changes)
+        .with_artifacts(artifacts)
         .with_certs(certs);
     let shutdown = std::pin::pin!(shutdown);
     agent.run(shutdown).await;

@@ -41,6 +41,8 @@ pub struct Metrics {
     applied_generation: Family<Labels, Gauge>,
     probe_healthy: Family<NameLabels, Gauge>,
     probe_checks: Family<NameLabels, Counter>,
+    artifacts_cached: Gauge,
+    artifact_fetches: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -147,6 +149,21 @@ impl Metrics {
             "Fields of accepted messages this agent does not know (a newer controller's), ignored, by kind",
             unknown_fields.clone(),
         );
+        let artifacts_cached = Gauge::default();
+        registry.register(
+            "artifacts_cached",
+            "Artifacts held, verified and unpacked, in the agent's cache",
+            artifacts_cached.clone(),
+        );
+        let artifact_fetches = Family::<Labels, Counter>::default();
+        registry.register(
+            "artifact_fetches",
+            "Artifacts pulled from a registry, by outcome (ok, digest_mismatch, no_signature, untrusted, error)",
+            artifact_fetches.clone(),
+        );
+        for outcome in crate::artifacts::FETCH_OUTCOMES {
+            let _ = artifact_fetches.get_or_create(&vec![("outcome", *outcome)]);
+        }
         // At 0 from the start where the label values are known (Prometheus'
         // advice: a series that first appears at 1 hides that increase from
         // rate(), and a family without series is absent from a scrape).
@@ -170,7 +187,20 @@ impl Metrics {
             applied_generation,
             probe_healthy,
             probe_checks,
+            artifacts_cached,
+            artifact_fetches,
         }
+    }
+
+    pub fn set_artifacts_cached(&self, n: usize) {
+        self.artifacts_cached
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    pub fn artifact_fetched(&self, outcome: &'static str) {
+        self.artifact_fetches
+            .get_or_create(&vec![("outcome", outcome)])
+            .inc();
     }
 
     pub fn report_published(&self, kind: &'static str) {

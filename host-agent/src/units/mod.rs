@@ -27,7 +27,14 @@
 //!   unit declared with `/srv/app` next to a file `/srv/app/app.conf` finds it as
 //!   `./app.conf`); without one the process starts in the root. It must exist: a
 //!   missing one is a failed start (retried with backoff). `command` is not
-//!   rebased: an absolute path or a name looked up in `PATH`.
+//!   rebased: an absolute path or a name looked up in `PATH`;
+//! - a unit with an `artifact` runs from the artifact cache
+//!   ([`crate::artifacts`]): a relative `command` is resolved in the artifact's
+//!   directory, which is also the working dir when none is declared, and the
+//!   process gets `MESH_ARTIFACT_DIR`. While the artifact is not cached the
+//!   unit does not start: it is `failed` (no restarts) until the cache gains
+//!   it. Its `artifact` and `revision` are part of its spec: a new revision
+//!   restarts it.
 //!
 //! The agent's own restart restarts no unit (decision 0016): on shutdown it
 //! leaves them running ([`Supervisor::shutdown`]); on start
@@ -159,6 +166,11 @@ struct Shared {
     metrics: Metrics,
     /// Every probe's result.
     board: probes::HealthBoard,
+    /// The agent's state dir, where the artifact cache is.
+    state_dir: PathBuf,
+    /// Bumped whenever the artifact cache gains an artifact: a unit waiting
+    /// for its artifact tries again.
+    cache: watch::Sender<u64>,
 }
 
 impl Shared {
@@ -241,6 +253,8 @@ impl Supervisor {
                 status,
                 metrics,
                 board,
+                state_dir: state_dir.to_owned(),
+                cache: watch::channel(0).0,
             }),
             units: BTreeMap::new(),
             stopping: BTreeMap::new(),
@@ -331,6 +345,11 @@ impl Supervisor {
             control,
             task,
         }
+    }
+
+    /// The artifact cache gained an artifact: units waiting for theirs start.
+    pub fn artifacts_changed(&self) {
+        self.shared.cache.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// A receiver for [`Reporter`].

@@ -96,6 +96,12 @@ pub struct ProcessSpec {
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub working_dir: Option<String>,
+    /// Absent in records of agents older than artifacts (and for units
+    /// without one), so those records still compare equal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<mesh_protocol::ArtifactDigest>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<uuid::Uuid>,
 }
 
 impl ProcessSpec {
@@ -106,6 +112,8 @@ impl ProcessSpec {
             args: item.args.clone(),
             env: item.env.clone(),
             working_dir: item.working_dir.clone(),
+            artifact: item.artifact.clone(),
+            revision: item.revision,
         }
     }
 }

@@ -205,7 +205,7 @@ impl Runner {
         self.shared.update(
             self.id,
             UnitStatus {
-                revision: None,
+                revision: self.item.revision,
                 name: self.item.name.clone(),
                 module: self.item.module.clone(),
                 state: self.state,
@@ -292,6 +292,8 @@ impl Runner {
             warn!(unit = %self.item.name, dir = %self.dir.display(), error = %e, "cannot create the unit's directory");
         }
         let (mut running, mut next_start) = self.inherit(found).await;
+        let mut cache = self.shared.cache.subscribe();
+        let mut waiting_artifact = false;
         self.publish();
         match &running {
             Some(r) => self.start_probes(r.started),
@@ -311,6 +313,18 @@ impl Runner {
                     self.pid = None;
                     self.publish();
                 }
+            } else if running.is_none()
+                && next_start.is_some_and(|t| t <= Instant::now())
+                && self.artifact_missing()
+            {
+                // Not from the network, not in a loop: the cache's next
+                // artifact (or the next declaration) tries again.
+                next_start = None;
+                waiting_artifact = true;
+                warn!(unit = %self.item.name, artifact = ?self.item.artifact, "the unit's artifact is not cached; not starting it until it is");
+                self.pid = None;
+                self.state = UnitState::Failed;
+                self.publish();
             } else if running.is_none() && next_start.is_some_and(|t| t <= Instant::now()) {
                 next_start = None;
                 match self.spawn().await {
@@ -335,6 +349,14 @@ impl Runner {
                     next_start = self.exited(ok, code, ran);
                 }
                 () = sleep_until(next_start.unwrap_or_else(Instant::now)), if next_start.is_some() && running.is_none() => {}
+                changed = cache.changed(), if waiting_artifact => {
+                    if changed.is_err() || !self.artifact_missing() {
+                        waiting_artifact = false;
+                        if self.item.desired == DesiredState::Running {
+                            next_start = Some(Instant::now());
+                        }
+                    }
+                }
                 changed = self.control.changed() => {
                     if changed.is_err() {
                         // No longer declared.
@@ -350,6 +372,11 @@ impl Runner {
                     let restart_now = self.item.desired == DesiredState::Stopped
                         && new.desired == DesiredState::Running;
                     let policy_changed = new.restart != self.item.restart;
+                    if waiting_artifact && new.desired == DesiredState::Running {
+                        // The next declaration tries again.
+                        waiting_artifact = false;
+                        next_start = Some(Instant::now());
+                    }
                     let probes_changed = new.probes != self.item.probes;
                     self.item = new;
                     if probes_changed && self.item.desired == DesiredState::Running {
@@ -425,7 +452,7 @@ impl Runner {
         Launch {
             unit: item.name.clone(),
             dir: self.dir.clone(),
-            command: item.command.clone(),
+            command: self.command(),
             args: item.args.clone(),
             env,
             working_dir: self.working_dir(),
@@ -449,6 +476,12 @@ impl Runner {
         }
         env.insert("MESH_UNIT".to_owned(), item.name.clone());
         env.insert("MESH_MODULE".to_owned(), item.module.clone());
+        if let Some(dir) = self.artifact_dir() {
+            env.insert(
+                "MESH_ARTIFACT_DIR".to_owned(),
+                dir.to_string_lossy().into_owned(),
+            );
+        }
         env.extend(item.env.iter().map(|(k, v)| (k.clone(), v.clone())));
         env
     }
@@ -545,12 +578,37 @@ impl Runner {
         })
     }
 
-    /// `<root>/<working_dir>`, or the root.
+    /// `<root>/<working_dir>`, or the artifact's directory, or the root.
     fn working_dir(&self) -> PathBuf {
-        match &self.item.working_dir {
-            Some(d) => self.shared.root.join(d.trim_start_matches('/')),
-            None => self.shared.root.clone(),
+        match (&self.item.working_dir, self.artifact_dir()) {
+            (Some(d), _) => self.shared.root.join(d.trim_start_matches('/')),
+            (None, Some(a)) => a,
+            (None, None) => self.shared.root.clone(),
         }
+    }
+
+    /// The cached directory of the unit's artifact, if it has one.
+    fn artifact_dir(&self) -> Option<PathBuf> {
+        self.item
+            .artifact
+            .as_ref()
+            .map(|d| crate::artifacts::artifact_dir(&self.shared.state_dir, d))
+    }
+
+    /// What the shim runs: a relative command of a unit with an artifact is
+    /// the artifact's file.
+    fn command(&self) -> String {
+        match self.artifact_dir() {
+            Some(dir) if !self.item.command.starts_with('/') => {
+                dir.join(&self.item.command).to_string_lossy().into_owned()
+            }
+            _ => self.item.command.clone(),
+        }
+    }
+
+    /// The unit runs from an artifact that is not cached.
+    fn artifact_missing(&self) -> bool {
+        self.artifact_dir().is_some_and(|d| !d.is_dir())
     }
 
     /// Stop the process and record it stopped.
