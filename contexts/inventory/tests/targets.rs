@@ -287,6 +287,12 @@ async fn targets_move_only_the_nodes_they_change_and_the_resync_agrees() {
     assert_eq!(f.generations(&nodes).await, [2, 1, 1]);
     runs(&f.declared(a).await.1, &v2);
     assert!(f.view_revisions().await[b].is_null());
+    let kept: i64 =
+        sqlx::query_scalar("SELECT version FROM inventory.module_targets WHERE module = 'web'")
+            .fetch_one(&f.pool)
+            .await
+            .unwrap();
+    assert_eq!(kept, 1, "the newest version is kept");
 
     // A module PUT changing the command: the targeted node keeps the
     // revision, the others take the new spec.
