@@ -21,7 +21,10 @@
 //! for a full grace period ([`Inventory::observe_from`]); placement is the pure
 //! function in [`placement`]. What a reconcile finds wrong with the fleet it
 //! tells the record (`inventory.fleet.conditions`, the whole set when it
-//! changes); it keeps no alerts (observability owns them).
+//! changes); it keeps no alerts (observability owns them). Which revision a
+//! node's replicas of a module run, delivery decides
+//! (`delivery.module.targets`, see `targets.rs`); inventory still declares
+//! every unit.
 
 mod api;
 mod conditions;
