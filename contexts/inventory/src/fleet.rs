@@ -63,6 +63,7 @@ async fn load_modules(tx: &mut PgConnection) -> Result<BTreeMap<String, Module>,
         sqlx::query_as("SELECT module, layer, value FROM inventory.intents")
             .fetch_all(&mut *tx)
             .await?;
+    let mut targets = crate::targets::load(tx).await?;
     let mut modules: BTreeMap<String, Module> = rows
         .into_iter()
         .map(|m| {
@@ -70,12 +71,14 @@ async fn load_modules(tx: &mut PgConnection) -> Result<BTreeMap<String, Module>,
                 user: m.spec.0.user_replicas(),
                 ..Intent::default()
             };
+            let targets = targets.remove(&m.name).unwrap_or_default();
             (
                 m.name,
                 Module {
                     spec: m.spec.0,
                     intent,
                     placement_error: m.placement_error,
+                    targets,
                 },
             )
         })
@@ -692,6 +695,9 @@ async fn publish_placements(
     Ok(count)
 }
 
+/// The units `node` runs: per assignment, the revision the module's targets
+/// name for the node (its artifact and revision id with it), else the
+/// module's own spec; the desired state is always the module's.
 fn units_of(
     node: &str,
     assignments: &BTreeMap<(String, String), Assignment>,
@@ -707,7 +713,11 @@ fn units_of(
         .take_while(|((n, _), _)| n == node);
     for (_, a) in held {
         if let Some(m) = modules.get(&a.module) {
-            items.units.push(m.spec.unit_item(&a.module, &a.name));
+            let unit = match m.targets.of(node) {
+                Some(revision) => revision.unit_item(&a.module, &a.name, Some(m.spec.desired)),
+                None => m.spec.unit_item(&a.module, &a.name),
+            };
+            items.units.push(unit);
         }
     }
     items
@@ -735,6 +745,40 @@ async fn declare(
         desired.push((node_id(node)?, items));
     }
     Ok(SECTIONS.declare(tx, desired).await?.declared)
+}
+
+/// Declare the inventory section of each node of `nodes` that holds an
+/// assignment of `module`, from the assignments as they stand (no placement):
+/// what a change of the module's targets declares. The caller holds the
+/// fleet lock. Returns how many nodes a new generation was declared to.
+pub(crate) async fn declare_holders(
+    tx: &mut PgConnection,
+    module: &str,
+    nodes: &BTreeSet<String>,
+    plan: Option<HeartbeatPlan>,
+) -> Result<usize, Error> {
+    let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    let held: Vec<Assignment> = sqlx::query_as(
+        "SELECT node, name, module, replica, role, placed_at, unit_state FROM inventory.assignments \
+         WHERE node = ANY($1) ORDER BY node, name",
+    )
+    .bind(&nodes)
+    .fetch_all(&mut *tx)
+    .await?;
+    let touched: BTreeSet<String> = held
+        .iter()
+        .filter(|a| a.module == module)
+        .map(|a| a.node.clone())
+        .collect();
+    if touched.is_empty() {
+        return Ok(0);
+    }
+    let held: Assignments = held
+        .into_iter()
+        .map(|a| ((a.node.clone(), a.name.clone()), a))
+        .collect();
+    let modules = load_modules(tx).await?;
+    declare(tx, &touched, &held, &modules, plan).await
 }
 
 /// The inventory section every node should hold now, from the assignments as

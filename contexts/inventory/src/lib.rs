@@ -21,7 +21,10 @@
 //! for a full grace period ([`Inventory::observe_from`]); placement is the pure
 //! function in [`placement`]. What a reconcile finds wrong with the fleet it
 //! tells the record (`inventory.fleet.conditions`, the whole set when it
-//! changes); it keeps no alerts (observability owns them).
+//! changes); it keeps no alerts (observability owns them). Which revision a
+//! node's replicas of a module run, delivery decides
+//! (`delivery.module.targets`, see `targets.rs`); inventory still declares
+//! every unit.
 
 mod api;
 mod conditions;
@@ -39,6 +42,7 @@ mod query;
 mod reports;
 mod state;
 mod sweep;
+mod targets;
 mod units;
 
 use std::sync::{Arc, Mutex};
@@ -246,9 +250,16 @@ impl Context for Inventory {
     /// Identity's word on a node: revoked nodes are never scheduled again (the
     /// next sweep moves their stateless assignments); re-enrolment makes them
     /// schedulable again. Observability's word on a module's health, shown
-    /// in the module view.
+    /// in the module view. Delivery's word on which revision each node's
+    /// replicas of a module run: the sections of the nodes it changes are
+    /// declared in the event's transaction (the router wakes the relay after
+    /// the commit).
     fn subscriptions(&self) -> &'static [&'static str] {
-        &["identity.node.*", "observability.module.health"]
+        &[
+            "identity.node.*",
+            "observability.module.health",
+            "delivery.module.targets",
+        ]
     }
 
     async fn handle_event(
@@ -263,6 +274,11 @@ impl Context for Inventory {
                 return query::record_module_health(tx, body)
                     .await
                     .map_err(HandlerError::from);
+            }
+            RecordKind::ModuleTargets(body) => {
+                let declared = targets::record(tx, body, self.declared_plan()).await?;
+                tracing::debug!(module = %body.module, version = body.version, declared, "module targets");
+                return Ok(());
             }
             _ => {
                 tracing::debug!(key = %event.routing_key(), "not an event inventory acts on");

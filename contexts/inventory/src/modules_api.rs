@@ -517,6 +517,9 @@ impl Inventory {
             .bind(name)
             .execute(&mut *tx)
             .await?;
+        // So do its targets: a module created again under the name runs its
+        // own spec until delivery targets it anew.
+        crate::targets::forget(&mut tx, name).await?;
         let report = fleet::reconcile(&mut tx, &self.pass(chrono::Utc::now())).await?;
         audit::record_ok(&mut tx, SCHEMA, audit).await?;
         tx.commit().await?;

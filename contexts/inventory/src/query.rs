@@ -279,6 +279,9 @@ pub struct AssignmentView {
     pub restarts: i64,
     pub started_at: Option<DateTime<Utc>>,
     pub reported_at: Option<DateTime<Utc>>,
+    /// The revision the replica runs, as delivery targets the module on the
+    /// node (`delivery.module.targets`); null: it runs the module's own spec.
+    pub revision: Option<uuid::Uuid>,
 }
 
 /// A module with its revision, intent layers, effective replicas and assignments.
@@ -399,10 +402,17 @@ impl Inventory {
         node: Option<&str>,
     ) -> Result<Vec<AssignmentView>, Error> {
         Ok(sqlx::query_as(
-            "SELECT module, replica, node, name, role, placed_at, unit_state, pid, exit_code, restarts, \
-             started_at, reported_at FROM inventory.assignments \
-             WHERE ($1::text IS NULL OR module = $1) AND ($2::text IS NULL OR node = $2) \
-             ORDER BY module, replica, node",
+            "SELECT a.module, a.replica, a.node, a.name, a.role, a.placed_at, a.unit_state, a.pid, \
+             a.exit_code, a.restarts, a.started_at, a.reported_at, \
+             (SELECT (t ->> 'revision')::uuid FROM inventory.module_targets mt, \
+                     jsonb_array_elements(mt.targets) AS t \
+              WHERE mt.module = a.module AND t ->> 'node' = a.node \
+                AND EXISTS (SELECT 1 FROM jsonb_array_elements(mt.revisions) AS r \
+                            WHERE r ->> 'id' = t ->> 'revision') \
+              LIMIT 1) AS revision \
+             FROM inventory.assignments a \
+             WHERE ($1::text IS NULL OR a.module = $1) AND ($2::text IS NULL OR a.node = $2) \
+             ORDER BY a.module, a.replica, a.node",
         )
         .bind(module)
         .bind(node)

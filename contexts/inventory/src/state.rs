@@ -13,6 +13,7 @@ use sqlx::types::Json;
 use crate::Error;
 use crate::module::ModuleSpec;
 use crate::placement::Intent;
+use crate::targets::Targets;
 
 /// Advisory lock of the fleet reconcile ("invf" in ASCII).
 const LOCK_FLEET: i64 = 0x696e_7666;
@@ -79,6 +80,9 @@ pub(crate) struct Module {
     pub(crate) spec: ModuleSpec,
     pub(crate) intent: Intent,
     pub(crate) placement_error: Option<String>,
+    /// Which revision each targeted node's replicas run
+    /// (`delivery.module.targets`; default: none targeted).
+    pub(crate) targets: Targets,
 }
 
 /// The assignments of a pass, keyed (node, unit name).

@@ -406,7 +406,8 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
             "V8__module_placements",
             "V9__module_ports",
             "V10__conditions",
-            "V11__module_health"
+            "V11__module_health",
+            "V12__module_targets"
         ],
         "{applied:?}"
     );
@@ -465,7 +466,14 @@ async fn the_conditions_migration_drops_the_alerts_and_starts_with_nothing_told(
     .await
     .unwrap();
     let applied = mesh_inventory::migrate(&url).await.unwrap();
-    assert_eq!(applied, ["V10__conditions", "V11__module_health"]);
+    assert_eq!(
+        applied,
+        [
+            "V10__conditions",
+            "V11__module_health",
+            "V12__module_targets"
+        ]
+    );
     let alerts: Option<String> = sqlx::query_scalar("SELECT to_regclass('inventory.alerts')::text")
         .fetch_one(&pool)
         .await
