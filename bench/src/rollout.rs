@@ -51,8 +51,16 @@ async fn one(n: usize) -> anyhow::Result<Row> {
     let env = TestEnv::new().await?;
     let url = env.database_url(SCHEMA);
     mesh_delivery::migrate(&url).await?;
-    let pool = PgPoolOptions::new().max_connections(4).connect(&url).await?;
-    let delivery = Delivery::new(pool, OutboxSignal::default(), Settings::default(), Arc::new(NoRegistry));
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await?;
+    let delivery = Delivery::new(
+        pool,
+        OutboxSignal::default(),
+        Settings::default(),
+        Arc::new(NoRegistry),
+    );
     let audit = Audit::new(
         Principal {
             id: uuid::Uuid::now_v7(),
@@ -166,7 +174,12 @@ async fn one(n: usize) -> anyhow::Result<Row> {
 pub async fn run(sizes: &[usize]) -> anyhow::Result<()> {
     println!(
         "{:>7} {:>18} {:>7} {:>15} {:>14} {:>20}",
-        "nodes", "start rollout (ms)", "ticks", "tick mean (ms)", "tick max (ms)", "units reports/s"
+        "nodes",
+        "start rollout (ms)",
+        "ticks",
+        "tick mean (ms)",
+        "tick max (ms)",
+        "units reports/s"
     );
     for &n in sizes {
         let r = one(n).await?;

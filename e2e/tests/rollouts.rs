@@ -139,6 +139,14 @@ fn rollout(mesh: &Mesh, revision: &str, extra: &[&str]) -> anyhow::Result<(i32, 
     args.extend_from_slice(extra);
     let (code, out, err) = meshctl(mesh, &args)?;
     let id = out.lines().next().unwrap_or_default().trim().to_owned();
+    if code != 0 {
+        for node in mesh.agents.keys() {
+            eprintln!(
+                "--- agent {node}:\n{}",
+                mesh.log_of(&format!("agent-{node}"))
+            );
+        }
+    }
     Ok((code, id, format!("{out}\n{err}")))
 }
 

@@ -554,3 +554,49 @@ async fn a_role_cannot_touch_another_schema() {
     assert!(err.to_string().contains("permission denied"), "{err}");
     f.env.teardown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_run_stages_its_artifact_in_the_nodes_delivery_section_first() {
+    let f = setup().await;
+    let a = f.node("a");
+    f.place(std::slice::from_ref(&a), 1).await;
+    let digest = ArtifactDigest::of(b"an artifact");
+    let new = NewRevision {
+        artifact: Some(digest.clone()),
+        unit: RevisionUnitSpec {
+            command: "run.sh".to_owned(),
+            args: vec![],
+            env: Default::default(),
+            working_dir: None,
+            restart: Default::default(),
+            probes: vec![],
+        },
+        settings_digest: None,
+    };
+    let (rev, _) = f
+        .delivery
+        .create_revision("web", &new, &audit("alice"))
+        .await
+        .unwrap();
+    let view = f
+        .delivery
+        .start_rollout(&request(rev.id), &audit("alice"))
+        .await
+        .unwrap();
+    f.delivery.tick().await.unwrap();
+    let stored = mesh_delivery::SECTIONS
+        .stored(f.delivery.pool(), &a)
+        .await
+        .unwrap()
+        .expect("a delivery section for the node");
+    assert_eq!(stored.items.artifacts.len(), 1);
+    assert_eq!(stored.items.artifacts[0].digest, digest);
+    assert_eq!(stored.items.artifacts[0].registry, "http://127.0.0.1:5000");
+    // Not deployed before the node says it holds the artifact.
+    for _ in 0..3 {
+        f.delivery.tick().await.unwrap();
+    }
+    assert_eq!(f.rollout(view.id).await.runs[0].state, "staging");
+    assert!(f.targets().await.is_none());
+    f.env.teardown().await.unwrap();
+}

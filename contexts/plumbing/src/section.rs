@@ -134,6 +134,7 @@ impl Items {
         items.files.sort_by(|a, b| a.path.cmp(&b.path));
         items.units.sort_by(|a, b| a.name.cmp(&b.name));
         items.secrets.sort_by(|a, b| a.path.cmp(&b.path));
+        items.artifacts.sort_by(|a, b| a.digest.cmp(&b.digest));
         let json = serde_json::to_string(&items).map_err(|e| SectionError::Items(e.to_string()))?;
         let too_large = if items.files.len() > MAX_ITEMS {
             Some(format!("{} files, limit {MAX_ITEMS}", items.files.len()))
@@ -170,7 +171,7 @@ impl Items {
     }
 
     /// No files, no secrets, no units, no heartbeat plan, no overlay, no
-    /// packet filter and no certificates.
+    /// packet filter, no certificates and no artifacts.
     pub fn is_empty(&self) -> bool {
         self.items.files.is_empty()
             && self.items.secrets.is_empty()
@@ -179,6 +180,7 @@ impl Items {
             && self.items.overlay.is_none()
             && self.items.firewall.is_none()
             && self.items.certificates.is_empty()
+            && self.items.artifacts.is_empty()
     }
 
     /// Why an agent would refuse these items (too many, too large); none: it
