@@ -140,8 +140,13 @@ impl Delivery {
     /// the delivery sections and tell the record the targets that changed,
     /// in the same transaction.
     pub async fn tick(&self) -> Result<Tick, Error> {
+        self.tick_at(Utc::now()).await
+    }
+
+    /// [`Delivery::tick`] as if the clock read `now` (tests of deadlines).
+    pub async fn tick_at(&self, now: chrono::DateTime<Utc>) -> Result<Tick, Error> {
         let mut tx = self.pool.begin().await?;
-        let tick = rollouts::tick(&mut tx, Utc::now()).await?;
+        let tick = rollouts::tick(&mut tx, now).await?;
         let mut declared = 0;
         if tick.staged || !tick.modules.is_empty() {
             let desired = desired_sections(&mut tx, self.store.as_ref()).await?;

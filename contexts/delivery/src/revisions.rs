@@ -98,16 +98,7 @@ pub struct RevisionView {
 impl RevisionView {
     /// What inventory runs for this revision (`delivery.module.targets`).
     pub fn runnable(&self) -> RevisionUnit {
-        RevisionUnit {
-            id: self.id,
-            artifact: self.artifact.clone(),
-            command: self.unit.command.clone(),
-            args: self.unit.args.clone(),
-            env: self.unit.env.clone(),
-            working_dir: self.unit.working_dir.clone(),
-            restart: self.unit.restart,
-            probes: self.unit.probes.clone(),
-        }
+        runnable(self.id, self.artifact.as_ref(), &self.unit)
     }
 }
 
@@ -166,16 +157,7 @@ impl NewRevision {
     }
 
     fn runnable(&self, id: Uuid) -> RevisionUnit {
-        RevisionUnit {
-            id,
-            artifact: self.artifact.clone(),
-            command: self.unit.command.clone(),
-            args: self.unit.args.clone(),
-            env: self.unit.env.clone(),
-            working_dir: self.unit.working_dir.clone(),
-            restart: self.unit.restart,
-            probes: self.unit.probes.clone(),
-        }
+        runnable(id, self.artifact.as_ref(), &self.unit)
     }
 
     /// sha256 hex of the canonical JSON of the definition: equal definitions,
@@ -183,6 +165,20 @@ impl NewRevision {
     pub fn digest(&self) -> String {
         let bytes = serde_json::to_vec(self).unwrap_or_default();
         hex::encode(Sha256::digest(&bytes))
+    }
+}
+
+/// The unit of revision `id`, as inventory runs it.
+fn runnable(id: Uuid, artifact: Option<&ArtifactDigest>, unit: &RevisionUnitSpec) -> RevisionUnit {
+    RevisionUnit {
+        id,
+        artifact: artifact.cloned(),
+        command: unit.command.clone(),
+        args: unit.args.clone(),
+        env: unit.env.clone(),
+        working_dir: unit.working_dir.clone(),
+        restart: unit.restart,
+        probes: unit.probes.clone(),
     }
 }
 

@@ -299,6 +299,17 @@ async fn resume_receipts(
     why: &str,
     now: DateTime<Utc>,
 ) -> Result<(), Error> {
+    note_queued(tx, rollout, kinds::RUN_RESUMED, why, now).await
+}
+
+/// Append `kind` with `why` to the log of every queued run of `rollout`.
+async fn note_queued(
+    tx: &mut PgConnection,
+    rollout: Uuid,
+    kind: &str,
+    why: &str,
+    now: DateTime<Utc>,
+) -> Result<(), Error> {
     let queued: Vec<Uuid> = sqlx::query_scalar(
         "SELECT id FROM delivery.runs WHERE rollout = $1 AND state = 'queued' ORDER BY position",
     )
@@ -306,7 +317,7 @@ async fn resume_receipts(
     .fetch_all(&mut *tx)
     .await?;
     for run in queued {
-        receipts::append(tx, run, kinds::RUN_RESUMED, now, json!({ "reason": why })).await?;
+        receipts::append(tx, run, kind, now, json!({ "reason": why })).await?;
     }
     Ok(())
 }
@@ -915,7 +926,21 @@ async fn step(
             None => Some(Ok(())),
             Some(digest) => artifact_outcome(tx, &run.node, digest, run.staged_generation).await?,
         };
+        let waited = now - run.updated_at;
         match staged {
+            None if waited > deadline => {
+                let digest = revision
+                    .artifact
+                    .as_ref()
+                    .map(ArtifactDigest::as_str)
+                    .unwrap_or("-");
+                let why = format!(
+                    "node {} did not report holding artifact {digest} within {} s (is its agent older than artifacts, or the registry out of its reach?)",
+                    run.node, r.deadline_secs
+                );
+                fail_run(tx, run, &why, now).await?;
+                out.moved += 1;
+            }
             Some(Err(error)) => {
                 fail_run(
                     tx,
@@ -1109,16 +1134,7 @@ async fn pause(
     .bind(now)
     .execute(&mut *tx)
     .await?;
-    let queued: Vec<Uuid> = sqlx::query_scalar(
-        "SELECT id FROM delivery.runs WHERE rollout = $1 AND state = 'queued' ORDER BY position",
-    )
-    .bind(id)
-    .fetch_all(&mut *tx)
-    .await?;
-    for run in queued {
-        receipts::append(tx, run, kinds::RUN_PAUSED, now, json!({ "reason": why })).await?;
-    }
-    Ok(())
+    note_queued(tx, id, kinds::RUN_PAUSED, why, now).await
 }
 
 /// What the node said of `digest` at or after `generation`: none yet, ok, or

@@ -598,5 +598,17 @@ async fn a_run_stages_its_artifact_in_the_nodes_delivery_section_first() {
     }
     assert_eq!(f.rollout(view.id).await.runs[0].state, "staging");
     assert!(f.targets().await.is_none());
+    // A node that never says (an agent older than artifacts) fails the run
+    // past the deadline, and nothing was deployed.
+    let later = chrono::Utc::now() + chrono::Duration::seconds(301);
+    f.delivery.tick_at(later).await.unwrap();
+    let view = f.rollout(view.id).await;
+    assert_eq!(view.state, "failed", "{view:?}");
+    let reason = view.runs[0].reason.clone().unwrap_or_default();
+    assert!(
+        reason.contains("did not report holding artifact"),
+        "{reason}"
+    );
+    assert!(f.targets().await.is_none());
     f.env.teardown().await.unwrap();
 }
