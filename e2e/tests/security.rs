@@ -919,6 +919,46 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
             "DELETE /v1/nodes/{id}",
             "identity",
         ),
+        (
+            Method::POST,
+            "/v1/artifacts".into(),
+            Some(json!({"these bytes": uuid::Uuid::now_v7().to_string()})),
+            201,
+            "POST /v1/artifacts",
+            "delivery",
+        ),
+        (
+            Method::POST,
+            "/v1/modules/audited/revisions".into(),
+            Some(json!({"unit": {"command": "/bin/true"}})),
+            201,
+            "POST /v1/modules/{name}/revisions",
+            "delivery",
+        ),
+        (
+            Method::PUT,
+            "/v1/modules/audited/delivery".into(),
+            Some(json!({"require_approval": true})),
+            200,
+            "PUT /v1/modules/{name}/delivery",
+            "delivery",
+        ),
+        (
+            Method::PUT,
+            "/v1/freeze".into(),
+            Some(json!({"reason": "audited"})),
+            200,
+            "PUT /v1/freeze",
+            "delivery",
+        ),
+        (
+            Method::DELETE,
+            "/v1/freeze".into(),
+            None,
+            204,
+            "DELETE /v1/freeze",
+            "delivery",
+        ),
     ];
     let mut sent = Vec::new();
     for (method, path, body, want, action, context) in &routes {
@@ -949,6 +989,39 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
             "identity"
         };
         sent.push((id, "failed", action, context, path.to_owned()));
+    }
+    // Delivery's decisions on what does not exist: 404, each audited.
+    let nobody = uuid::Uuid::now_v7();
+    for (path, body, action) in [
+        (
+            "/v1/rollouts".to_owned(),
+            Some(json!({"module": "audited", "revision": nobody})),
+            "POST /v1/rollouts",
+        ),
+        (
+            format!("/v1/rollouts/{nobody}/continue"),
+            None,
+            "POST /v1/rollouts/{id}/continue",
+        ),
+        (
+            format!("/v1/rollouts/{nobody}/cancel"),
+            None,
+            "POST /v1/rollouts/{id}/cancel",
+        ),
+        (
+            format!("/v1/runs/{nobody}/approve"),
+            Some(json!({})),
+            "POST /v1/runs/{id}/approve",
+        ),
+        (
+            format!("/v1/runs/{nobody}/deny"),
+            Some(json!({"reason": "audited"})),
+            "POST /v1/runs/{id}/deny",
+        ),
+    ] {
+        let (status, id, v) = call(&mesh, Method::POST, &path, &[], body.as_ref()).await?;
+        assert_eq!(status, 404, "{path}: {v}");
+        sent.push((id, "failed", action, "delivery", path));
     }
 
     let entries = wait_for("every request's audit entry", WITHIN, || async {
@@ -999,7 +1072,8 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
     // every mutating operation it lists.
     let (status, doc) = mesh.get("/v1/openapi.json").await?;
     if status == 200 {
-        let covered: std::collections::BTreeSet<&str> = routes.iter().map(|r| r.4).collect();
+        let mut covered: std::collections::BTreeSet<&str> = routes.iter().map(|r| r.4).collect();
+        covered.extend(sent.iter().map(|s| s.2));
         for (path, ops) in doc["paths"].as_object().into_iter().flatten() {
             for method in ["put", "post", "delete", "patch"] {
                 if ops.get(method).is_some() && path != "/v1/join" {
