@@ -50,7 +50,12 @@ pub fn router(state: ApiState) -> Router {
     let metrics = state.metrics.clone();
     let (router, document) = routes(state).split_for_parts();
     let document = Document(Arc::new(
-        serde_json::to_vec(&openapi::finish(document)).unwrap_or_default(),
+        serde_json::to_value(openapi::finish(document))
+            .map(|mut doc| {
+                openapi::open_all_of(&mut doc);
+                serde_json::to_vec(&doc).unwrap_or_default()
+            })
+            .unwrap_or_default(),
     ));
     let router = router
         .layer(Extension(document))

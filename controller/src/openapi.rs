@@ -63,6 +63,42 @@ pub fn operations_mut(
     .filter_map(|(m, op)| op.map(|op| (m, op)))
 }
 
+/// Open the members of every `allOf` in `doc` (the document as JSON): a
+/// member that says `additionalProperties: false` (a `deny_unknown_fields`
+/// type flattened into a view that adds fields, as `ModuleView` inlines
+/// `ModuleSpec`) would refuse the other members' properties, so no answer
+/// could match. The type still refuses unknown fields where it is a request
+/// body on its own.
+pub fn open_all_of(doc: &mut serde_json::Value) {
+    match doc {
+        serde_json::Value::Object(map) => {
+            if let Some(serde_json::Value::Array(members)) = map.get_mut("allOf") {
+                for member in members.iter_mut() {
+                    close_none(member);
+                }
+            }
+            for v in map.values_mut() {
+                open_all_of(v);
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(open_all_of),
+        _ => {}
+    }
+}
+
+/// Drop `additionalProperties: false` from `schema` and from the members of
+/// its own `allOf` (nested inlining), not from the schemas its properties hold.
+fn close_none(schema: &mut serde_json::Value) {
+    if let serde_json::Value::Object(map) = schema {
+        if map.get("additionalProperties") == Some(&serde_json::Value::Bool(false)) {
+            map.remove("additionalProperties");
+        }
+        if let Some(serde_json::Value::Array(members)) = map.get_mut("allOf") {
+            members.iter_mut().for_each(close_none);
+        }
+    }
+}
+
 /// Complete the document the contexts' routes make up: title, the `Problem`
 /// schema, the bearer scheme, and per operation its role, security and the
 /// answers of the auth layer.
@@ -132,4 +168,28 @@ pub fn finish(mut doc: OpenApi) -> OpenApi {
         }
     }
     doc
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn members_of_all_of_admit_each_others_properties() {
+        let mut doc = serde_json::json!({
+            "ModuleView": {"allOf": [
+                {"allOf": [{"additionalProperties": false, "properties": {"unit": {}}}]},
+                {"properties": {"name": {}}}
+            ]},
+            "ModuleSpec": {"additionalProperties": false, "properties": {"unit": {}}}
+        });
+        super::open_all_of(&mut doc);
+        assert!(
+            doc["ModuleView"]["allOf"][0]["allOf"][0]
+                .get("additionalProperties")
+                .is_none()
+        );
+        assert_eq!(
+            doc["ModuleSpec"]["additionalProperties"], false,
+            "a body on its own stays closed"
+        );
+    }
 }

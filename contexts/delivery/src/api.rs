@@ -22,8 +22,8 @@ use utoipa_axum::routes;
 use uuid::Uuid;
 
 use crate::{
-    ArtifactView, Delivery, FreezeRequest, FreezeView, NewRevision, Policy, Receipt, RevisionView,
-    RolloutRequest, RolloutView, RunView,
+    ArtifactView, Delivery, DeliveryPolicy, FreezeRequest, FreezeView, NewRevision, Receipt,
+    RevisionView, RolloutRequest, RolloutView, RunView,
 };
 
 /// `artifact_max_bytes` bounds the body of `POST /v1/artifacts` (every other
@@ -182,11 +182,11 @@ async fn get_revision(
 /// Whether a module's rollouts wait for approval.
 #[utoipa::path(get, path = "/v1/modules/{name}/delivery", tag = "delivery",
     params(("name" = String, Path, description = "The module's name")),
-    responses((status = 200, description = "The policy", body = Policy), Unprocessable))]
+    responses((status = 200, description = "The policy", body = DeliveryPolicy), Unprocessable))]
 async fn get_policy(
     State(delivery): State<Arc<Delivery>>,
     Path(name): Path<String>,
-) -> Result<Json<Policy>, Problem> {
+) -> Result<Json<DeliveryPolicy>, Problem> {
     parse_module(&name)?;
     Ok(Json(delivery.policy(&name).await?))
 }
@@ -194,14 +194,14 @@ async fn get_policy(
 /// Set whether a module's rollouts wait for approval.
 #[utoipa::path(put, path = "/v1/modules/{name}/delivery", tag = "delivery",
     params(("name" = String, Path, description = "The module's name")),
-    request_body = Policy,
-    responses((status = 200, description = "The policy", body = Policy), BodyErrors))]
+    request_body = DeliveryPolicy,
+    responses((status = 200, description = "The policy", body = DeliveryPolicy), BodyErrors))]
 async fn put_policy(
     State(delivery): State<Arc<Delivery>>,
     Path(name): Path<String>,
     audit: Audit,
-    ApiJson(policy): ApiJson<Policy>,
-) -> Result<Json<Policy>, Problem> {
+    ApiJson(policy): ApiJson<DeliveryPolicy>,
+) -> Result<Json<DeliveryPolicy>, Problem> {
     parse_module(&name)?;
     Ok(Json(delivery.set_policy(&name, &policy, &audit).await?))
 }

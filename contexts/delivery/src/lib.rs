@@ -82,7 +82,7 @@ impl Default for Settings {
 /// `GET|PUT /v1/modules/{name}/delivery`.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct Policy {
+pub struct DeliveryPolicy {
     /// Rollouts of the module wait in `awaiting_approval` until an operator
     /// approves or denies them.
     pub require_approval: bool,
@@ -257,13 +257,13 @@ impl Delivery {
             .ok_or_else(|| Error::NotFound(format!("revision {id}")))
     }
 
-    pub async fn policy(&self, module: &str) -> Result<Policy, Error> {
+    pub async fn policy(&self, module: &str) -> Result<DeliveryPolicy, Error> {
         let require_approval: Option<bool> =
             sqlx::query_scalar("SELECT require_approval FROM delivery.policies WHERE module = $1")
                 .bind(module)
                 .fetch_optional(&self.pool)
                 .await?;
-        Ok(Policy {
+        Ok(DeliveryPolicy {
             require_approval: require_approval.unwrap_or(false),
         })
     }
@@ -271,9 +271,9 @@ impl Delivery {
     pub async fn set_policy(
         &self,
         module: &str,
-        policy: &Policy,
+        policy: &DeliveryPolicy,
         audit: &Audit,
-    ) -> Result<Policy, Error> {
+    ) -> Result<DeliveryPolicy, Error> {
         mesh_protocol::validate_module_name("name", module)?;
         let mut tx = self.pool.begin().await?;
         sqlx::query(

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mesh_delivery::{
-    ArtifactStore, BoxFuture, Delivery, FreezeRequest, NewRevision, Policy, RevisionUnitSpec,
-    RolloutRequest, RolloutView, SCHEMA, Settings,
+    ArtifactStore, BoxFuture, Delivery, DeliveryPolicy, FreezeRequest, NewRevision,
+    RevisionUnitSpec, RolloutRequest, RolloutView, SCHEMA, Settings,
 };
 use mesh_plumbing::api::{Principal, Role};
 use mesh_plumbing::audit::Audit;
@@ -341,7 +341,7 @@ async fn approval_holds_the_rollout_and_a_denial_ends_it_with_the_reason() {
     f.delivery
         .set_policy(
             "web",
-            &Policy {
+            &DeliveryPolicy {
                 require_approval: true,
             },
             &audit("alice"),
