@@ -17,11 +17,9 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use common::{controller_side, declaration_queue_for, free_port, scrape};
 use futures_util::StreamExt;
-use lapin::options::BasicPublishOptions;
-use lapin::{BasicProperties, Channel, Consumer};
+use lapin::{Channel, Consumer};
 use mesh_host_agent::Config;
 use mesh_oci::Registry;
-use mesh_protocol::topology::DECLARATIONS_EXCHANGE;
 use mesh_protocol::{
     Applied, ArtifactDigest, ArtifactItem, ArtifactSignature, Declaration, DeclarationItems,
     DeclarationSigner, DesiredState, Envelope, MAX_REPORT_BYTES, NodeId, Outcome, Report,
@@ -72,35 +70,7 @@ async fn declare(
         generation,
         items,
     };
-    let bytes = Envelope::new(node.clone(), generation, decl).encode();
-    let mut headers = lapin::types::FieldTable::default();
-    headers.insert(
-        mesh_protocol::topology::SIGNATURE_HEADER.into(),
-        lapin::types::AMQPValue::LongString(signer.sign_hex(&bytes).into()),
-    );
-    let confirm = ch
-        .basic_publish(
-            DECLARATIONS_EXCHANGE.into(),
-            node.as_str().into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..Default::default()
-            },
-            &bytes,
-            BasicProperties::default()
-                .with_message_id(uuid::Uuid::now_v7().to_string().into())
-                .with_type("declaration".into())
-                .with_content_type("application/json".into())
-                .with_delivery_mode(2)
-                .with_headers(headers),
-        )
-        .await?
-        .await?;
-    ensure!(
-        matches!(confirm, lapin::Confirmation::Ack(None)),
-        "declaration not routed: {confirm:?}"
-    );
-    Ok(())
+    common::publish_declaration(ch, signer, node, decl).await
 }
 
 /// The next report of `node` matching `pick`, within the deadline.

@@ -16,13 +16,11 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use futures_util::StreamExt;
-use lapin::options::BasicPublishOptions;
-use lapin::{BasicProperties, Channel, Consumer};
+use lapin::{Channel, Consumer};
 use mesh_host_agent::metrics::Metrics;
 use mesh_host_agent::store::SectionState;
 use mesh_host_agent::units::{Supervisor, UnitsConfig};
 use mesh_host_agent::{Config, Store};
-use mesh_protocol::topology::DECLARATIONS_EXCHANGE;
 use mesh_protocol::{
     Declaration, DeclarationItems, DeclarationSigner, DesiredState, Envelope, Health,
     MAX_REPORT_BYTES, NodeId, Probe, ProbeResult, ProbeState, Report, RestartPolicy, Section,
@@ -175,35 +173,7 @@ async fn publish_declaration(
     node: &NodeId,
     decl: Declaration,
 ) -> anyhow::Result<()> {
-    let bytes = Envelope::new(node.clone(), decl.generation, decl).encode();
-    let mut headers = lapin::types::FieldTable::default();
-    headers.insert(
-        mesh_protocol::topology::SIGNATURE_HEADER.into(),
-        lapin::types::AMQPValue::LongString(signer.sign_hex(&bytes).into()),
-    );
-    let confirm = ch
-        .basic_publish(
-            DECLARATIONS_EXCHANGE.into(),
-            node.as_str().into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..Default::default()
-            },
-            &bytes,
-            BasicProperties::default()
-                .with_message_id(uuid::Uuid::now_v7().to_string().into())
-                .with_type("declaration".into())
-                .with_content_type("application/json".into())
-                .with_delivery_mode(2)
-                .with_headers(headers),
-        )
-        .await?
-        .await?;
-    anyhow::ensure!(
-        matches!(confirm, lapin::Confirmation::Ack(None)),
-        "declaration not routed: {confirm:?}"
-    );
-    Ok(())
+    common::publish_declaration(ch, signer, node, decl).await
 }
 
 /// Record `units` as the inventory section at `generation`, as an applied

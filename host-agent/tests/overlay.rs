@@ -37,10 +37,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use futures_util::StreamExt;
-use lapin::options::BasicPublishOptions;
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Consumer};
-use mesh_protocol::topology::DECLARATIONS_EXCHANGE;
+use lapin::{Channel, Consumer};
 use mesh_protocol::{
     Applied, Declaration, DeclarationItems, DeclarationSigner, Envelope, FirewallPlan,
     MAX_REPORT_BYTES, NodeId, OverlayPeer, OverlayPlan, Report, Section,
@@ -321,35 +318,7 @@ async fn declare(
         generation,
         items,
     };
-    let bytes = Envelope::new(node.clone(), generation, decl).encode();
-    let mut headers = FieldTable::default();
-    headers.insert(
-        mesh_protocol::topology::SIGNATURE_HEADER.into(),
-        AMQPValue::LongString(signer.sign_hex(&bytes).into()),
-    );
-    let confirm = ch
-        .basic_publish(
-            DECLARATIONS_EXCHANGE.into(),
-            node.as_str().into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..Default::default()
-            },
-            &bytes,
-            BasicProperties::default()
-                .with_message_id(uuid::Uuid::now_v7().to_string().into())
-                .with_type("declaration".into())
-                .with_content_type("application/json".into())
-                .with_delivery_mode(2)
-                .with_headers(headers),
-        )
-        .await?
-        .await?;
-    ensure!(
-        matches!(confirm, lapin::Confirmation::Ack(None)),
-        "declaration not routed: {confirm:?}"
-    );
-    Ok(())
+    common::publish_declaration(ch, signer, node, decl).await
 }
 
 /// Every report, kept until a wait takes it: the agents report in any order.

@@ -160,3 +160,43 @@ pub async fn kill_connections(env: &TestEnv, user: &str) -> anyhow::Result<usize
     }
     Ok(n)
 }
+
+/// Publish `decl` to `node` as the controller does: signed with `signer`,
+/// persistent, mandatory, confirmed; an unrouted one is an error.
+#[allow(dead_code)]
+pub async fn publish_declaration(
+    ch: &Channel,
+    signer: &mesh_protocol::DeclarationSigner,
+    node: &NodeId,
+    decl: mesh_protocol::Declaration,
+) -> anyhow::Result<()> {
+    let bytes = mesh_protocol::Envelope::new(node.clone(), decl.generation, decl).encode();
+    let mut headers = FieldTable::default();
+    headers.insert(
+        mesh_protocol::topology::SIGNATURE_HEADER.into(),
+        AMQPValue::LongString(signer.sign_hex(&bytes).into()),
+    );
+    let confirm = ch
+        .basic_publish(
+            DECLARATIONS_EXCHANGE.into(),
+            node.as_str().into(),
+            lapin::options::BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            &bytes,
+            lapin::BasicProperties::default()
+                .with_message_id(uuid::Uuid::now_v7().to_string().into())
+                .with_type("declaration".into())
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2)
+                .with_headers(headers),
+        )
+        .await?
+        .await?;
+    anyhow::ensure!(
+        matches!(confirm, lapin::Confirmation::Ack(None)),
+        "declaration not routed: {confirm:?}"
+    );
+    Ok(())
+}
