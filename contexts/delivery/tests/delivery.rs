@@ -126,8 +126,13 @@ impl Fixture {
     }
 
     async fn revision(&self, command: &str) -> Uuid {
+        self.revision_of(command, None).await
+    }
+
+    /// A new revision of `web` running `command`, from `artifact` if any.
+    async fn revision_of(&self, command: &str, artifact: Option<ArtifactDigest>) -> Uuid {
         let new = NewRevision {
-            artifact: None,
+            artifact,
             unit: RevisionUnitSpec {
                 command: command.to_owned(),
                 args: vec![],
@@ -561,26 +566,10 @@ async fn a_run_stages_its_artifact_in_the_nodes_delivery_section_first() {
     let a = f.node("a");
     f.place(std::slice::from_ref(&a), 1).await;
     let digest = ArtifactDigest::of(b"an artifact");
-    let new = NewRevision {
-        artifact: Some(digest.clone()),
-        unit: RevisionUnitSpec {
-            command: "run.sh".to_owned(),
-            args: vec![],
-            env: Default::default(),
-            working_dir: None,
-            restart: Default::default(),
-            probes: vec![],
-        },
-        settings_digest: None,
-    };
-    let (rev, _) = f
-        .delivery
-        .create_revision("web", &new, &audit("alice"))
-        .await
-        .unwrap();
+    let rev = f.revision_of("run.sh", Some(digest.clone())).await;
     let view = f
         .delivery
-        .start_rollout(&request(rev.id), &audit("alice"))
+        .start_rollout(&request(rev), &audit("alice"))
         .await
         .unwrap();
     f.delivery.tick().await.unwrap();
