@@ -876,12 +876,25 @@ async fn step(
         .bind(&run.node)
         .fetch_optional(&mut *tx)
         .await?;
-        let unhealthy = health
-            .as_ref()
-            .filter(|(h, _)| matches!(h.as_str(), "unhealthy" | "down"));
+        // With probes, only `healthy` passes (a new unit's probes start
+        // `unknown`); without, running unrestarted is the gate and only a
+        // replica observability calls unhealthy holds it.
+        let probed = !revision.unit.probes.is_empty();
+        let unhealthy: Option<(String, Option<String>)> = match health {
+            Some((h, reason))
+                if matches!(h.as_str(), "unhealthy" | "down") || (probed && h != "healthy") =>
+            {
+                Some((h, reason))
+            }
+            None if probed => Some((
+                "unknown".to_owned(),
+                Some("no health reported yet".to_owned()),
+            )),
+            _ => None,
+        };
         if !running || unhealthy.is_some() {
             if since_deploy > deadline {
-                let why = match unhealthy {
+                let why = match &unhealthy {
                     Some((h, reason)) => format!(
                         "replica on {} {h} for too long: {}",
                         run.node,

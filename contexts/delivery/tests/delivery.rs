@@ -601,3 +601,58 @@ async fn a_run_stages_its_artifact_in_the_nodes_delivery_section_first() {
     assert!(f.targets().await.is_none());
     f.env.teardown().await.unwrap();
 }
+
+#[tokio::test]
+async fn with_probes_only_a_healthy_replica_passes_the_gate() {
+    let f = setup().await;
+    let a = f.node("a");
+    f.place(std::slice::from_ref(&a), 1).await;
+    let new: NewRevision = serde_json::from_value(serde_json::json!({
+        "unit": {"command": "/bin/web", "probes": [{"name": "ready", "tcp": {"port": 8080}}]},
+    }))
+    .unwrap();
+    let (rev, _) = f
+        .delivery
+        .create_revision("web", &new, &audit("alice"))
+        .await
+        .unwrap();
+    let view = f
+        .delivery
+        .start_rollout(&request(rev.id), &audit("alice"))
+        .await
+        .unwrap();
+    for _ in 0..4 {
+        f.delivery.tick().await.unwrap();
+        f.unit(&a, rev.id, UnitState::Running, 0).await;
+    }
+    let held = f.rollout(view.id).await;
+    assert_eq!(held.runs[0].state, "settling", "no health yet: held");
+    let health = |state: mesh_protocol::HealthState, version| {
+        RecordEvent::new(RecordKind::ModuleHealth(mesh_protocol::ModuleHealth {
+            module: "web".to_owned(),
+            version,
+            health: state,
+            replicas: vec![mesh_protocol::ReplicaHealth {
+                node: a.clone(),
+                unit: "web-0".to_owned(),
+                health: state,
+                reason: None,
+            }],
+            at: chrono::Utc::now(),
+        }))
+    };
+    f.events(&[health(mesh_protocol::HealthState::Unknown, 1)])
+        .await;
+    f.delivery.tick().await.unwrap();
+    assert_eq!(
+        f.rollout(view.id).await.runs[0].state,
+        "settling",
+        "unknown: held"
+    );
+    f.events(&[health(mesh_protocol::HealthState::Healthy, 2)])
+        .await;
+    f.delivery.tick().await.unwrap();
+    f.delivery.tick().await.unwrap();
+    assert_eq!(f.rollout(view.id).await.state, "succeeded");
+    f.env.teardown().await.unwrap();
+}
