@@ -472,7 +472,7 @@ impl Agent {
                 }
                 delivery = next_delivery(&mut consumer), if consumer.is_some() => match delivery {
                     Some(Ok(d)) => {
-                        let handled = self.handle_delivery(d).await;
+                        let handled = self.handle_delivery(d, &publisher).await;
                         if std::mem::take(&mut self.retime) {
                             let interval = self.interval();
                             *heartbeat = tokio::time::interval_at(Instant::now() + interval, interval);
@@ -616,7 +616,11 @@ impl Agent {
     }
 
     /// Apply one declaration, keep its `applied` report, then ack it.
-    async fn handle_delivery(&mut self, delivery: Delivery) -> Result<(), String> {
+    async fn handle_delivery(
+        &mut self,
+        delivery: Delivery,
+        publisher: &Channel,
+    ) -> Result<(), String> {
         let message_id = delivery
             .properties
             .message_id()
@@ -626,7 +630,7 @@ impl Agent {
         let span = info_span!("declaration", message_id = %message_id, node = %self.creds.node, kind = "declaration");
         async {
             let report = match self.verify(&delivery) {
-                Ok(()) => self.apply_bytes(&delivery.data).await,
+                Ok(()) => self.apply_bytes(&delivery.data, publisher).await,
                 Err(rejected) => rejected,
             };
             self.push_applied(report);
@@ -673,7 +677,7 @@ impl Agent {
     }
 
     /// Decode, apply, record. Never fails: every problem becomes the report.
-    async fn apply_bytes(&mut self, bytes: &[u8]) -> Applied {
+    async fn apply_bytes(&mut self, bytes: &[u8], publisher: &Channel) -> Applied {
         let env = match apply::decode(bytes, &self.creds.node) {
             Ok((env, unknown)) => {
                 self.metrics
@@ -776,11 +780,27 @@ impl Agent {
         // again when the declaration comes again.
         if let (Some(declared), Some(artifacts), false, false) = (
             artifacts_declared,
-            &self.artifacts,
+            self.artifacts.clone(),
             report.stale,
             report.outcome == Outcome::Rejected,
         ) {
-            let (items, gained) = artifacts.ensure_all(&declared).await;
+            // A pull may take longer than the controller's grace: the node's
+            // lease (its heartbeat) goes on meanwhile, so a node busy pulling
+            // is never judged unreachable for it.
+            let fetch = artifacts.ensure_all(&declared);
+            tokio::pin!(fetch);
+            let every = self.interval();
+            let mut lease = tokio::time::interval_at(Instant::now() + every, every);
+            lease.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            let (items, gained) = loop {
+                tokio::select! {
+                    out = &mut fetch => break out,
+                    _ = lease.tick() => {
+                        // Transient and unconfirmed, as every heartbeat.
+                        let _ = self.beat(publisher).await;
+                    }
+                }
+            };
             if gained {
                 self.units.artifacts_changed();
             }

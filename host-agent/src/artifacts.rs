@@ -45,9 +45,9 @@ pub struct ArtifactsConfig {
     /// a larger one is not cached and its item fails. Default 512 MiB.
     pub max_bytes: u64,
     /// How long fetching one artifact (signature, blob, unpacking) may take
-    /// before its item fails; the declaration is applied meanwhile, so keep it
-    /// short enough for the broker session. Seconds or a string such as
-    /// `"2m"`. Default 120 s.
+    /// before its item fails. The broker session applies no other declaration
+    /// meanwhile; its heartbeats go on. Seconds or a string such as `"2m"`.
+    /// Default 120 s.
     #[serde(deserialize_with = "crate::config::de_duration")]
     pub fetch_timeout: Duration,
 }

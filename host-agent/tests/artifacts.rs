@@ -586,3 +586,94 @@ async fn a_unit_waits_for_its_artifact() -> anyhow::Result<()> {
     let _ = admin.close(200, "done".into()).await;
     env.teardown().await
 }
+
+/// A loopback proxy in front of `upstream` (host:port) that holds every new
+/// connection for `delay` before it forwards a byte: a slow registry. Ends
+/// with the test's runtime.
+async fn slow_proxy(upstream: String, delay: Duration) -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                if let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    Ok(url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_nodes_lease_goes_on_while_it_pulls_an_artifact() -> anyhow::Result<()> {
+    let registry_url = mesh_testkit::registry_url()?;
+    let reg = Registry::new(&registry_url, reqwest::Client::new())?;
+    let repo = format!("mesh-test/agent-slow-{:012x}", rand::random::<u64>() >> 16);
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("slow").await?;
+    let node = creds.node.clone();
+    let (admin, ch, mut reports) = controller_side(&env).await?;
+    declaration_queue_for(&ch, &node).await?;
+    let controller = env.signer().clone();
+    let d = reg.push_artifact(&repo, &artifact_tar("s")).await?;
+    reg.push_signature(&repo, &ArtifactSignature::sign(&controller, &d))
+        .await?;
+    // Each of the pull's connections (signature, then blob) waits 2 s.
+    let upstream = registry_url.trim_start_matches("http://").to_owned();
+    let slow = slow_proxy(upstream, Duration::from_secs(2)).await?;
+
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let config = Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        heartbeat_interval: Duration::from_millis(500),
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(400),
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config, async {
+        let _ = stopped.await;
+    }));
+    // The agent is up and beating before the pull starts.
+    wait_report(&mut reports, "a first heartbeat", |r| {
+        matches!(r, Report::Heartbeat(_)).then_some(())
+    })
+    .await?;
+    let items = DeclarationItems {
+        artifacts: vec![ArtifactItem {
+            digest: d.clone(),
+            registry: slow,
+            repository: repo.clone(),
+        }],
+        ..Default::default()
+    };
+    declare(&ch, &controller, &node, Section::Delivery, 1, items).await?;
+    // Count the heartbeats between the declaration and its applied report.
+    let mut beats = 0;
+    let until = Instant::now() + DEADLINE;
+    let applied = loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let delivery = match timeout(left, reports.next()).await {
+            Ok(Some(d)) => d?,
+            _ => bail!("no applied report of the delivery section within {DEADLINE:?}"),
+        };
+        match Envelope::<Report>::decode(&delivery.data, MAX_REPORT_BYTES)?.body {
+            Report::Heartbeat(_) => beats += 1,
+            Report::Applied(a) if a.section == Some(Section::Delivery) => break a,
+            _ => {}
+        }
+    };
+    assert_eq!(applied.outcome, Outcome::Applied, "{applied:?}");
+    // At least 4 s of pulling at one beat per 500 ms: the lease never lapsed.
+    assert!(beats >= 4, "only {beats} heartbeats while the node pulled");
+    let _ = stop.send(());
+    timeout(DEADLINE, agent).await???;
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}
