@@ -36,21 +36,36 @@ pub(crate) async fn reports(
                     .bind(env.node.as_str())
                     .execute(&mut *tx)
                     .await?;
-                for u in &body.units {
-                    sqlx::query(
-                        "INSERT INTO delivery.units (node, unit, module, state, revision, restarts, started_at) \
-                         VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (node, unit) DO NOTHING",
-                    )
-                    .bind(env.node.as_str())
-                    .bind(&u.name)
-                    .bind(&u.module)
-                    .bind(u.state.as_str())
-                    .bind(u.revision)
-                    .bind(i32::try_from(u.restarts).unwrap_or(i32::MAX))
-                    .bind(u.started_at)
-                    .execute(&mut *tx)
-                    .await?;
-                }
+                // One statement for the node's whole list (names are unique
+                // per node: the agent's declaration says so).
+                let names: Vec<&str> = body.units.iter().map(|u| u.name.as_str()).collect();
+                let modules: Vec<&str> = body.units.iter().map(|u| u.module.as_str()).collect();
+                let states: Vec<&str> = body.units.iter().map(|u| u.state.as_str()).collect();
+                let revisions: Vec<Option<uuid::Uuid>> =
+                    body.units.iter().map(|u| u.revision).collect();
+                let restarts: Vec<i32> = body
+                    .units
+                    .iter()
+                    .map(|u| i32::try_from(u.restarts).unwrap_or(i32::MAX))
+                    .collect();
+                let started: Vec<Option<chrono::DateTime<chrono::Utc>>> =
+                    body.units.iter().map(|u| u.started_at).collect();
+                sqlx::query(
+                    "INSERT INTO delivery.units (node, unit, module, state, revision, restarts, started_at) \
+                     SELECT $1, u.unit, u.module, u.state, u.revision, u.restarts, u.started_at \
+                     FROM UNNEST($2::text[], $3::text[], $4::text[], $5::uuid[], $6::int[], $7::timestamptz[]) \
+                          AS u(unit, module, state, revision, restarts, started_at) \
+                     ON CONFLICT (node, unit) DO NOTHING",
+                )
+                .bind(env.node.as_str())
+                .bind(&names)
+                .bind(&modules)
+                .bind(&states)
+                .bind(&revisions)
+                .bind(&restarts)
+                .bind(&started)
+                .execute(&mut *tx)
+                .await?;
                 changed = true;
             }
             Report::Applied(body) if body.section == Some(Section::Delivery) => {

@@ -173,7 +173,7 @@ impl ReceiptLog {
         kind: &str,
         now: DateTime<Utc>,
         detail: serde_json::Value,
-    ) -> Result<&Receipt, ReceiptError> {
+    ) -> Result<Receipt, ReceiptError> {
         let at = self.entries.last().map_or(now, |l| l.at.max(now));
         let receipt = Receipt {
             id: Uuid::now_v7(),
@@ -183,11 +183,8 @@ impl ReceiptLog {
             at,
             detail,
         };
-        self.append(receipt)?;
-        self.entries.last().ok_or(ReceiptError::DuplicateId {
-            id: Uuid::nil(),
-            run: self.run,
-        })
+        self.append(receipt.clone())?;
+        Ok(receipt)
     }
 }
 
@@ -213,7 +210,7 @@ pub async fn append(
     detail: serde_json::Value,
 ) -> Result<Receipt, crate::Error> {
     let mut log = load(tx, run).await?;
-    let receipt = log.next(kind, now, detail)?.clone();
+    let receipt = log.next(kind, now, detail)?;
     sqlx::query(
         "INSERT INTO delivery.receipts (id, run, seq, kind, at, detail) VALUES ($1, $2, $3, $4, $5, $6)",
     )
