@@ -73,14 +73,24 @@ impl std::error::Error for ApiError {}
 
 pub struct Api {
     http: reqwest::Client,
+    /// For streams (`GET /v1/events`): no total timeout, a read timeout
+    /// longer than the server's keep-alive comments instead.
+    stream_http: reqwest::Client,
     pub base: String,
     token: Option<String>,
 }
 
+/// How long a stream may stay silent before it is taken as lost (the
+/// server sends a keep-alive comment every 15 s).
+const STREAM_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(45);
+
 impl Api {
     pub fn new(api: &str, ca: &std::path::Path, token: Option<String>) -> anyhow::Result<Self> {
+        let base =
+            || reqwest::Client::builder().connect_timeout(std::time::Duration::from_secs(10));
         Ok(Api {
-            http: client(api, ca)?,
+            http: client(api, ca, base().timeout(std::time::Duration::from_secs(30)))?,
+            stream_http: client(api, ca, base().read_timeout(STREAM_READ_TIMEOUT))?,
             base: api.trim_end_matches('/').to_owned(),
             token,
         })
@@ -107,11 +117,27 @@ impl Api {
         path: &str,
         body: Body,
     ) -> anyhow::Result<(StatusCode, Value)> {
+        let (status, _, value) = self.send_with(method, path, body, &[]).await?;
+        Ok((status, value))
+    }
+
+    /// One request with extra `headers` (`If-Match`, say); the success
+    /// status, the answer's headers and its JSON.
+    pub async fn send_with(
+        &self,
+        method: Method,
+        path: &str,
+        body: Body,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<(StatusCode, reqwest::header::HeaderMap, Value)> {
         let mut req = self
             .http
             .request(method.clone(), format!("{}{path}", self.base));
         if let Some(t) = &self.token {
             req = req.bearer_auth(t);
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
         }
         req = match body {
             Body::None => req,
@@ -127,6 +153,7 @@ impl Api {
             .await
             .map_err(|e| anyhow::anyhow!("{method} {path}: {}", chain(&e.without_url())))?;
         let status = resp.status();
+        let answer_headers = resp.headers().clone();
         let bytes = resp.bytes().await.map_err(|e| {
             anyhow::anyhow!("{method} {path}: reading the answer: {}", e.without_url())
         })?;
@@ -134,13 +161,67 @@ impl Api {
             return Err(ApiError::from_answer(method, path, status, &bytes).into());
         }
         if bytes.is_empty() {
-            return Ok((status, Value::Null));
+            return Ok((status, answer_headers, Value::Null));
         }
         let value = serde_json::from_slice(&bytes)
             .with_context(|| format!("{method} {path}: {status}: the answer is not JSON"))?;
-        Ok((status, value))
+        Ok((status, answer_headers, value))
+    }
+
+    /// Opens a server-sent events stream at `path`, resuming after
+    /// `last_event_id` when given. A refused or failed answer is
+    /// [`StreamError::Api`]; a transport failure [`StreamError::Transport`].
+    pub async fn open_stream(
+        &self,
+        path: &str,
+        last_event_id: Option<&str>,
+    ) -> Result<reqwest::Response, StreamError> {
+        let mut req = self
+            .stream_http
+            .get(format!("{}{path}", self.base))
+            .header(reqwest::header::ACCEPT, "text/event-stream");
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(id) = last_event_id {
+            req = req.header("Last-Event-ID", id);
+        }
+        let resp = req.send().await.map_err(|e| {
+            StreamError::Transport(format!("GET {path}: {}", chain(&e.without_url())))
+        })?;
+        let status = resp.status();
+        if !status.is_success() {
+            let bytes = resp.bytes().await.unwrap_or_default();
+            return Err(StreamError::Api(ApiError::from_answer(
+                Method::GET,
+                path,
+                status,
+                &bytes,
+            )));
+        }
+        Ok(resp)
     }
 }
+
+/// Why a stream could not be opened.
+#[derive(Debug)]
+pub enum StreamError {
+    /// The API answered, with an error.
+    Api(ApiError),
+    /// No answer: refused, reset, timed out (worth retrying).
+    Transport(String),
+}
+
+impl std::fmt::Display for StreamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StreamError::Api(e) => e.fmt(f),
+            StreamError::Transport(e) => f.write_str(e),
+        }
+    }
+}
+
+impl std::error::Error for StreamError {}
 
 /// An error and its causes on one line (reqwest's own says only "error
 /// sending request"; the cause tells refused, timed out, certificate…).
@@ -160,9 +241,12 @@ fn chain(e: &dyn std::error::Error) -> String {
 
 /// The HTTP client for `api`: an https:// API verified against the CA in
 /// `ca` alone; plain http:// only to a loopback host.
-fn client(api: &str, ca: &std::path::Path) -> anyhow::Result<reqwest::Client> {
+fn client(
+    api: &str,
+    ca: &std::path::Path,
+    builder: reqwest::ClientBuilder,
+) -> anyhow::Result<reqwest::Client> {
     let url = reqwest::Url::parse(api).with_context(|| format!("--api `{api}` is not a URL"))?;
-    let builder = reqwest::Client::builder().timeout(std::time::Duration::from_secs(30));
     match url.scheme() {
         "https" => {
             let pem = std::fs::read(ca).with_context(|| {

@@ -1,11 +1,14 @@
 //! `meshctl`: the operator's command line for the mesh's HTTP API.
 //!
-//! Every command is one API request (`rollout status` polls one) with the
-//! operator's bearer token (`--token` / `MESH_TOKEN`) against `--api` /
-//! `MESH_API`. Secrets it receives (join tokens, API tokens) are printed once,
-//! on stdout, and nowhere else. The delivery commands (artifacts, revisions,
-//! rollouts, runs, the freeze) are in `delivery.rs`, packing in `pack.rs`, the
-//! live view in `progress.rs`, HTTP and problems in `client.rs`.
+//! Every command is a few API requests with the operator's bearer token
+//! against the API; where the API, the token and the CA come from (flag, env,
+//! config file, default) is `config.rs`. Secrets it receives (join tokens, API
+//! tokens) are printed once, on stdout, and nowhere else. `get`, `label`,
+//! `drain` are in `resources.rs`, `describe` and `status` in `describe.rs`,
+//! `events` and `get nodes -w` in `events.rs`, tables and `-o` in
+//! `output.rs`; the delivery commands (artifacts, revisions, rollouts, runs,
+//! the freeze) are in `delivery.rs`, packing in `pack.rs`, the live view and
+//! every exit code in `progress.rs`, HTTP and problems in `client.rs`.
 //!
 //! An `https://` API is verified against the mesh CA (`--ca` / `MESH_CA`,
 //! default `/etc/mesh/ca.pem`) and nothing else: no system roots, never
@@ -13,18 +16,25 @@
 //! token would otherwise cross the network in cleartext).
 //!
 //! Errors (the API's problems: title, detail, field) go to stderr with exit
-//! code 1; `rollout status` (and `rollout start --wait`) exit with the
-//! rollout's end (see `delivery::EXIT_CODES`).
+//! code 1 (7 for a failed precondition, HTTP 412); `rollout status` (and
+//! `rollout start --wait`) exit with the rollout's end. Every code is in
+//! `progress.rs` (`EXIT_CODES_HELP`).
 
 mod client;
+mod config;
 mod delivery;
+mod describe;
+mod events;
+mod output;
 mod pack;
 mod progress;
+mod resources;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use client::{Api, urlencode};
 use serde_json::json;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -32,28 +42,26 @@ use std::process::ExitCode;
     name = "meshctl",
     version,
     about = "Operate a mesh through its HTTP API",
-    after_help = "Errors (usage, transport, the API's problems) exit 1; `rollout status` and `rollout start --wait` exit 0 succeeded, 3 failed, 4 rolled_back, 5 denied or canceled, 6 --timeout elapsed."
+    after_help = progress::EXIT_CODES_HELP
 )]
 struct Cli {
-    /// The controller's API.
-    #[arg(
-        long,
-        env = "MESH_API",
-        default_value = "http://127.0.0.1:7700",
-        global = true
-    )]
-    api: String,
+    /// The controller's API [env MESH_API; config `api`; default http://127.0.0.1:7700].
+    #[arg(long, env = "MESH_API", global = true)]
+    api: Option<String>,
     /// Your API token (bundle/up wrote the first admin token to /etc/mesh/admin-token).
     #[arg(long, env = "MESH_TOKEN", hide_env_values = true, global = true)]
     token: Option<String>,
-    /// The mesh CA's certificate (PEM) an https:// API is verified against.
-    #[arg(
-        long,
-        env = "MESH_CA",
-        default_value = "/etc/mesh/ca.pem",
-        global = true
-    )]
-    ca: std::path::PathBuf,
+    /// A file holding your API token [env MESH_TOKEN_FILE; config `token_file`].
+    #[arg(long, env = "MESH_TOKEN_FILE", global = true)]
+    token_file: Option<PathBuf>,
+    /// The mesh CA's certificate (PEM) an https:// API is verified against
+    /// [env MESH_CA; config `ca`; default /etc/mesh/ca.pem].
+    #[arg(long, env = "MESH_CA", global = true)]
+    ca: Option<PathBuf>,
+    /// A config file (TOML: api, token_file, ca) [env MESH_CONFIG; default
+    /// ~/.config/mesh/meshctl.toml when it exists]. Flags and env win over it.
+    #[arg(long, env = "MESH_CONFIG", global = true)]
+    config: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -93,6 +101,82 @@ enum Command {
     /// The delivery freeze: set, lift, status.
     #[command(subcommand)]
     Freeze(delivery::FreezeCommand),
+    /// List resources: a table, or the API's objects with -o json|yaml.
+    Get {
+        #[arg(value_enum)]
+        kind: resources::Kind,
+        /// Only those whose labels hold every pair: key=value[,key=value]
+        /// (nodes only).
+        #[arg(short = 'l', long = "selector")]
+        selector: Vec<String>,
+        /// Output format (default: a table).
+        #[arg(short, long, value_enum)]
+        output: Option<output::Format>,
+        /// Watch (nodes): print the table, then each row that changes.
+        #[arg(short, long)]
+        watch: bool,
+        /// Alerts: resolved ones too (default: open ones).
+        #[arg(long)]
+        all: bool,
+    },
+    /// Show one resource on one screen: node, module or run.
+    Describe {
+        #[arg(value_enum)]
+        kind: describe::DescribeKind,
+        /// The node's id, the module's name or the run's id.
+        name: String,
+        #[arg(short, long, value_enum)]
+        output: Option<output::Format>,
+    },
+    /// The fleet in a few lines: nodes by state, modules by health, open
+    /// alerts, rollouts in progress, the detection time in force.
+    Status {
+        #[arg(short, long, value_enum)]
+        output: Option<output::Format>,
+    },
+    /// Set (key=value) or remove (key-) a node's operator labels.
+    Label {
+        node: String,
+        /// key=value to set, key- to remove.
+        #[arg(required = true)]
+        changes: Vec<String>,
+    },
+    /// Drain a node: its replicas move elsewhere, nothing new lands on it.
+    Drain { node: String },
+    /// End a node's drain: it takes replicas again.
+    Undrain { node: String },
+    /// The events stream; --follow keeps it open and resumes after any
+    /// disconnect from the last event seen.
+    Events {
+        /// Follow new events (from now, or after --after) until interrupted.
+        #[arg(short, long)]
+        follow: bool,
+        /// Only this context's events, e.g. inventory.
+        #[arg(long)]
+        context: Option<String>,
+        /// Only this event, e.g. node.unreachable.
+        #[arg(long)]
+        kind: Option<String>,
+        /// Only events naming this node.
+        #[arg(long)]
+        node: Option<String>,
+        /// Only events naming this module.
+        #[arg(long)]
+        module: Option<String>,
+        /// Start after this position (an event's id).
+        #[arg(long)]
+        after: Option<String>,
+        /// -o json: one event (the API's object) per line.
+        #[arg(short, long, value_enum)]
+        output: Option<output::Format>,
+    },
+    /// Print a shell completion script on stdout.
+    Completion {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write man pages for meshctl and every subcommand into <dir>.
+    Man { dir: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -134,8 +218,11 @@ enum TokenCommand {
 async fn main() -> ExitCode {
     // Usage errors exit 1 like every other error (clap's own would be 2);
     // --help and --version exit 0.
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
+    let (cli, matches) = match parsed {
+        Ok(p) => p,
         Err(e) => {
             let _ = e.print();
             return if e.use_stderr() {
@@ -145,21 +232,135 @@ async fn main() -> ExitCode {
             };
         }
     };
-    match run(cli).await {
+    match run(cli, &matches).await {
         Ok(code) => code,
         Err(e) => {
             eprintln!("meshctl: {e:#}");
-            ExitCode::from(progress::EXIT_ERROR)
+            let precondition = e
+                .downcast_ref::<client::ApiError>()
+                .is_some_and(|a| a.status == reqwest::StatusCode::PRECONDITION_FAILED);
+            ExitCode::from(if precondition {
+                progress::EXIT_PRECONDITION
+            } else {
+                progress::EXIT_ERROR
+            })
         }
     }
 }
 
-async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+/// Where a global flag's value came from (clap knows flag from env).
+fn source(matches: &clap::ArgMatches, id: &str) -> config::Source {
+    match matches.value_source(id) {
+        Some(clap::parser::ValueSource::CommandLine) => config::Source::Flag,
+        Some(clap::parser::ValueSource::EnvVariable) => config::Source::Env,
+        _ => config::Source::Default,
+    }
+}
+
+/// The API client the settings resolve to (flag > env > file > default).
+fn connect(cli: &mut Cli, matches: &clap::ArgMatches) -> anyhow::Result<Api> {
+    let inputs = config::Inputs {
+        api: cli.api.take().map(|v| (v, source(matches, "api"))),
+        token: cli.token.take().map(|v| (v, source(matches, "token"))),
+        token_file: cli
+            .token_file
+            .take()
+            .map(|v| (v, source(matches, "token_file"))),
+        ca: cli.ca.take().map(|v| (v, source(matches, "ca"))),
+    };
+    let file = match config::file_path(cli.config.take()) {
+        Some(path) => {
+            let parsed = config::read_file(&path)?;
+            Some((path, parsed))
+        }
+        None => None,
+    };
+    let resolved = config::resolve(inputs, file.as_ref().map(|(p, f)| (p.as_path(), f.clone())));
+    let token = config::load_token(resolved.token)?;
+    Api::new(
+        &resolved.api,
+        &resolved.ca,
+        token.map(|t| t.expose().to_owned()),
+    )
+    .with_context(|| {
+        format!(
+            "the API from {}, the CA from {}",
+            resolved.api_from.describe("--api", "MESH_API"),
+            resolved.ca_from.describe("--ca", "MESH_CA")
+        )
+    })
+}
+
+async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCode> {
     // The one crypto provider (ring) of every TLS connection (decision 0028).
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let api = Api::new(&cli.api, &cli.ca, cli.token)?;
+    // Commands that need no API.
+    match &cli.command {
+        Command::Completion { shell } => {
+            // Into a buffer first: clap_complete panics on a failed write
+            // (a closed pipe); this way it is an error like any other.
+            let mut script = Vec::new();
+            clap_complete::generate(*shell, &mut Cli::command(), "meshctl", &mut script);
+            use std::io::Write as _;
+            let mut stdout = std::io::stdout().lock();
+            stdout
+                .write_all(&script)
+                .and_then(|()| stdout.flush())
+                .context("writing the completion script")?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Command::Man { dir } => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            clap_mangen::generate_to(Cli::command(), dir)
+                .with_context(|| format!("writing man pages into {}", dir.display()))?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        _ => {}
+    }
+    let api = connect(&mut cli, matches)?;
     use reqwest::Method;
     match cli.command {
+        Command::Completion { .. } | Command::Man { .. } => {}
+        Command::Get {
+            kind,
+            selector,
+            output,
+            watch,
+            all,
+        } => {
+            if watch {
+                if kind != resources::Kind::Nodes {
+                    anyhow::bail!("-w: only `get nodes` can be watched");
+                }
+                events::watch_nodes(&api, &selector, output).await?;
+            } else {
+                resources::get(&api, kind, &selector, all, output).await?;
+            }
+        }
+        Command::Describe { kind, name, output } => {
+            describe::describe(&api, kind, &name, output).await?
+        }
+        Command::Status { output } => describe::status(&api, output).await?,
+        Command::Label { node, changes } => resources::label(&api, &node, &changes).await?,
+        Command::Drain { node } => resources::drain(&api, &node, true).await?,
+        Command::Undrain { node } => resources::drain(&api, &node, false).await?,
+        Command::Events {
+            follow,
+            context,
+            kind,
+            node,
+            module,
+            after,
+            output,
+        } => {
+            let filters = events::Filters {
+                context,
+                kind,
+                node,
+                module,
+            };
+            events::events(&api, filters, follow, after, output).await?
+        }
         Command::Node(NodeCommand::Add {
             id,
             ttl,
@@ -626,7 +827,7 @@ mod tests {
             "t",
         ])
         .unwrap();
-        assert_eq!(cli.api, "https://c:7443");
+        assert_eq!(cli.api.as_deref(), Some("https://c:7443"));
         assert_eq!(cli.token.as_deref(), Some("t"));
         assert!(matches!(
             ok(&["token", "list"]),
@@ -639,6 +840,101 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn the_operator_commands_parse() {
+        assert!(matches!(
+            ok(&["get", "nodes", "-l", "role=web,zone=eu", "-l", "tier=1", "-o", "json"]),
+            Command::Get { kind: resources::Kind::Nodes, selector, output: Some(output::Format::Json), watch: false, all: false }
+                if selector == ["role=web,zone=eu", "tier=1"]
+        ));
+        assert!(matches!(
+            ok(&["get", "no", "-w", "-o", "wide"]),
+            Command::Get {
+                kind: resources::Kind::Nodes,
+                watch: true,
+                output: Some(output::Format::Wide),
+                ..
+            }
+        ));
+        for (word, kind) in [
+            ("modules", resources::Kind::Modules),
+            ("file", resources::Kind::Files),
+            ("settings", resources::Kind::Settings),
+            ("secrets", resources::Kind::Secrets),
+            ("alerts", resources::Kind::Alerts),
+            ("run", resources::Kind::Runs),
+            ("tokens", resources::Kind::Tokens),
+        ] {
+            assert!(
+                matches!(ok(&["get", word]), Command::Get { kind: k, .. } if k == kind),
+                "{word}"
+            );
+        }
+        assert!(parse(&["get", "pods"]).is_err());
+        assert!(parse(&["get", "nodes", "-o", "xml"]).is_err());
+        assert!(matches!(
+            ok(&["describe", "node", "web-1", "-o", "yaml"]),
+            Command::Describe { kind: describe::DescribeKind::Node, name, output: Some(output::Format::Yaml) } if name == "web-1"
+        ));
+        assert!(parse(&["describe", "node"]).is_err(), "a name is needed");
+        assert!(matches!(ok(&["status"]), Command::Status { output: None }));
+        assert!(matches!(
+            ok(&["label", "web-1", "role=web", "zone-"]),
+            Command::Label { node, changes } if node == "web-1" && changes == ["role=web", "zone-"]
+        ));
+        assert!(parse(&["label", "web-1"]).is_err(), "a change is needed");
+        assert!(matches!(ok(&["drain", "web-1"]), Command::Drain { node } if node == "web-1"));
+        assert!(matches!(ok(&["undrain", "web-1"]), Command::Undrain { node } if node == "web-1"));
+        assert!(matches!(
+            ok(&["events", "-f", "--context", "inventory", "--kind", "node.joined", "--node", "a", "--module", "m", "--after", "5"]),
+            Command::Events { follow: true, context: Some(c), kind: Some(k), node: Some(n), module: Some(m), after: Some(a), output: None }
+                if c == "inventory" && k == "node.joined" && n == "a" && m == "m" && a == "5"
+        ));
+        assert!(matches!(
+            ok(&["completion", "zsh"]),
+            Command::Completion {
+                shell: clap_complete::Shell::Zsh
+            }
+        ));
+        assert!(parse(&["completion", "tcsh"]).is_err());
+        assert!(
+            matches!(ok(&["man", "/tmp/m"]), Command::Man { dir } if dir == std::path::Path::new("/tmp/m"))
+        );
+        let cli = Cli::try_parse_from([
+            "meshctl",
+            "status",
+            "--config",
+            "/c.toml",
+            "--token-file",
+            "/t",
+        ])
+        .unwrap();
+        assert_eq!(cli.config.as_deref(), Some(std::path::Path::new("/c.toml")));
+        assert_eq!(cli.token_file.as_deref(), Some(std::path::Path::new("/t")));
+    }
+
+    #[test]
+    fn every_exit_code_is_in_the_top_level_help() {
+        use clap::CommandFactory as _;
+        let help = Cli::command().render_long_help().to_string();
+        for (code, meaning) in [
+            (progress::EXIT_SUCCEEDED, "success"),
+            (progress::EXIT_ERROR, "error"),
+            (progress::EXIT_CHANGES, "plan --detailed-exitcode"),
+            (progress::EXIT_FAILED, "a watched rollout failed"),
+            (progress::EXIT_ROLLED_BACK, "rolled back"),
+            (progress::EXIT_DENIED_OR_CANCELED, "denied or canceled"),
+            (progress::EXIT_TIMEOUT, "--timeout"),
+            (progress::EXIT_PRECONDITION, "a precondition failed"),
+        ] {
+            let line = help
+                .lines()
+                .find(|l| l.trim_start().starts_with(&format!("{code}  ")))
+                .unwrap_or_else(|| panic!("no line for {code} in\n{help}"));
+            assert!(line.contains(meaning), "{code}: {line}");
+        }
     }
 
     #[test]

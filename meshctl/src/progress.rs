@@ -4,10 +4,16 @@
 
 use serde_json::Value;
 
-/// Exit code: the rollout succeeded.
+// meshctl's exit codes, every one of them (stable: scripts depend on them).
+// `EXIT_CODES_HELP` below is the table `meshctl --help` and the README show.
+
+/// Exit code: success (a watched rollout succeeded).
 pub const EXIT_SUCCEEDED: u8 = 0;
 /// Exit code: usage, transport or API error.
 pub const EXIT_ERROR: u8 = 1;
+/// Exit code: `plan --detailed-exitcode` found changes to make.
+#[allow(dead_code)] // reserved for `plan`, which a later change adds
+pub const EXIT_CHANGES: u8 = 2;
 /// Exit code: the rollout failed.
 pub const EXIT_FAILED: u8 = 3;
 /// Exit code: the rollout was rolled back.
@@ -16,6 +22,21 @@ pub const EXIT_ROLLED_BACK: u8 = 4;
 pub const EXIT_DENIED_OR_CANCELED: u8 = 5;
 /// Exit code: `--timeout` elapsed before a final state.
 pub const EXIT_TIMEOUT: u8 = 6;
+/// Exit code: a precondition failed: what was read changed before the write
+/// (a stale ETag, HTTP 412).
+pub const EXIT_PRECONDITION: u8 = 7;
+
+/// The exit codes as `meshctl --help` shows them (and the README copies).
+pub const EXIT_CODES_HELP: &str = "\
+Exit codes (stable):
+  0  success
+  1  error: usage, transport, or the API's problem (title, detail, field)
+  2  plan --detailed-exitcode: there are changes to apply
+  3  a watched rollout failed
+  4  a watched rollout was rolled back
+  5  a watched rollout was denied or canceled
+  6  --timeout elapsed before the rollout ended
+  7  a precondition failed: it changed since it was read (stale ETag, 412)";
 
 /// The exit code of a final rollout state; `None` while it is not final.
 pub fn exit_code(state: &str) -> Option<u8> {

@@ -58,7 +58,7 @@ pub use module::{
     SettingsFormat, validate_file_name, validate_module_name, validate_settings_file_name,
     validate_settings_files,
 };
-pub use node::{Labels, NodeId, validate_labels};
+pub use node::{Labels, NodeId, parse_selector, validate_labels};
 pub use record::{
     AUDIT_EVENT, AuditEntry, LivenessState, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,
     RECORD_EVENTS, RecordEvent, RecordKind,

@@ -105,6 +105,47 @@ pub fn validate_labels(field: &str, labels: &Labels) -> Result<(), DecodeError> 
     Ok(())
 }
 
+/// Parses a label selector as a query parameter writes it: `key=value` pairs
+/// joined by commas (`role=web,zone=eu`); a node matches when every pair is
+/// among its labels. Keys and values follow [`validate_labels`]; an empty
+/// selector, a pair without `=`, or a key given twice is an error naming
+/// `field`.
+pub fn parse_selector(field: &str, text: &str) -> Result<Labels, DecodeError> {
+    if text.trim().is_empty() {
+        return Err(DecodeError::invalid(
+            field,
+            "empty: give key=value pairs joined by commas, e.g. role=web,zone=eu",
+        ));
+    }
+    let mut labels = Labels::new();
+    for pair in text.split(',') {
+        let Some((k, v)) = pair.split_once('=') else {
+            return Err(DecodeError::invalid(
+                field,
+                format!("`{}` is not key=value", truncate(pair)),
+            ));
+        };
+        if labels.insert(k.to_owned(), v.to_owned()).is_some() {
+            return Err(DecodeError::invalid(
+                field,
+                format!("key `{}` is given twice", truncate(k)),
+            ));
+        }
+    }
+    // The problem names the parameter itself; the reason names the key.
+    validate_labels(field, &labels).map_err(|e| match e {
+        DecodeError::Invalid { field: at, reason } => DecodeError::invalid(
+            field,
+            format!(
+                "{}: {reason}",
+                at.strip_prefix(&format!("{field}.")).unwrap_or(&at)
+            ),
+        ),
+        other => other,
+    })?;
+    Ok(labels)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,5 +166,19 @@ mod tests {
         l.insert("Bad Key".into(), "x".into());
         let err = validate_labels("labels", &l).unwrap_err();
         assert!(err.to_string().contains("labels.Bad Key"), "{err}");
+    }
+
+    #[test]
+    fn selectors() {
+        let s = parse_selector("selector", "role=web,zone=eu").unwrap();
+        assert_eq!(s.len(), 2);
+        assert_eq!(s["role"], "web");
+        assert_eq!(s["zone"], "eu");
+        assert_eq!(parse_selector("selector", "role=").unwrap()["role"], "");
+        assert_eq!(parse_selector("selector", "a=b=c").unwrap()["a"], "b=c");
+        for bad in ["", " ", "role", "role=web,", "=web", "Role=web", "a=1,a=2"] {
+            let err = parse_selector("selector", bad).unwrap_err();
+            assert!(err.to_string().contains("selector"), "{bad}: {err}");
+        }
     }
 }

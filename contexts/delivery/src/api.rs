@@ -42,6 +42,7 @@ pub(crate) fn routes(artifact_max_bytes: usize) -> OpenApiRouter<Arc<Delivery>> 
         .routes(routes!(get_rollout))
         .routes(routes!(continue_rollout))
         .routes(routes!(cancel_rollout))
+        .routes(routes!(list_runs))
         .routes(routes!(get_run))
         .routes(routes!(approve_run))
         .routes(routes!(deny_run))
@@ -322,6 +323,108 @@ async fn cancel_rollout(
 ) -> Result<Json<RolloutView>, Problem> {
     let id = parse_id("id", &id)?;
     Ok(Json(delivery.cancel_rollout(id, &audit).await?))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+struct RunParams {
+    /// Only this rollout's runs (its UUID).
+    rollout: Option<String>,
+    /// Only runs of this module's rollouts.
+    module: Option<String>,
+    /// Only runs on this node.
+    node: Option<String>,
+    /// Only runs in this state (`queued`, `awaiting_approval`, `staging`,
+    /// `deploying`, `settling`, `succeeded`, `failed`, `canceled`,
+    /// `rolled_back`).
+    state: Option<String>,
+    /// The previous page's `next`: runs created before it.
+    after: Option<String>,
+    /// At most this many (1 to 500, default 100).
+    #[param(minimum = 1, maximum = 500)]
+    limit: Option<i64>,
+}
+
+/// A page of runs.
+#[derive(Debug, Serialize, ToSchema)]
+struct RunList {
+    runs: Vec<RunView>,
+    /// Pass as `after` for the next page; absent on the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next: Option<Uuid>,
+}
+
+const RUN_STATES: [&str; 9] = [
+    "queued",
+    "awaiting_approval",
+    "staging",
+    "deploying",
+    "settling",
+    "succeeded",
+    "failed",
+    "canceled",
+    "rolled_back",
+];
+
+/// Runs (one node's part of a rollout), newest first, filtered, a page at a
+/// time, each with its latest receipt.
+#[utoipa::path(get, path = "/v1/runs", tag = "delivery", params(RunParams),
+    responses((status = 200, description = "A page of runs", body = RunList), BadRequest, Unprocessable))]
+async fn list_runs(
+    State(delivery): State<Arc<Delivery>>,
+    params: Result<Query<RunParams>, QueryRejection>,
+) -> Result<Json<RunList>, Problem> {
+    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let rollout = params
+        .rollout
+        .as_deref()
+        .map(|r| parse_id("rollout", r))
+        .transpose()?;
+    let before = params
+        .after
+        .as_deref()
+        .map(|a| parse_id("after", a))
+        .transpose()?;
+    if let Some(m) = &params.module {
+        mesh_protocol::validate_module_name("module", m)?;
+    }
+    if let Some(n) = &params.node {
+        mesh_protocol::NodeId::parse(n)
+            .map_err(|e| Problem::unprocessable("node", e.to_string()))?;
+    }
+    if let Some(s) = &params.state
+        && !RUN_STATES.contains(&s.as_str())
+    {
+        return Err(Problem::unprocessable(
+            "state",
+            format!(
+                "`{}` is not a run state",
+                s.chars().take(40).collect::<String>()
+            ),
+        ));
+    }
+    let limit = params.limit.unwrap_or(100);
+    if !(1..=crate::MAX_RUNS_PAGE).contains(&limit) {
+        return Err(Problem::unprocessable(
+            "limit",
+            format!("must be 1 to {}", crate::MAX_RUNS_PAGE),
+        ));
+    }
+    let filter = crate::RunFilter {
+        rollout,
+        module: params.module.as_deref(),
+        node: params.node.as_deref(),
+        state: params.state.as_deref(),
+        before,
+    };
+    let runs = delivery.runs(&filter, limit).await?;
+    let next = if i64::try_from(runs.len()).unwrap_or(i64::MAX) >= limit {
+        runs.last().map(|r| r.id)
+    } else {
+        None
+    };
+    Ok(Json(RunList { runs, next }))
 }
 
 /// One run.

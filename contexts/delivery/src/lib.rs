@@ -42,7 +42,12 @@ pub use receipts::{Receipt, ReceiptError, ReceiptLog};
 pub use revisions::{
     ArtifactStore, ArtifactView, BoxFuture, NewRevision, RevisionUnitSpec, RevisionView,
 };
-pub use rollouts::{FreezeRequest, FreezeView, RolloutRequest, RolloutView, RunView, Tick};
+pub use rollouts::{
+    FreezeRequest, FreezeView, RolloutRequest, RolloutView, RunFilter, RunView, Tick,
+};
+
+/// The most runs one page of `GET /v1/runs` holds.
+pub const MAX_RUNS_PAGE: i64 = 500;
 
 /// The schema (and record context name) this crate owns.
 pub const SCHEMA: &str = "delivery";
@@ -328,6 +333,16 @@ impl Delivery {
         let view = rollouts::view(&mut tx, id).await?;
         self.commit(tx, audit).await?;
         Ok(view)
+    }
+
+    /// Runs, newest first, at most `limit` (capped at 500), filtered.
+    pub async fn runs(
+        &self,
+        filter: &rollouts::RunFilter<'_>,
+        limit: i64,
+    ) -> Result<Vec<RunView>, Error> {
+        let mut tx = self.pool.begin().await?;
+        rollouts::list_runs(&mut tx, filter, limit.clamp(1, MAX_RUNS_PAGE)).await
     }
 
     pub async fn run(&self, id: Uuid) -> Result<RunView, Error> {

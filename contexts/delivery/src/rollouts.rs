@@ -1369,6 +1369,57 @@ pub async fn list(
     Ok(out)
 }
 
+/// Which runs `GET /v1/runs` lists; every given filter must hold.
+#[derive(Debug, Default)]
+pub struct RunFilter<'a> {
+    pub rollout: Option<Uuid>,
+    pub module: Option<&'a str>,
+    pub node: Option<&'a str>,
+    pub state: Option<&'a str>,
+    /// Runs created before this one (ids are UUID v7: creation order).
+    pub before: Option<Uuid>,
+}
+
+/// Runs, newest first, at most `limit`, filtered.
+pub async fn list_runs(
+    tx: &mut PgConnection,
+    filter: &RunFilter<'_>,
+    limit: i64,
+) -> Result<Vec<RunView>, Error> {
+    let rows: Vec<RunRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {RUN_COLUMNS} FROM delivery.runs \
+         WHERE ($1::uuid IS NULL OR rollout = $1) \
+         AND ($2::text IS NULL OR rollout IN (SELECT r.id FROM delivery.rollouts r WHERE r.module = $2)) \
+         AND ($3::text IS NULL OR node = $3) \
+         AND ($4::text IS NULL OR state = $4) \
+         AND ($5::uuid IS NULL OR id < $5) \
+         ORDER BY id DESC LIMIT $6"
+    )))
+    .bind(filter.rollout)
+    .bind(filter.module)
+    .bind(filter.node)
+    .bind(filter.state)
+    .bind(filter.before)
+    .bind(limit)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut rollouts: std::collections::HashMap<Uuid, (String, i32)> = Default::default();
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let (module, max_unavailable) = match rollouts.get(&row.rollout) {
+            Some(r) => r.clone(),
+            None => {
+                let r = rollout_row(tx, row.rollout).await?;
+                let v = (r.module, r.max_unavailable);
+                rollouts.insert(row.rollout, v.clone());
+                v
+            }
+        };
+        out.push(run_view(tx, &module, max_unavailable, row).await?);
+    }
+    Ok(out)
+}
+
 pub async fn run(tx: &mut PgConnection, id: Uuid) -> Result<RunView, Error> {
     let row: RunRow = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {RUN_COLUMNS} FROM delivery.runs WHERE id = $1"

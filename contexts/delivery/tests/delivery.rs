@@ -656,3 +656,100 @@ async fn with_probes_only_a_healthy_replica_passes_the_gate() {
     assert_eq!(f.rollout(view.id).await.state, "succeeded");
     f.env.teardown().await.unwrap();
 }
+
+/// `GET /v1/runs` through the context's own router: the answer's JSON.
+async fn get(f: &Fixture, uri: &str) -> (u16, serde_json::Value) {
+    use tower::ServiceExt as _;
+    let response = f
+        .delivery
+        .clone()
+        .routes()
+        .split_for_parts()
+        .0
+        .oneshot(
+            axum::http::Request::builder()
+                .uri(uri)
+                .extension(audit("alice"))
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+#[tokio::test]
+async fn runs_are_listed_newest_first_filtered_and_paged() {
+    let f = setup().await;
+    let nodes = [f.node("a"), f.node("b"), f.node("c")];
+    f.place(&nodes, 1).await;
+    let rev = f.revision("/bin/web-v1").await;
+    let view = f
+        .delivery
+        .start_rollout(&request(rev), &audit("alice"))
+        .await
+        .unwrap();
+    let (done, _) = f.drive(view.id, |_, _| (UnitState::Running, 0)).await;
+    assert_eq!(done.state, "succeeded", "{done:?}");
+    let mut by_id: Vec<Uuid> = done.runs.iter().map(|r| r.id).collect();
+    by_id.sort();
+    by_id.reverse();
+
+    let ids = |v: &serde_json::Value| -> Vec<Uuid> {
+        v["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["id"].as_str().unwrap().parse().unwrap())
+            .collect()
+    };
+    let (status, all) = get(&f, "/v1/runs").await;
+    assert_eq!(status, 200, "{all}");
+    assert_eq!(ids(&all), by_id, "newest first");
+    assert!(all.get("next").is_none());
+    let first = &all["runs"][0];
+    assert_eq!(first["module"], "web");
+    assert_eq!(first["rollout"], view.id.to_string());
+    assert_eq!(first["state"], "succeeded");
+    assert_eq!(first["last_receipt"]["kind"], "run.succeeded");
+
+    let (_, page) = get(&f, "/v1/runs?limit=2").await;
+    assert_eq!(ids(&page), by_id[..2]);
+    let next = page["next"].as_str().unwrap();
+    let (_, rest) = get(&f, &format!("/v1/runs?limit=2&after={next}")).await;
+    assert_eq!(ids(&rest), by_id[2..]);
+
+    let b = nodes[1].to_string();
+    let (_, on_b) = get(&f, &format!("/v1/runs?node={b}&module=web&state=succeeded")).await;
+    assert_eq!(on_b["runs"].as_array().unwrap().len(), 1, "{on_b}");
+    assert_eq!(on_b["runs"][0]["node"], b);
+    let (_, of) = get(&f, &format!("/v1/runs?rollout={}", view.id)).await;
+    assert_eq!(ids(&of).len(), 3);
+    let (_, none) = get(&f, &format!("/v1/runs?rollout={}", Uuid::now_v7())).await;
+    assert_eq!(ids(&none), Vec::<Uuid>::new());
+    let (_, none) = get(&f, "/v1/runs?state=failed").await;
+    assert_eq!(ids(&none), Vec::<Uuid>::new());
+
+    for (uri, field) in [
+        ("/v1/runs?rollout=nope", "rollout"),
+        ("/v1/runs?after=nope", "after"),
+        ("/v1/runs?state=sleeping", "state"),
+        ("/v1/runs?node=Not_A_Node", "node"),
+        ("/v1/runs?limit=0", "limit"),
+        ("/v1/runs?limit=501", "limit"),
+    ] {
+        let (status, problem) = get(&f, uri).await;
+        assert_eq!(status, 422, "{uri}: {problem}");
+        assert_eq!(problem["field"], field, "{uri}: {problem}");
+    }
+    let (status, _) = get(&f, "/v1/runs?colour=red").await;
+    assert_eq!(status, 400, "an unknown parameter");
+    f.env.teardown().await.unwrap();
+}

@@ -47,6 +47,10 @@ struct ListParams {
     /// At most this many (the server caps it at its page size).
     #[param(minimum = 1)]
     limit: Option<i64>,
+    /// Only nodes whose effective labels hold every `key=value` pair of this
+    /// comma-separated list, e.g. `role=web,zone=eu`.
+    #[param(example = "role=web,zone=eu")]
+    selector: Option<String>,
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -60,7 +64,8 @@ struct NodeList {
     heartbeat: crate::HeartbeatView,
 }
 
-/// List nodes, by id, a page at a time.
+/// List nodes, by id, a page at a time; `selector` keeps the nodes whose
+/// effective labels match it (pages and `next` count only those).
 #[utoipa::path(
     get,
     path = "/v1/nodes",
@@ -81,7 +86,15 @@ async fn list_nodes(
     if limit < 1 {
         return Err(Problem::unprocessable("limit", "must be at least 1"));
     }
-    let nodes = inventory.nodes(params.after.as_deref(), limit).await?;
+    let selector = params
+        .selector
+        .as_deref()
+        .map(|s| mesh_protocol::parse_selector("selector", s))
+        .transpose()
+        .map_err(Error::from)?;
+    let nodes = inventory
+        .nodes(params.after.as_deref(), limit, selector.as_ref())
+        .await?;
     let full =
         i64::try_from(nodes.len()).unwrap_or(i64::MAX) >= limit.min(inventory.settings.max_page);
     let next = if full {

@@ -224,7 +224,14 @@ impl Inventory {
 
     /// Nodes ordered by id, those after `after`, at most `limit` (capped by
     /// [`crate::InventorySettings::max_page`]).
-    pub async fn nodes(&self, after: Option<&str>, limit: i64) -> Result<Vec<NodeSummary>, Error> {
+    /// With `selector`, only those whose effective labels (reported,
+    /// overridden by operator) hold every pair.
+    pub async fn nodes(
+        &self,
+        after: Option<&str>,
+        limit: i64,
+        selector: Option<&Labels>,
+    ) -> Result<Vec<NodeSummary>, Error> {
         let limit = limit.clamp(1, self.settings.max_page.max(1));
         type Row = (
             String,
@@ -237,10 +244,12 @@ impl Inventory {
         );
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT id, hostname, reported_labels, operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, last_seen, beat_ms FROM inventory.nodes \
-             WHERE $1::text IS NULL OR id > $1 ORDER BY id LIMIT $2",
+             WHERE ($1::text IS NULL OR id > $1) \
+             AND ($3::jsonb IS NULL OR (reported_labels || operator_labels) @> $3) ORDER BY id LIMIT $2",
         )
         .bind(after)
         .bind(limit)
+        .bind(selector.map(Json))
         .fetch_all(&self.pool)
         .await?;
         Ok(rows

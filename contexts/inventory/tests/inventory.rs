@@ -683,6 +683,81 @@ async fn pages_of_nodes() {
 }
 
 #[tokio::test]
+async fn a_selector_lists_the_nodes_whose_effective_labels_match() {
+    let f = setup().await;
+    let web_eu = node(&f, "web-eu");
+    let web_us = node(&f, "web-us");
+    let db_eu = node(&f, "db-eu");
+    handle(
+        &f,
+        &[
+            hello(&web_eu, 1, labels(&[("role", "web"), ("zone", "eu")]), &[]),
+            hello(&web_us, 1, labels(&[("role", "web"), ("zone", "us")]), &[]),
+            // Reported `web`, but the operator's label overrides it.
+            hello(&db_eu, 1, labels(&[("role", "web"), ("zone", "eu")]), &[]),
+        ],
+    )
+    .await;
+    let (status, _, _) = put_labels(
+        &f,
+        &format!("/v1/nodes/{db_eu}/labels"),
+        r#"{"labels": {"role": "db"}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let ids = |body: &serde_json::Value| -> Vec<String> {
+        body["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let (status, _, body) = request(&f, "GET", "/v1/nodes?selector=role%3Dweb", "").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(ids(&body), vec![web_eu.to_string(), web_us.to_string()]);
+    let (_, _, body) = request(&f, "GET", "/v1/nodes?selector=role=web,zone=eu", "").await;
+    assert_eq!(
+        ids(&body),
+        vec![web_eu.to_string()],
+        "every pair must match"
+    );
+    let (_, _, body) = request(&f, "GET", "/v1/nodes?selector=role=db", "").await;
+    assert_eq!(ids(&body), vec![db_eu.to_string()], "operator labels win");
+    let (_, _, body) = request(&f, "GET", "/v1/nodes?selector=zone=mars", "").await;
+    assert_eq!(ids(&body), Vec::<String>::new());
+    // Pages count only matching nodes; `next` resumes among them.
+    let (_, _, first) = request(&f, "GET", "/v1/nodes?selector=zone=eu&limit=1", "").await;
+    assert_eq!(ids(&first), vec![db_eu.to_string()]);
+    let next = first["next"].as_str().unwrap();
+    let (_, _, second) = request(
+        &f,
+        "GET",
+        &format!("/v1/nodes?selector=zone=eu&limit=1&after={next}"),
+        "",
+    )
+    .await;
+    assert_eq!(ids(&second), vec![web_eu.to_string()]);
+
+    for bad in ["role", "role=web,", "=web", "Role=web", "role=a,role=b", ""] {
+        let (status, ct, body) = request(
+            &f,
+            "GET",
+            &format!(
+                "/v1/nodes?selector={}",
+                bad.replace('=', "%3D").replace(',', "%2C")
+            ),
+            "",
+        )
+        .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{bad}: {body}");
+        assert_eq!(ct, "application/problem+json");
+        assert_eq!(body["field"], "selector", "{bad}: {body}");
+    }
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
 async fn roles_cannot_cross_schemas() {
     let f = setup().await;
     let config = PgPoolOptions::new()
