@@ -226,6 +226,13 @@ function onEvent(message) {
   } else if (e.context === "inventory" && e.event.startsWith("module.")) {
     want("modules");
   } else if (e.context === "observability" && e.event === "module.health") {
+    // At once (inventory learns it from the record a moment later), then
+    // the list says the rest.
+    const m = state.modules.find((x) => x.name === b.module);
+    if (m && Array.isArray(b.replicas)) {
+      m.health = { health: b.health, replicas: b.replicas, at: b.at };
+      render("modules");
+    }
     want("modules");
   } else if (e.context === "observability" && e.event === "alert.raised") {
     state.alerts.set(b.id, { ...b, state: "open" });

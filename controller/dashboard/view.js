@@ -70,7 +70,8 @@ export function nodes(nodes, now, heartbeat) {
     if (heartbeat) {
       const ms = now - Date.parse(n.last_seen);
       const lag = heartbeat.last_seen_lag_ms;
-      heard.classList.toggle("late", ms > 2 * heartbeat.interval_ms + lag);
+      // A listing takes a moment: a second of slack before `late`.
+      heard.classList.toggle("late", ms > 2 * heartbeat.interval_ms + lag + 1000);
       heard.classList.toggle("stale", ms > heartbeat.detection_ms + lag);
     }
     return el(
@@ -151,6 +152,10 @@ function gist(e) {
   if (e.context === "observability" && e.event.startsWith("alert.")) return b.message;
   if (e.event === "module.health") return `${b.module}: ${b.health}`;
   if (b.state) return `${b.node}: ${b.state}`;
+  if (e.event === "fleet.conditions") {
+    const n = (b.conditions || []).length;
+    return n === 0 ? "no condition" : (b.conditions || []).map((c) => c.message).join("; ");
+  }
   if (e.event === "module.placed") return `${b.module} on ${(b.nodes || []).join(", ") || "no node"}`;
   return [e.node, e.module].filter(Boolean).join(" · ");
 }
