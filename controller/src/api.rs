@@ -1,7 +1,8 @@
 //! The HTTP API: one interface in front of every context. Each route is served
 //! by the context that owns the resource; this module adds what belongs to no
 //! context: health, metrics, views composed from several contexts, and the
-//! OpenAPI document of them all (openapi.rs).
+//! OpenAPI document of them all (openapi.rs). The operator dashboard's static
+//! files (dashboard.rs) are served beside it, open and outside `/v1`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,8 +45,10 @@ pub struct ApiState {
 /// and the OpenAPI document of them all at `/v1/openapi.json`: each route is
 /// registered with its description (`routes!`), so none is served undescribed.
 /// An unknown path answers 404 and a method a path does not serve 405, both
-/// problem+json. Around all of it, the request id, the access log and the
-/// request metrics (access.rs).
+/// problem+json. The dashboard's files (dashboard.rs) are merged in without
+/// the auth layer (they hold no data) and without a place in the document
+/// (they are not the API). Around all of it, the request id, the access log
+/// and the request metrics (access.rs).
 pub fn router(state: ApiState) -> Router {
     let metrics = state.metrics.clone();
     let (router, document) = routes(state).split_for_parts();
@@ -59,6 +62,8 @@ pub fn router(state: ApiState) -> Router {
     ));
     let router = router
         .layer(Extension(document))
+        // The dashboard's static files: open, outside /v1 and its document.
+        .merge(crate::dashboard::router())
         .fallback(|| async { Problem::not_found("no such route") })
         .method_not_allowed_fallback(method_not_allowed);
     // Last, so that they wrap every route and both fallbacks.

@@ -7,7 +7,9 @@
 //! `POST /v1/join` is authenticated by its join token (identity checks it); tokens, node
 //! revocation and the audit log need `admin`; any other read needs `viewer` and
 //! any other change `operator`. A missing or unknown token is 401, a role too
-//! small is 403, both problem+json.
+//! small is 403, both problem+json. The dashboard's static files
+//! (dashboard.rs) are outside every guarded router: they hold no data, and
+//! the page sends the operator's token with each `/v1` call it makes.
 //!
 //! Audit (docs/decisions/0018): the layer puts a [`mesh_plumbing::audit::Audit`]
 //! in an authenticated request; the mutating handler writes its `ok` entry into

@@ -17,6 +17,7 @@ pub mod auth;
 pub mod broker_stats;
 pub mod config;
 pub mod contexts;
+pub mod dashboard;
 pub mod evaluator;
 pub mod fence;
 pub mod metrics;
