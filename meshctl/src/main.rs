@@ -18,7 +18,9 @@
 
 mod client;
 mod delivery;
+mod manifest;
 mod pack;
+mod plan;
 mod progress;
 
 use anyhow::Context as _;
@@ -93,6 +95,12 @@ enum Command {
     /// The delivery freeze: set, lift, status.
     #[command(subcommand)]
     Freeze(delivery::FreezeCommand),
+    /// Apply manifests (modules, files, settings, secrets, grants) with the
+    /// ETags their plan read: a change made in between fails (412, exit 7).
+    Apply(plan::ApplyArgs),
+    /// Compare manifests with the live mesh: what apply would change, and
+    /// the nodes each change reaches.
+    Plan(plan::PlanArgs),
 }
 
 #[derive(Subcommand)]
@@ -248,6 +256,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Rollout(c) => return delivery::rollout(&api, c).await,
         Command::Run(c) => return delivery::run(&api, c).await,
         Command::Freeze(c) => return delivery::freeze(&api, c).await,
+        Command::Apply(a) => return plan::apply(&api, a).await,
+        Command::Plan(a) => return plan::plan(&api, a).await,
     }
     Ok(ExitCode::SUCCESS)
 }
