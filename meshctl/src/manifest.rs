@@ -1271,7 +1271,7 @@ mod tests {
             "# global\nkind: Settings\nvalues:\n  A: 1\nscope: global\n",
         )
         .unwrap();
-        let same = load(&[a.clone()]).unwrap();
+        let same = load(std::slice::from_ref(&a)).unwrap();
         assert_eq!(digest(&one), digest(&same));
         std::fs::write(&a, "kind: Settings\nscope: global\nvalues: {A: 2}\n").unwrap();
         assert_ne!(digest(&one), digest(&load(&[a]).unwrap()));
