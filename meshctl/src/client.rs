@@ -223,6 +223,66 @@ impl std::fmt::Display for StreamError {
 
 impl std::error::Error for StreamError {}
 
+/// A conditional request's answer: status, ETag and JSON (`null` when none).
+pub struct Answer {
+    pub status: StatusCode,
+    pub etag: Option<String>,
+    pub value: Value,
+}
+
+impl Api {
+    /// One JSON request with extra headers (`If-Match`, `If-None-Match`): the
+    /// answer with its ETag; a failed answer is an [`ApiError`] (its status
+    /// tells a 404 or a 412 apart).
+    pub async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<Answer> {
+        let mut req = self
+            .http
+            .request(method.clone(), format!("{}{path}", self.base));
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| anyhow::anyhow!("{method} {path}: {}", chain(&e.without_url())))?;
+        let status = resp.status();
+        let etag = resp
+            .headers()
+            .get(reqwest::header::ETAG)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let bytes = resp.bytes().await.map_err(|e| {
+            anyhow::anyhow!("{method} {path}: reading the answer: {}", e.without_url())
+        })?;
+        if !status.is_success() {
+            return Err(ApiError::from_answer(method, path, status, &bytes).into());
+        }
+        let value = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .with_context(|| format!("{method} {path}: {status}: the answer is not JSON"))?
+        };
+        Ok(Answer {
+            status,
+            etag,
+            value,
+        })
+    }
+}
+
 /// An error and its causes on one line (reqwest's own says only "error
 /// sending request"; the cause tells refused, timed out, certificate…).
 fn chain(e: &dyn std::error::Error) -> String {

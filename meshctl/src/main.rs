@@ -26,7 +26,9 @@ mod delivery;
 mod describe;
 mod events;
 mod output;
+mod manifest;
 mod pack;
+mod plan;
 mod progress;
 mod resources;
 
@@ -177,6 +179,12 @@ enum Command {
     },
     /// Write man pages for meshctl and every subcommand into <dir>.
     Man { dir: PathBuf },
+    /// Apply manifests (modules, files, settings, secrets, grants) with the
+    /// ETags their plan read: a change made in between fails (412, exit 7).
+    Apply(plan::ApplyArgs),
+    /// Compare manifests with the live mesh: what apply would change, and
+    /// the nodes each change reaches.
+    Plan(plan::PlanArgs),
 }
 
 #[derive(Subcommand)]
@@ -449,6 +457,8 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
         Command::Rollout(c) => return delivery::rollout(&api, c).await,
         Command::Run(c) => return delivery::run(&api, c).await,
         Command::Freeze(c) => return delivery::freeze(&api, c).await,
+        Command::Apply(a) => return plan::apply(&api, a).await,
+        Command::Plan(a) => return plan::plan(&api, a).await,
     }
     Ok(ExitCode::SUCCESS)
 }
