@@ -19,6 +19,7 @@ pub mod config;
 pub mod contexts;
 pub mod evaluator;
 pub mod fence;
+pub mod logs;
 pub mod metrics;
 pub mod openapi;
 pub mod pipeline;

@@ -18,6 +18,7 @@
 
 mod client;
 mod delivery;
+mod logs;
 mod pack;
 mod progress;
 
@@ -93,6 +94,8 @@ enum Command {
     /// The delivery freeze: set, lift, status.
     #[command(subcommand)]
     Freeze(delivery::FreezeCommand),
+    /// A module's recent unit output, through the agents (operator role).
+    Logs(logs::LogsArgs),
 }
 
 #[derive(Subcommand)]
@@ -248,6 +251,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Rollout(c) => return delivery::rollout(&api, c).await,
         Command::Run(c) => return delivery::run(&api, c).await,
         Command::Freeze(c) => return delivery::freeze(&api, c).await,
+        Command::Logs(args) => return logs::run(&api, args).await,
     }
     Ok(ExitCode::SUCCESS)
 }
