@@ -25,8 +25,8 @@ use mesh_protocol::topology::{
 };
 use mesh_protocol::{
     Applied, Declaration, DecodeError, Envelope, Health, Heartbeat, HeartbeatPlan, ItemOutcome,
-    LogsRequest,
-    MAX_REPORT_BYTES, NodeId, Outage, Outcome, ProtocolRange, Report, ReportKind, Section, Units,
+    LogsRequest, MAX_REPORT_BYTES, NodeId, Outage, Outcome, ProtocolRange, Report, ReportKind,
+    Section, Units,
 };
 use rand::Rng;
 use tokio::time::{Instant, Interval, MissedTickBehavior, sleep_until};
@@ -644,7 +644,8 @@ impl Agent {
         } else {
             Declaration::KIND
         };
-        let span = info_span!("declaration", message_id = %message_id, node = %self.creds.node, kind);
+        let span =
+            info_span!("declaration", message_id = %message_id, node = %self.creds.node, kind);
         async {
             let mut confirm = None;
             if logs {
@@ -673,7 +674,10 @@ impl Agent {
 
     /// Check a logs request's signature as a declaration's: only the
     /// controller may ask a node for its units' output.
-    fn verify_logs_request(&self, delivery: &Delivery) -> Result<(), mesh_protocol::SignatureError> {
+    fn verify_logs_request(
+        &self,
+        delivery: &Delivery,
+    ) -> Result<(), mesh_protocol::SignatureError> {
         let signature = delivery.properties.headers().as_ref().and_then(|h| {
             match h.inner().get(SIGNATURE_HEADER) {
                 Some(AMQPValue::LongString(s)) => Some(s.to_string()),
@@ -695,7 +699,8 @@ impl Agent {
         bytes: &[u8],
         publisher: &Channel,
     ) -> Option<lapin::PublisherConfirm> {
-        let env = match Envelope::<LogsRequest>::decode(bytes, mesh_protocol::MAX_DECLARATION_BYTES) {
+        let env = match Envelope::<LogsRequest>::decode(bytes, mesh_protocol::MAX_DECLARATION_BYTES)
+        {
             Ok(env) => env,
             Err(e) => {
                 warn!(error = %e, "logs request cannot be read; not answered");

@@ -12,8 +12,8 @@
 use std::path::Path;
 
 use mesh_protocol::{
-    Envelope, LogStream, Logs, LogsRequest, MAX_LOG_ANSWER_BYTES, MAX_LOG_UNITS,
-    MAX_REPORT_BYTES, NodeId, Report, UnitLogs,
+    Envelope, LogStream, Logs, LogsRequest, MAX_LOG_ANSWER_BYTES, MAX_LOG_UNITS, MAX_REPORT_BYTES,
+    NodeId, Report, UnitLogs,
 };
 use uuid::Uuid;
 
@@ -148,7 +148,9 @@ mod tests {
         for unit in ["web-0", "web-1"] {
             let d = dir.path().join(unit);
             std::fs::create_dir_all(&d).unwrap();
-            let big: String = (0..5000).map(|i| format!("{unit} line {i} {}\n", "x".repeat(40))).collect();
+            let big: String = (0..5000)
+                .map(|i| format!("{unit} line {i} {}\n", "x".repeat(40)))
+                .collect();
             std::fs::write(d.join("stdout.log"), big).unwrap();
             std::fs::write(d.join("stderr.log"), "oops\n").unwrap();
         }
@@ -169,7 +171,13 @@ mod tests {
         let web0 = &a.units[0];
         assert_eq!(web0.streams[1].lines, ["oops"]);
         assert!(!web0.streams[0].lines.is_empty());
-        assert!(web0.streams[0].lines.last().unwrap().starts_with("web-0 line 4999"));
+        assert!(
+            web0.streams[0]
+                .lines
+                .last()
+                .unwrap()
+                .starts_with("web-0 line 4999")
+        );
         // No unit of the module: said, not read.
         let none = answer(dir.path(), &node, Uuid::now_v7(), &req, &[]);
         assert!(none.error.unwrap().contains("runs no unit"));

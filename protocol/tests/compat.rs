@@ -17,11 +17,11 @@ use std::path::{Path, PathBuf};
 use chrono::{DateTime, Utc};
 use mesh_protocol::{
     Applied, AuditEntry, Declaration, DeclarationItems, DesiredState, Envelope, FileItem, FileMode,
-    Heartbeat, Hello, ItemOutcome, LivenessState, LogsRequest, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES,
-    ModulePlacement, ModuleRemoved, NodeId, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,
-    Outcome, ProtocolRange, RECORD_EVENTS, RecordEvent, RecordKind, Report, ReportKind,
-    RestartPolicy, SealedFileItem, Section, SettingsFile, SettingsFormat, UnitItem, UnitState,
-    UnitStatus, Units, sealing, sealing::SealSecretKey,
+    Heartbeat, Hello, ItemOutcome, LivenessState, LogsRequest, MAX_DECLARATION_BYTES,
+    MAX_REPORT_BYTES, ModulePlacement, ModuleRemoved, NodeId, NodeIdentityChanged,
+    NodeLabelsChanged, NodeLiveness, Outcome, ProtocolRange, RECORD_EVENTS, RecordEvent,
+    RecordKind, Report, ReportKind, RestartPolicy, SealedFileItem, Section, SettingsFile,
+    SettingsFormat, UnitItem, UnitState, UnitStatus, Units, sealing, sealing::SealSecretKey,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;

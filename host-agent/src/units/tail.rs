@@ -267,7 +267,9 @@ pub fn read_stream(
             // A region that starts mid-stream starts mid-line: skip to the
             // first line that starts inside it.
             let skip = if from > 0 && s.read(from - 1, from)?.first() != Some(&b'\n') {
-                buf.iter().position(|b| *b == b'\n').map_or(buf.len(), |n| n + 1)
+                buf.iter()
+                    .position(|b| *b == b'\n')
+                    .map_or(buf.len(), |n| n + 1)
             } else {
                 0
             };
@@ -344,7 +346,11 @@ mod tests {
         );
         // A line cut by a rotation reads whole.
         let out = read(dir.path(), None, 20);
-        assert!(out.lines.iter().all(|l| l.starts_with("line ") && l.len() >= 6));
+        assert!(
+            out.lines
+                .iter()
+                .all(|l| l.starts_with("line ") && l.len() >= 6)
+        );
         assert_eq!(out.lines.last().map(String::as_str), Some("line 29"));
     }
 
