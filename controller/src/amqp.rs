@@ -73,6 +73,9 @@ pub(crate) fn report_queue_bound(kind: ReportKind) -> FieldTable {
         ReportKind::Units => bounded(UNITS_QUEUE_MAX_LEN, "drop-head"),
         // So is a health report: every probe result of the node, whole.
         ReportKind::Health => bounded(HEALTH_QUEUE_MAX_LEN, "drop-head"),
+        // A logs answer is wanted for seconds (it expires anyway): drop the
+        // oldest (decision 0033).
+        ReportKind::Logs => bounded(LOGS_QUEUE_MAX_LEN, "drop-head"),
     }
 }
 

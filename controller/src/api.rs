@@ -1,6 +1,7 @@
 //! The HTTP API: one interface in front of every context. Each route is served
 //! by the context that owns the resource; this module adds what belongs to no
-//! context: health, metrics, views composed from several contexts, and the
+//! context: health, metrics, views composed from several contexts, a
+//! module's unit output fetched through the agents (logs.rs), and the
 //! OpenAPI document of them all (openapi.rs). The operator dashboard's static
 //! files (dashboard.rs) are served beside it, open and outside `/v1`.
 
@@ -38,6 +39,8 @@ pub struct ApiState {
     /// The latest reading of the broker's queues (`None` before the first):
     /// `crate::broker_stats`.
     pub queue_depths: crate::broker_stats::QueueDepthsWatch,
+    /// Logs requests to the agents and their answers, in memory (logs.rs).
+    pub logs: Arc<crate::logs::LogsHub>,
 }
 
 /// Every route, each context's behind the auth layer that knows the context
@@ -124,6 +127,16 @@ fn routes(state: ApiState) -> OpenApiRouter {
             c.delivery.clone().routes(),
             mesh_delivery::SCHEMA,
             c.delivery.pool(),
+        ))
+        // A module's unit output: served by the controller (it needs the
+        // broker), audited as inventory's (the module's owner).
+        .merge(guarded(
+            crate::logs::routes(crate::logs::LogsApi {
+                contexts: c.clone(),
+                hub: state.logs.clone(),
+            }),
+            mesh_inventory::Inventory::SCHEMA,
+            c.inventory.pool(),
         ))
 }
 

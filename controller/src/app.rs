@@ -181,6 +181,15 @@ async fn run_fenced(
             Err(e) => tracing::error!(error = %e, "cannot register the first admin API token"),
         }
     }
+    let logs = Arc::new(crate::logs::LogsHub::new(
+        crate::logs::LogsSettings {
+            wait: Duration::from_millis(settings.logs_wait_ms),
+            max_requests: settings.logs_max_requests,
+            max_nodes: settings.logs_max_nodes,
+        },
+        signer.clone(),
+        metrics.clone(),
+    ));
     let broker_up = Arc::new(AtomicBool::new(false));
     // The latest reading of the broker's queues: written by the broker
     // session's stats task, read through `ApiState::queue_depths` (or a clone
@@ -202,6 +211,7 @@ async fn run_fenced(
         signal: signal.clone(),
         metrics: metrics.clone(),
         queue_depths: queue_depths.clone(),
+        logs: logs.clone(),
     });
 
     if let Some((tls, certificate)) = https_listener(&settings, &creds, shutdown.clone()).await? {
@@ -235,6 +245,7 @@ async fn run_fenced(
         broker_url: creds.broker_url.expose().clone(),
         broker_up,
         queue_depths: depths_tx,
+        logs,
     };
     let broker_shutdown = shutdown.clone();
     tasks.spawn(async move {
@@ -502,6 +513,8 @@ struct Session {
     broker_up: Arc<AtomicBool>,
     /// Where the stats task publishes each reading of the broker's queues.
     queue_depths: watch::Sender<Option<QueueDepths>>,
+    /// Logs requests publish on this session's channel (logs.rs).
+    logs: Arc<crate::logs::LogsHub>,
 }
 
 impl Session {
@@ -563,7 +576,10 @@ impl Session {
             declaration_queues: declaration_queues.clone(),
             signal: self.signal.clone(),
             failpoint,
+            logs: self.logs.clone(),
         });
+        // Logs requests go out on a confirm channel of their own.
+        self.logs.attach(Some(amqp::confirm_channel(&conn).await?));
         let mut tasks: JoinSet<Result<(), PipelineError>> = JoinSet::new();
         for kind in ReportKind::ALL {
             tasks.spawn(pipeline.clone().consume(
@@ -632,6 +648,7 @@ impl Session {
         self.contexts.inventory.observe_from(chrono::Utc::now());
 
         let first = tasks.join_next().await;
+        self.logs.attach(None);
         self.contexts.inventory.observe_stop();
         session_end.cancel();
         while tasks.join_next().await.is_some() {}

@@ -5,15 +5,18 @@
 //! matched it) → [`Access`]. `/healthz`, `/metrics` and the OpenAPI document
 //! `/v1/openapi.json` (it describes routes, it shows no data) are open;
 //! `POST /v1/join` is authenticated by its join token (identity checks it); tokens, node
-//! revocation and the audit log need `admin`; any other read needs `viewer` and
-//! any other change `operator`. A missing or unknown token is 401, a role too
+//! revocation and the audit log need `admin`; a module's unit output
+//! (`GET /v1/modules/{name}/logs`) needs `operator`; any other read needs
+//! `viewer` and any other change `operator`. A missing or unknown token is 401, a role too
 //! small is 403, both problem+json. The dashboard's static files
 //! (dashboard.rs) are outside every guarded router: they hold no data, and
 //! the page sends the operator's token with each `/v1` call it makes.
 //!
 //! Audit (docs/decisions/0018): the layer puts a [`mesh_plumbing::audit::Audit`]
 //! in an authenticated request; the mutating handler writes its `ok` entry into
-//! the context's outbox in the transaction of the change itself. The layer only
+//! the context's outbox in the transaction of the change itself. A read whose
+//! answer may be sensitive ([`is_audited_read`]: a unit's output) gets its
+//! entry, whatever its outcome, from the layer after the response. The layer only
 //! writes, through plumbing, the entries no handler's transaction carries: a
 //! 403 (`denied`) and a failed mutation (`failed`, with its status), after the
 //! response. A 401 has no principal and is not in the audit log: it is logged
@@ -68,6 +71,8 @@ pub fn required(method: &Method, route: Option<&str>) -> Access {
         (_, Some("/v1/tokens" | "/v1/tokens/{id}" | "/v1/audit")) => Access::Role(Role::Admin),
         (_, Some("/v1/secrets/master-key/rotate")) => Access::Role(Role::Admin),
         (&Method::DELETE, Some("/v1/nodes/{id}")) => Access::Role(Role::Admin),
+        // A unit's output may hold anything it prints (decision 0033).
+        (&Method::GET, Some(LOGS_ROUTE)) => Access::Role(Role::Operator),
         (&Method::GET | &Method::HEAD, _) => Access::Role(Role::Viewer),
         _ => Access::Role(Role::Operator),
     }
@@ -75,6 +80,16 @@ pub fn required(method: &Method, route: Option<&str>) -> Access {
 
 fn is_mutation(method: &Method) -> bool {
     !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
+}
+
+/// The route of a module's unit output (`crate::logs`).
+pub const LOGS_ROUTE: &str = "/v1/modules/{name}/logs";
+
+/// Reads that are audited like mutations, whatever their outcome: what they
+/// show may be sensitive (a unit's output). Their entry is written after the
+/// response (nothing changed, so no transaction carries it).
+pub fn is_audited_read(method: &Method, route: Option<&str>) -> bool {
+    *method == Method::GET && route == Some(LOGS_ROUTE)
 }
 
 /// The state of the auth layer of one context's routes.
@@ -169,14 +184,16 @@ async fn authorized(
             principal.role
         ))
         .into_response();
-        if is_mutation(method) {
+        if is_mutation(method) || is_audited_read(method, route) {
             after(guard, &audit, StatusCode::FORBIDDEN).await;
         }
         return refusal;
     }
     req.extensions_mut().insert(audit.clone());
     let response = next.run(req).await;
-    if is_mutation(method) {
+    if is_audited_read(method, route) {
+        after(guard, &audit, response.status()).await;
+    } else if is_mutation(method) {
         let status = response.status();
         if status.is_success()
             && guard
@@ -270,6 +287,8 @@ mod tests {
             (Method::GET, "/v1/overlay", R(Role::Viewer)),
             (Method::GET, "/v1/certificates", R(Role::Viewer)),
             (Method::GET, "/v1/events", R(Role::Viewer)),
+            (Method::GET, "/v1/modules/{name}/logs", R(Role::Operator)),
+            (Method::GET, "/v1/modules/{name}", R(Role::Viewer)),
             (
                 Method::POST,
                 "/v1/secrets/master-key/rotate",

@@ -151,6 +151,15 @@ pub struct Settings {
     pub event_retention_secs: u64,
     /// Event streams open at once; one more is answered 503. Default 64.
     pub event_streams: usize,
+    /// How long a logs request (`GET /v1/modules/{name}/logs`) waits for the
+    /// nodes' answers, in milliseconds; also the request's AMQP expiration in
+    /// the node's queue. Default 10000; 100 to 25000 (meshctl waits 30 s).
+    pub logs_wait_ms: u64,
+    /// Logs requests served at once; one more is answered 503. Default 16.
+    pub logs_max_requests: usize,
+    /// Nodes one logs request asks at most (the others are named in its
+    /// `omitted`). Default 64.
+    pub logs_max_nodes: usize,
     /// How often health and alerts are evaluated, in milliseconds (also soon
     /// after reports committed, at most five times as often). Default 5000;
     /// at least 100.
@@ -232,6 +241,9 @@ impl Default for Settings {
             certificate_lifetime_secs: mesh_connectivity::DEFAULT_CERTIFICATE_LIFETIME.as_secs(),
             event_retention_secs: mesh_observability::DEFAULT_RETENTION.as_secs(),
             event_streams: mesh_observability::Settings::default().max_streams,
+            logs_wait_ms: 10_000,
+            logs_max_requests: 16,
+            logs_max_nodes: 64,
             evaluate_ms: 5000,
             rollout_tick_ms: 1000,
             registry_url: "http://127.0.0.1:5000".to_owned(),
@@ -346,6 +358,22 @@ impl Settings {
         if self.broker_stats_secs == 0 {
             return Err(ConfigError::Invalid {
                 field: "broker_stats_secs",
+                message: "must be at least 1".into(),
+            });
+        }
+        if !(100..=25_000).contains(&self.logs_wait_ms) {
+            return Err(ConfigError::Invalid {
+                field: "logs_wait_ms",
+                message: "must be 100 to 25000".into(),
+            });
+        }
+        if self.logs_max_requests == 0 || self.logs_max_nodes == 0 {
+            return Err(ConfigError::Invalid {
+                field: if self.logs_max_requests == 0 {
+                    "logs_max_requests"
+                } else {
+                    "logs_max_nodes"
+                },
                 message: "must be at least 1".into(),
             });
         }

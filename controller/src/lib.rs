@@ -20,6 +20,7 @@ pub mod contexts;
 pub mod dashboard;
 pub mod evaluator;
 pub mod fence;
+pub mod logs;
 pub mod metrics;
 pub mod openapi;
 pub mod pipeline;

@@ -69,6 +69,12 @@ pub struct RouteLabels {
     pub method: String,
 }
 
+/// How a logs request or answer ended (decision 0033).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
     pub state: String,
@@ -175,6 +181,16 @@ pub struct Metrics {
     pub alerts: Family<AlertLabels, Gauge>,
     /// Always 1, labelled with this build's version.
     pub build_info: Family<VersionLabels, Gauge>,
+    /// Logs requests (`GET /v1/modules/{name}/logs`) by outcome: `answered`
+    /// (every node asked answered), `timeout` (some did not, or could not be
+    /// asked), `busy` (every slot taken), `unavailable` (no broker session).
+    pub logs_requests: Family<OutcomeLabels, Counter>,
+    /// `logs` reports by outcome: `accepted` (a request waited for it),
+    /// `late` (its request had ended), `duplicate`, `unsolicited`
+    /// (dead-lettered: no such request, or a node that was not asked).
+    pub logs_answers: Family<OutcomeLabels, Counter>,
+    /// Nodes asked for logs that did not answer within `logs_wait_ms`.
+    pub logs_timeouts: Counter,
     /// Every family registered, as a scrape names it (see [`Metrics::families`]).
     families: Arc<[String]>,
 }
@@ -222,6 +238,9 @@ impl Metrics {
             rollouts: Family::default(),
             alerts: Family::default(),
             build_info: Family::default(),
+            logs_requests: Family::default(),
+            logs_answers: Family::default(),
+            logs_timeouts: Counter::default(),
             families: Arc::from(Vec::new()),
         };
         m.build_info
@@ -244,6 +263,21 @@ impl Metrics {
             "mesh_controller_build_info",
             "The controller's build: always 1, labelled with its version",
             m.build_info.clone(),
+        );
+        r.add(
+            "mesh_controller_logs_requests",
+            "Logs requests of the API, by outcome",
+            m.logs_requests.clone(),
+        );
+        r.add(
+            "mesh_controller_logs_answers",
+            "Logs answers of agents, by outcome",
+            m.logs_answers.clone(),
+        );
+        r.add(
+            "mesh_controller_logs_timeouts",
+            "Nodes asked for logs that did not answer within the wait",
+            m.logs_timeouts.clone(),
         );
         r.add(
             "mesh_controller_messages_handled",

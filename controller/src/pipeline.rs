@@ -87,6 +87,9 @@ pub struct Pipeline {
     pub declaration_queues: Arc<DeclarationQueues>,
     pub signal: OutboxSignal,
     pub failpoint: Option<String>,
+    /// Where `logs` answers go: to the requests waiting for them, in memory
+    /// (never to a context; decision 0033).
+    pub logs: Arc<crate::logs::LogsHub>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -358,6 +361,18 @@ impl Pipeline {
                         }
                         Err(r) => refused.push((i, r)),
                     }
+                }
+                if kind == ReportKind::Logs {
+                    // Answers to logs requests: to whoever waits for each,
+                    // in memory; nothing to commit, nothing to wake.
+                    for (i, env) in good {
+                        if let Err(r) = self.logs.answer(&env) {
+                            refused.push((i, r));
+                        }
+                    }
+                    self.dead_letter(dead_letters, queue, batch, refused)
+                        .await?;
+                    return Ok(true);
                 }
                 self.dead_letter(dead_letters, queue, batch, refused)
                     .await?;

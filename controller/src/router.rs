@@ -101,6 +101,11 @@ impl Contexts {
                 )
                 .await
             }
+            // logs: answers to logs requests, kept in memory by the pipeline
+            // (crate::logs), never handed to a context (decision 0033).
+            ReportKind::Logs => Err(HandlerError::Permanent(
+                "a logs answer is for the controller's logs requests, not for a context".into(),
+            )),
             // health: probe results (observability owns health and alerts).
             ReportKind::Health => {
                 run(

@@ -25,7 +25,8 @@ use mesh_protocol::topology::{
 };
 use mesh_protocol::{
     Applied, Declaration, DecodeError, Envelope, Health, Heartbeat, HeartbeatPlan, ItemOutcome,
-    MAX_REPORT_BYTES, NodeId, Outage, Outcome, ProtocolRange, Report, ReportKind, Section, Units,
+    LogsRequest, MAX_REPORT_BYTES, NodeId, Outage, Outcome, ProtocolRange, Report, ReportKind,
+    Section, Units,
 };
 use rand::Rng;
 use tokio::time::{Instant, Interval, MissedTickBehavior, sleep_until};
@@ -472,7 +473,14 @@ impl Agent {
                 }
                 delivery = next_delivery(&mut consumer), if consumer.is_some() => match delivery {
                     Some(Ok(d)) => {
-                        let handled = self.handle_delivery(d, &publisher).await;
+                        let handled = match self.handle_delivery(d, &publisher).await {
+                            Ok(Some(confirm)) => {
+                                beats.push(confirm);
+                                Ok(())
+                            }
+                            Ok(None) => Ok(()),
+                            Err(e) => Err(e),
+                        };
                         if std::mem::take(&mut self.retime) {
                             let interval = self.interval();
                             *heartbeat = tokio::time::interval_at(Instant::now() + interval, interval);
@@ -615,33 +623,149 @@ impl Agent {
         }
     }
 
-    /// Apply one declaration, keep its `applied` report, then ack it.
+    /// Handle one message of the declaration queue, then ack it: a logs
+    /// request is answered (its answer's confirm returned, for the caller
+    /// to let settle); anything else is a declaration, applied, its
+    /// `applied` report kept.
     async fn handle_delivery(
         &mut self,
         delivery: Delivery,
         publisher: &Channel,
-    ) -> Result<(), String> {
+    ) -> Result<Option<lapin::PublisherConfirm>, String> {
         let message_id = delivery
             .properties
             .message_id()
             .as_ref()
             .map(|m| m.as_str().to_owned())
             .unwrap_or_default();
-        let span = info_span!("declaration", message_id = %message_id, node = %self.creds.node, kind = "declaration");
+        let logs = crate::logs::is_request(&delivery.data);
+        let kind = if logs {
+            LogsRequest::KIND
+        } else {
+            Declaration::KIND
+        };
+        let span =
+            info_span!("declaration", message_id = %message_id, node = %self.creds.node, kind);
         async {
-            let report = match self.verify(&delivery) {
-                Ok(()) => self.apply_bytes(&delivery.data, publisher).await,
-                Err(rejected) => rejected,
-            };
-            self.push_applied(report);
+            let mut confirm = None;
+            if logs {
+                match self.verify_logs_request(&delivery) {
+                    Ok(()) => confirm = self.answer_logs(&delivery.data, publisher).await,
+                    Err(e) => {
+                        error!(error = %e, "logs request refused: bad signature; not answered")
+                    }
+                }
+            } else {
+                let report = match self.verify(&delivery) {
+                    Ok(()) => self.apply_bytes(&delivery.data, publisher).await,
+                    Err(rejected) => rejected,
+                };
+                self.push_applied(report);
+            }
             delivery
                 .ack(BasicAckOptions::default())
                 .await
-                .map(|_| ())
+                .map(|_| confirm)
                 .map_err(|e| format!("ack failed: {e}"))
         }
         .instrument(span)
         .await
+    }
+
+    /// Check a logs request's signature as a declaration's: only the
+    /// controller may ask a node for its units' output.
+    fn verify_logs_request(
+        &self,
+        delivery: &Delivery,
+    ) -> Result<(), mesh_protocol::SignatureError> {
+        let signature = delivery.properties.headers().as_ref().and_then(|h| {
+            match h.inner().get(SIGNATURE_HEADER) {
+                Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+                _ => None,
+            }
+        });
+        self.creds
+            .controller_key
+            .verify_hex(&delivery.data, signature.as_deref())
+    }
+
+    /// Answer a (verified) logs request with the output of this node's
+    /// units of its module: a `logs` report, transient, published at once
+    /// and never buffered (nobody waits for it after its expiration). A
+    /// request that cannot be read, or is for another node, is not
+    /// answered (the controller's wait ends it).
+    async fn answer_logs(
+        &mut self,
+        bytes: &[u8],
+        publisher: &Channel,
+    ) -> Option<lapin::PublisherConfirm> {
+        let env = match Envelope::<LogsRequest>::decode(bytes, mesh_protocol::MAX_DECLARATION_BYTES)
+        {
+            Ok(env) => env,
+            Err(e) => {
+                warn!(error = %e, "logs request cannot be read; not answered");
+                return None;
+            }
+        };
+        if env.node != self.creds.node {
+            warn!(to = %env.node, "logs request for another node; not answered");
+            return None;
+        }
+        let units: Vec<String> = self
+            .store
+            .section(Section::Inventory)
+            .units
+            .iter()
+            .filter(|u| u.module == env.body.module)
+            .map(|u| u.name.clone())
+            .collect();
+        let units_dir = self.config.state_dir.join(crate::units::UNITS_DIR);
+        let request = env.body.clone();
+        let node = self.creds.node.clone();
+        let id = env.id;
+        let answer = tokio::task::spawn_blocking(move || {
+            crate::logs::answer(&units_dir, &node, id, &request, &units)
+        })
+        .await
+        .unwrap_or_else(|e| mesh_protocol::Logs {
+            request: id,
+            module: env.body.module.clone(),
+            units: Vec::new(),
+            error: Some(format!("reading the output failed: {e}")),
+        });
+        info!(request = %id, module = %answer.module, units = answer.units.len(), error = answer.error.as_deref().unwrap_or(""), "answering a logs request");
+        let out = self.envelope(Report::Logs(answer));
+        let props = BasicProperties::default()
+            .with_message_id(out.id.to_string().into())
+            .with_type(out.kind.as_str().into())
+            .with_user_id(self.creds.node.as_str().into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(1)
+            .with_expiration(
+                mesh_protocol::topology::LOGS_ANSWER_EXPIRATION_MS
+                    .to_string()
+                    .into(),
+            );
+        let key = report_routing_key(&self.creds.node, ReportKind::Logs);
+        match publisher
+            .basic_publish(
+                REPORTS_EXCHANGE.into(),
+                key.into(),
+                BasicPublishOptions::default(),
+                &out.payload,
+                props,
+            )
+            .await
+        {
+            Ok(confirm) => {
+                self.metrics.report_published(out.kind.as_str());
+                Some(confirm)
+            }
+            Err(e) => {
+                warn!(error = %e, "logs answer not published");
+                None
+            }
+        }
     }
 
     /// Check the controller's signature of a declaration (header

@@ -56,6 +56,7 @@ pub mod credentials;
 pub mod facts;
 pub mod firewall;
 pub mod join;
+pub mod logs;
 pub mod metrics;
 pub mod overlay;
 pub mod plan;

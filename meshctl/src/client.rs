@@ -283,6 +283,27 @@ impl Api {
     }
 }
 
+impl Api {
+    /// One GET whose error answers are wanted too (a problem that carries
+    /// data, as the logs route's 504): the status and the body's bytes.
+    pub async fn get_any(&self, path: &str) -> anyhow::Result<(StatusCode, Vec<u8>)> {
+        let mut req = self.http.get(format!("{}{path}", self.base));
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| anyhow::anyhow!("GET {path}: {}", chain(&e.without_url())))?;
+        let status = resp.status();
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| anyhow::anyhow!("GET {path}: reading the answer: {}", e.without_url()))?;
+        Ok((status, bytes.to_vec()))
+    }
+}
+
 /// An error and its causes on one line (reqwest's own says only "error
 /// sending request"; the cause tells refused, timed out, certificate…).
 fn chain(e: &dyn std::error::Error) -> String {

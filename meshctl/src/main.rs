@@ -27,6 +27,7 @@ mod describe;
 mod events;
 mod output;
 mod manifest;
+mod logs;
 mod pack;
 mod plan;
 mod progress;
@@ -185,6 +186,8 @@ enum Command {
     /// Compare manifests with the live mesh: what apply would change, and
     /// the nodes each change reaches.
     Plan(plan::PlanArgs),
+    /// A module's recent unit output, through the agents (operator role).
+    Logs(logs::LogsArgs),
 }
 
 #[derive(Subcommand)]
@@ -459,6 +462,7 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
         Command::Freeze(c) => return delivery::freeze(&api, c).await,
         Command::Apply(a) => return plan::apply(&api, a).await,
         Command::Plan(a) => return plan::plan(&api, a).await,
+        Command::Logs(args) => return logs::run(&api, args).await,
     }
     Ok(ExitCode::SUCCESS)
 }

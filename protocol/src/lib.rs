@@ -18,6 +18,7 @@ mod declaration;
 mod envelope;
 mod error;
 mod health;
+mod logs;
 mod module;
 mod node;
 mod record;
@@ -52,6 +53,10 @@ pub use health::{
     HealthState, HttpCheck, MAX_CONDITIONS, MAX_PROBE_DETAIL, MAX_PROBE_RESULTS, MAX_PROBES,
     ModuleHealth, Outage, Probe, ProbeCheck, ProbeResult, ProbeState, ReplicaHealth, Severity,
     TcpCheck, validate_probes,
+};
+pub use logs::{
+    LogPosition, LogStream, Logs, LogsRequest, MAX_LOG_ANSWER_BYTES, MAX_LOG_LINE_BYTES,
+    MAX_LOG_LINES, MAX_LOG_UNITS, StreamLogs, UnitLogs,
 };
 pub use module::{
     MAX_SETTINGS_FILES, ModuleColumns, ModuleEvent, ModulePlacement, ModuleRemoved, SettingsFile,

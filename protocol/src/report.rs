@@ -50,16 +50,20 @@ pub enum ReportKind {
     Units,
     Certificates,
     Health,
+    /// The answer to a logs request (decision 0033): transient, consumed by
+    /// the controller's memory, never by a context.
+    Logs,
 }
 
 impl ReportKind {
-    pub const ALL: [ReportKind; 6] = [
+    pub const ALL: [ReportKind; 7] = [
         ReportKind::Hello,
         ReportKind::Heartbeat,
         ReportKind::Applied,
         ReportKind::Units,
         ReportKind::Certificates,
         ReportKind::Health,
+        ReportKind::Logs,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -70,6 +74,7 @@ impl ReportKind {
             ReportKind::Units => "units",
             ReportKind::Certificates => "certificates",
             ReportKind::Health => "health",
+            ReportKind::Logs => "logs",
         }
     }
 
@@ -90,6 +95,7 @@ pub enum Report {
     Units(crate::Units),
     Certificates(crate::Certificates),
     Health(crate::Health),
+    Logs(crate::Logs),
 }
 
 impl Report {
@@ -101,6 +107,7 @@ impl Report {
             Report::Units(_) => ReportKind::Units,
             Report::Certificates(_) => ReportKind::Certificates,
             Report::Health(_) => ReportKind::Health,
+            Report::Logs(_) => ReportKind::Logs,
         }
     }
 }
@@ -118,6 +125,7 @@ impl Body for Report {
             Report::Units(b) => serde_json::to_value(b),
             Report::Certificates(b) => serde_json::to_value(b),
             Report::Health(b) => serde_json::to_value(b),
+            Report::Logs(b) => serde_json::to_value(b),
         };
         v.unwrap_or(serde_json::Value::Null)
     }
@@ -134,6 +142,7 @@ impl Body for Report {
             ReportKind::Units => Report::Units(parse_body(kind, body, unknown)?),
             ReportKind::Certificates => Report::Certificates(parse_body(kind, body, unknown)?),
             ReportKind::Health => Report::Health(parse_body(kind, body, unknown)?),
+            ReportKind::Logs => Report::Logs(parse_body(kind, body, unknown)?),
         };
         report.validate()?;
         Ok(report)
@@ -154,6 +163,7 @@ impl Report {
             }
             Report::Certificates(c) => c.validate(),
             Report::Health(h) => h.validate(),
+            Report::Logs(l) => l.validate(),
         }
     }
 }

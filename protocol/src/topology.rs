@@ -56,6 +56,13 @@ pub const UNITS_QUEUE_MAX_LEN: i64 = 100_000;
 /// Bound of the health queue (messages); overflow drops the oldest: a health
 /// report is a node's whole list of probe results, superseded by its next one.
 pub const HEALTH_QUEUE_MAX_LEN: i64 = 100_000;
+/// Bound of the logs queue (messages); overflow drops the oldest: an answer
+/// is wanted for seconds only (it also expires), and the controller asks at
+/// most `logs_max_requests` × `logs_max_nodes` at once (decision 0033).
+pub const LOGS_QUEUE_MAX_LEN: i64 = 1_000;
+/// How long a logs answer may wait in `reports.logs` (its AMQP expiration,
+/// milliseconds): after that nobody waits for it any more.
+pub const LOGS_ANSWER_EXPIRATION_MS: u64 = 30_000;
 /// Bound of each node's declaration queue (messages); overflow drops the oldest:
 /// declarations are whole sections and a behind node is re-sent the newest.
 pub const DECLARATION_QUEUE_MAX_LEN: i64 = 64;

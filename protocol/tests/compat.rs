@@ -1,6 +1,7 @@
 //! The compatibility corpus: one message of every kind as protocol v1 writes it
 //! (tests/compat/v1/: `report-<kind>.json`, `declaration-<section>.json`,
-//! `record-<context>.<event>.json`, and variants `<name>-<variant>.json` of a
+//! `record-<context>.<event>.json`, `logs_request.json` (what the controller
+//! asks an agent on its declaration queue, decision 0033), and variants `<name>-<variant>.json` of a
 //! report or declaration for optional fields added later in v1, such as
 //! `report-hello-seal-key.json`). Every later version must decode all of
 //! them, know every field in them (a v1 field is never removed or renamed), and
@@ -16,11 +17,11 @@ use std::path::{Path, PathBuf};
 use chrono::{DateTime, Utc};
 use mesh_protocol::{
     Applied, AuditEntry, Declaration, DeclarationItems, DesiredState, Envelope, FileItem, FileMode,
-    Heartbeat, Hello, ItemOutcome, LivenessState, MAX_DECLARATION_BYTES, MAX_REPORT_BYTES,
-    ModulePlacement, ModuleRemoved, NodeId, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,
-    Outcome, ProtocolRange, RECORD_EVENTS, RecordEvent, RecordKind, Report, ReportKind,
-    RestartPolicy, SealedFileItem, Section, SettingsFile, SettingsFormat, UnitItem, UnitState,
-    UnitStatus, Units, sealing, sealing::SealSecretKey,
+    Heartbeat, Hello, ItemOutcome, LivenessState, LogsRequest, MAX_DECLARATION_BYTES,
+    MAX_REPORT_BYTES, ModulePlacement, ModuleRemoved, NodeId, NodeIdentityChanged,
+    NodeLabelsChanged, NodeLiveness, Outcome, ProtocolRange, RECORD_EVENTS, RecordEvent,
+    RecordKind, Report, ReportKind, RestartPolicy, SealedFileItem, Section, SettingsFile,
+    SettingsFormat, UnitItem, UnitState, UnitStatus, Units, sealing, sealing::SealSecretKey,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -50,6 +51,7 @@ enum Message {
     Report(Envelope<Report>),
     Declaration(Envelope<Declaration>),
     Record(RecordEvent),
+    LogsRequest(Envelope<LogsRequest>),
 }
 
 fn decode(name: &str, bytes: &[u8]) -> (Message, usize) {
@@ -69,6 +71,11 @@ fn decode(name: &str, bytes: &[u8]) -> (Message, usize) {
             "{name} holds another section"
         );
         (Message::Declaration(env), unknown.count)
+    } else if name.starts_with("logs_request") {
+        let (env, unknown) = Envelope::<LogsRequest>::decode_noting(bytes, MAX_DECLARATION_BYTES)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(is_named(name, "logs_request"), "{name}: not a logs request");
+        (Message::LogsRequest(env), unknown.count)
     } else if name.starts_with("record-") {
         let (event, unknown) =
             RecordEvent::decode_noting(bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -90,6 +97,7 @@ fn encode(m: &Message) -> Vec<u8> {
         Message::Report(e) => e.encode(),
         Message::Declaration(e) => e.encode(),
         Message::Record(e) => e.encode(),
+        Message::LogsRequest(e) => e.encode(),
     }
 }
 
@@ -117,6 +125,7 @@ fn the_corpus_holds_every_kind() {
         .iter()
         .map(|k| format!("report-{}.json", k.as_str()))
         .chain(Section::ALL.iter().map(|s| format!("declaration-{s}.json")))
+        .chain(std::iter::once("logs_request.json".to_owned()))
         .chain(
             RECORD_EVENTS
                 .iter()

@@ -522,3 +522,19 @@ impl Inventory {
         Ok(stored.map(|s| (s.generation, s.declared_at)))
     }
 }
+
+impl Inventory {
+    /// The state of each of `ids` inventory knows, as the node view shows it
+    /// (`alive`, `unreachable`, `draining`, `drained`, `revoked`, `refused`):
+    /// for the controller's logs requests, which ask only nodes that may
+    /// answer (decision 0033).
+    pub async fn node_states(&self, ids: &[String]) -> Result<Vec<(String, String)>, Error> {
+        Ok(sqlx::query_as(
+            "SELECT id, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END \
+             FROM inventory.nodes WHERE id = ANY($1) ORDER BY id",
+        )
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+}

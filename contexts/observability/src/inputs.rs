@@ -36,7 +36,10 @@ pub(crate) async fn reports(
                     outages.push((node, o));
                 }
             }
-            Report::Heartbeat(_) | Report::Applied(_) | Report::Certificates(_) => {}
+            Report::Heartbeat(_)
+            | Report::Applied(_)
+            | Report::Certificates(_)
+            | Report::Logs(_) => {}
         }
     }
     for (node, (n, h)) in health {

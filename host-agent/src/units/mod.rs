@@ -56,6 +56,7 @@ pub mod probes;
 mod process;
 mod runner;
 pub mod shim;
+pub mod tail;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
