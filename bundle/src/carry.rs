@@ -255,7 +255,10 @@ pub enum CarryError {
     #[error("manifest {MANIFEST_FILE} has format {0}; this mesh-bundle reads format {FORMAT}")]
     ManifestFormat(String),
     #[error("the archive was packed for {packed}, this host is {host}")]
-    WrongRelease { packed: Release, host: Release },
+    WrongRelease {
+        packed: Box<Release>,
+        host: Box<Release>,
+    },
     #[error("the archive was packed for architecture {packed}, this host is {host}")]
     WrongArchitecture { packed: String, host: String },
     #[error("file `{0}` is in the manifest but missing from the archive")]
@@ -363,8 +366,8 @@ pub fn verify(root: &Path, host: &Release, arch: &str) -> Result<Verified, Carry
     let manifest = Manifest::parse(&text)?;
     if !manifest.release.same(host) {
         return Err(CarryError::WrongRelease {
-            packed: manifest.release.clone(),
-            host: host.clone(),
+            packed: Box::new(manifest.release.clone()),
+            host: Box::new(host.clone()),
         });
     }
     if manifest.architecture != arch {
