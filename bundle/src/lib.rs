@@ -7,7 +7,12 @@
 //! The test kit (`mesh-testkit`, a dev-dependency) composes these same production
 //! functions under unique names for each test, so tests of every crate run against
 //! real PostgreSQL and RabbitMQ in parallel.
+//!
+//! [`carry`] packs the foundation's Debian packages and the mesh's own into one
+//! archive and verifies it, so `bundle/up --from` raises the foundation with no
+//! network.
 
+pub mod carry;
 pub mod probe;
 pub mod provision;
 pub mod tls;

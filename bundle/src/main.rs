@@ -7,6 +7,10 @@
 //! - `mesh-bundle up`: writes the admin credentials file, provisions the production
 //!   names with them and writes the controller credentials file (naming the CA
 //!   and the advertised endpoints). Idempotent.
+//! - `mesh-bundle pack`: one archive of the mesh's packages and every Debian
+//!   package the foundation needs (`bundle/up --from` installs from it);
+//! - `mesh-bundle verify`: an extracted archive against its manifest and this
+//!   host, before anything is installed from it.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,6 +70,22 @@ enum Command {
     },
     /// Create a node's broker user and its agent's credentials file.
     NodeAdd(NodeAdd),
+    /// Write one archive holding the mesh's packages and every Debian package
+    /// the foundation needs, with a flat apt repository and a manifest, for
+    /// `bundle/up --from <archive>` on a host without network. Needs network.
+    Pack(Pack),
+    /// Verify an extracted archive against its manifest and this host's
+    /// release and architecture; print the packages to install, one a line.
+    Verify {
+        /// The directory the archive was extracted into (it holds mesh-bundle/).
+        dir: PathBuf,
+        /// This host's os-release file.
+        #[arg(long, default_value = "/etc/os-release")]
+        os_release: PathBuf,
+        /// This host's dpkg architecture (default: `dpkg --print-architecture`).
+        #[arg(long)]
+        arch: Option<String>,
+    },
     /// Make the mesh CA once ($MESH_ETC/ca.pem, ca.key 0600) and issue the
     /// broker's TLS certificate into --broker-dir when it is missing, not this
     /// CA's, for other names, or has a third of its lifetime or less left.
@@ -238,6 +258,119 @@ async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[derive(clap::Args)]
+struct Pack {
+    /// The archive to write: .tar, .tar.gz (.tgz), .tar.xz or .tar.zst. A
+    /// minimal Debian 12 extracts .tar and .tar.gz without installing anything.
+    #[arg(long)]
+    out: PathBuf,
+    /// Where mesh-agent_*.deb and mesh-controller_*.deb are (bundle/package
+    /// writes them there); the newest version of each is packed.
+    #[arg(long, default_value = "target/debian")]
+    debs: PathBuf,
+    /// apt's lists and downloaded packages, kept so a second pack downloads
+    /// no package again.
+    #[arg(long, default_value = "/var/cache/mesh-bundle")]
+    cache: PathBuf,
+    /// dpkg architecture to pack for (default: this host's).
+    #[arg(long)]
+    arch: Option<String>,
+    /// The Debian mirror.
+    #[arg(long, default_value = "http://deb.debian.org/debian")]
+    mirror: String,
+    /// The Debian security mirror.
+    #[arg(long, default_value = "http://deb.debian.org/debian-security")]
+    security_mirror: String,
+    /// The keyring the mirrors' Release files are checked with.
+    #[arg(long, default_value = "/usr/share/keyrings/debian-archive-keyring.gpg")]
+    keyring: PathBuf,
+}
+
+fn dpkg_arch() -> anyhow::Result<String> {
+    let out = std::process::Command::new("dpkg")
+        .arg("--print-architecture")
+        .output()
+        .context("dpkg --print-architecture")?;
+    anyhow::ensure!(out.status.success(), "dpkg --print-architecture failed");
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn pack(args: Pack) -> anyhow::Result<()> {
+    use mesh_bundle::carry;
+    let arch = match args.arch {
+        Some(a) => a,
+        None => dpkg_arch()?,
+    };
+    let opts = carry::PackOptions {
+        out: args.out,
+        debs: args.debs,
+        cache: args.cache,
+        architecture: arch,
+        mirror: args.mirror,
+        security_mirror: args.security_mirror,
+        keyring: args.keyring,
+    };
+    let started = std::time::Instant::now();
+    let packed = carry::pack(&opts)?;
+    let m = &packed.manifest;
+    let debs = m
+        .files
+        .iter()
+        .filter(|f| matches!(f.kind, carry::Kind::Deb | carry::Kind::Mesh))
+        .count();
+    println!(
+        "  ok       {}: {debs} packages for {} {} ({} MB), mesh {}",
+        opts.out.display(),
+        m.release,
+        m.architecture,
+        packed.bytes / 1_000_000,
+        m.mesh_version
+    );
+    println!(
+        "  ok       {} downloaded this run (cache {})",
+        packed.downloaded,
+        opts.cache.display()
+    );
+    println!("  ok       manifest sha256 {}", packed.manifest_sha256);
+    println!(
+        "mesh-bundle pack: done in {} s; on the host: bundle/up --from {}",
+        started.elapsed().as_secs(),
+        opts.out.display()
+    );
+    Ok(())
+}
+
+fn verify(
+    dir: &std::path::Path,
+    os_release: &std::path::Path,
+    arch: Option<String>,
+) -> anyhow::Result<()> {
+    use mesh_bundle::carry;
+    let text =
+        std::fs::read_to_string(os_release).with_context(|| format!("{}", os_release.display()))?;
+    let host = carry::Release::from_os_release(&text);
+    let arch = match arch {
+        Some(a) => a,
+        None => dpkg_arch()?,
+    };
+    let v = carry::verify(dir, &host, &arch)?;
+    let m = &v.manifest;
+    eprintln!(
+        "  ok       {} files ({} MB) match the manifest (sha256 {})",
+        m.files.len(),
+        v.bytes / 1_000_000,
+        v.manifest_sha256
+    );
+    eprintln!(
+        "  ok       packed {} for {} {}, mesh {}",
+        m.packed_at, m.release, m.architecture, m.mesh_version
+    );
+    for p in &m.install {
+        println!("{p}");
+    }
+    Ok(())
+}
+
 fn admin_for(
     e: &Endpoints,
     pg_user: &str,
@@ -294,6 +427,24 @@ async fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("mesh-bundle node-add failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Pack(args) => match pack(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mesh-bundle pack failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Verify {
+            dir,
+            os_release,
+            arch,
+        } => match verify(&dir, &os_release, arch) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("  REFUSED  {e:#}");
                 ExitCode::FAILURE
             }
         },
