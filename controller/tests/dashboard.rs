@@ -4,42 +4,18 @@
 //! everything with data under `/v1` still needs a token. Runs the router
 //! against a real isolated environment (bundle's test kit).
 
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+mod common;
 
 use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderMap, Method, Request, StatusCode};
-use mesh_controller::api::{self, ApiState};
-use mesh_controller::config::{Credentials, Settings};
 use mesh_controller::dashboard::{self, CSP};
 use mesh_controller::openapi::DOCUMENT_PATH;
-use mesh_controller::router::Contexts;
-use mesh_plumbing::OutboxSignal;
 use mesh_testkit::TestEnv;
 use tower::ServiceExt;
 
 async fn router(env: &TestEnv, dir: &tempfile::TempDir) -> anyhow::Result<Router> {
-    let path = dir.path().join("credentials.toml");
-    env.write_controller_credentials(&path)?;
-    let creds = Credentials::load(&path)?;
-    Contexts::migrate(&creds).await?;
-    let signal = OutboxSignal::default();
-    let contexts = Contexts::connect(&creds, &Settings::default(), signal.clone()).await?;
-    // As the controller does at start: the environment's admin token.
-    if let Some(hash) = &creds.bootstrap_admin_token_sha256 {
-        contexts.identity.ensure_bootstrap_admin(hash).await?;
-    }
-    let mut registry = prometheus_client::registry::Registry::default();
-    let metrics = mesh_controller::metrics::Metrics::new(&mut registry);
-    Ok(api::router(ApiState {
-        contexts: Arc::new(contexts),
-        registry: Arc::new(registry),
-        broker_up: Arc::new(AtomicBool::new(true)),
-        signal,
-        metrics,
-        queue_depths: tokio::sync::watch::channel(None).1,
-    }))
+    common::api_router(env, dir.path()).await
 }
 
 async fn call(

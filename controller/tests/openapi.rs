@@ -8,20 +8,16 @@
 //! served), not from a list kept beside it. Runs against a real isolated
 //! environment (bundle's test kit).
 
+mod common;
+
 use std::collections::BTreeSet;
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use anyhow::Context as _;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
-use mesh_controller::api::{self, ApiState};
 use mesh_controller::auth::{self, Access};
-use mesh_controller::config::{Credentials, Settings};
 use mesh_controller::openapi::{BEARER, DOCUMENT_PATH, ROLE_EXTENSION, role_name};
-use mesh_controller::router::Contexts;
-use mesh_plumbing::OutboxSignal;
 use mesh_plumbing::api::Role;
 use mesh_testkit::TestEnv;
 use serde_json::Value;
@@ -47,32 +43,7 @@ struct Fixture {
 async fn fixture() -> anyhow::Result<Fixture> {
     let env = TestEnv::new().await?;
     let dir = tempfile::tempdir()?;
-    let path = dir.path().join("credentials.toml");
-    env.write_controller_credentials(&path)?;
-    let creds = Credentials::load(&path)?;
-    Contexts::migrate(&creds).await?;
-    let signal = OutboxSignal::default();
-    let contexts = Contexts::connect(&creds, &Settings::default(), signal.clone()).await?;
-    let mut registry = prometheus_client::registry::Registry::default();
-    let metrics = mesh_controller::metrics::Metrics::new(&mut registry);
-    let metrics_for_logs = metrics.clone();
-    let router = api::router(ApiState {
-        logs: Arc::new(mesh_controller::logs::LogsHub::new(
-            mesh_controller::logs::LogsSettings {
-                wait: std::time::Duration::from_secs(1),
-                max_requests: 1,
-                max_nodes: 1,
-            },
-            Arc::new(mesh_protocol::DeclarationSigner::from_seed([1; 32])),
-            metrics_for_logs,
-        )),
-        contexts: Arc::new(contexts),
-        registry: Arc::new(registry),
-        broker_up: Arc::new(AtomicBool::new(true)),
-        signal,
-        metrics,
-        queue_depths: tokio::sync::watch::channel(None).1,
-    });
+    let router = common::api_router(&env, dir.path()).await?;
     Ok(Fixture {
         env,
         _dir: dir,
