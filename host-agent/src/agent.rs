@@ -735,37 +735,12 @@ impl Agent {
         });
         info!(request = %id, module = %answer.module, units = answer.units.len(), error = answer.error.as_deref().unwrap_or(""), "answering a logs request");
         let out = self.envelope(Report::Logs(answer));
-        let props = BasicProperties::default()
-            .with_message_id(out.id.to_string().into())
-            .with_type(out.kind.as_str().into())
-            .with_user_id(self.creds.node.as_str().into())
-            .with_content_type("application/json".into())
-            .with_delivery_mode(1)
-            .with_expiration(
-                mesh_protocol::topology::LOGS_ANSWER_EXPIRATION_MS
-                    .to_string()
-                    .into(),
-            );
-        let key = report_routing_key(&self.creds.node, ReportKind::Logs);
-        match publisher
-            .basic_publish(
-                REPORTS_EXCHANGE.into(),
-                key.into(),
-                BasicPublishOptions::default(),
-                &out.payload,
-                props,
-            )
-            .await
-        {
-            Ok(confirm) => {
-                self.metrics.report_published(out.kind.as_str());
-                Some(confirm)
-            }
-            Err(e) => {
-                warn!(error = %e, "logs answer not published");
-                None
-            }
-        }
+        self.publish_transient(
+            publisher,
+            &out,
+            Some(mesh_protocol::topology::LOGS_ANSWER_EXPIRATION_MS),
+        )
+        .await
     }
 
     /// Check the controller's signature of a declaration (header
@@ -1217,13 +1192,30 @@ impl Agent {
             interval_ms: Some(interval_ms),
             applied: self.store.applied_generations(),
         }));
-        let props = BasicProperties::default()
+        self.publish_transient(ch, &out, None).await
+    }
+
+    /// Publish one transient report (delivery mode 1, never buffered: a
+    /// heartbeat, whose next one follows, and a logs answer, which is of use
+    /// only to the request waiting for it), expiring after `expiration_ms`
+    /// when given. Returns its confirm, for the caller to let settle without
+    /// waiting on it.
+    async fn publish_transient(
+        &self,
+        ch: &Channel,
+        out: &Outgoing,
+        expiration_ms: Option<u64>,
+    ) -> Option<lapin::PublisherConfirm> {
+        let mut props = BasicProperties::default()
             .with_message_id(out.id.to_string().into())
             .with_type(out.kind.as_str().into())
             .with_user_id(self.creds.node.as_str().into())
             .with_content_type("application/json".into())
             .with_delivery_mode(1);
-        let key = report_routing_key(&self.creds.node, ReportKind::Heartbeat);
+        if let Some(ms) = expiration_ms {
+            props = props.with_expiration(ms.to_string().into());
+        }
+        let key = report_routing_key(&self.creds.node, out.kind);
         match ch
             .basic_publish(
                 REPORTS_EXCHANGE.into(),
@@ -1239,7 +1231,7 @@ impl Agent {
                 Some(confirm)
             }
             Err(e) => {
-                debug!(error = %e, "heartbeat not published");
+                debug!(error = %e, kind = out.kind.as_str(), "transient report not published");
                 None
             }
         }
