@@ -27,11 +27,6 @@ use sha2::{Digest as _, Sha256};
 use crate::client::{Api, ApiError};
 use crate::manifest::{self, Placement, Resource, Scope, Spec, Target};
 
-/// `plan --detailed-exitcode`: there are changes.
-pub const EXIT_CHANGES: u8 = 2;
-/// A resource changed since it was planned (412): nothing of it was written.
-pub const EXIT_PRECONDITION: u8 = 7;
-
 /// What a plan file says it is.
 const PLAN_FORMAT: &str = "meshctl-plan/1";
 
@@ -627,7 +622,7 @@ pub async fn plan(api: &Api, args: PlanArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(if args.detailed_exitcode && plan.has_changes() {
-        ExitCode::from(EXIT_CHANGES)
+        ExitCode::from(crate::progress::EXIT_CHANGES)
     } else {
         ExitCode::SUCCESS
     })
@@ -679,7 +674,7 @@ pub async fn apply(api: &Api, args: ApplyArgs) -> anyhow::Result<ExitCode> {
                 eprintln!(
                     "meshctl: 412 precondition failed: nothing was written; plan again to see the changes"
                 );
-                return Ok(ExitCode::from(EXIT_PRECONDITION));
+                return Ok(ExitCode::from(crate::progress::EXIT_PRECONDITION));
             }
             steps
         }
@@ -751,7 +746,7 @@ pub async fn apply(api: &Api, args: ApplyArgs) -> anyhow::Result<ExitCode> {
                 eprintln!(
                     "meshctl: {created} created and {updated} updated before it; nothing after it: plan again"
                 );
-                return Ok(ExitCode::from(EXIT_PRECONDITION));
+                return Ok(ExitCode::from(crate::progress::EXIT_PRECONDITION));
             }
             Err(e) => {
                 return Err(e.context(format!(

@@ -12,7 +12,6 @@ pub const EXIT_SUCCEEDED: u8 = 0;
 /// Exit code: usage, transport or API error.
 pub const EXIT_ERROR: u8 = 1;
 /// Exit code: `plan --detailed-exitcode` found changes to make.
-#[allow(dead_code)] // reserved for `plan`, which a later change adds
 pub const EXIT_CHANGES: u8 = 2;
 /// Exit code: the rollout failed.
 pub const EXIT_FAILED: u8 = 3;
