@@ -69,6 +69,11 @@ pub struct RouteLabels {
     pub method: String,
 }
 
+/// Every outcome of a logs request (`mesh_controller_logs_requests_total`).
+pub const LOGS_REQUEST_OUTCOMES: [&str; 4] = ["answered", "timeout", "busy", "unavailable"];
+/// Every outcome of a `logs` answer (`mesh_controller_logs_answers_total`).
+pub const LOGS_ANSWER_OUTCOMES: [&str; 4] = ["accepted", "late", "duplicate", "unsolicited"];
+
 /// How a logs request or answer ended (decision 0033).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
@@ -254,6 +259,17 @@ impl Metrics {
                     health: health.to_owned(),
                 })
                 .set(0);
+        }
+        // Known outcomes start at 0, so both families are in every scrape.
+        for (family, outcomes) in [
+            (&m.logs_requests, LOGS_REQUEST_OUTCOMES),
+            (&m.logs_answers, LOGS_ANSWER_OUTCOMES),
+        ] {
+            for outcome in outcomes {
+                let _ = family.get_or_create(&OutcomeLabels {
+                    outcome: outcome.to_owned(),
+                });
+            }
         }
         let mut r = Registrar {
             registry,
