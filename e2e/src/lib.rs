@@ -18,6 +18,44 @@ use serde_json::Value;
 pub mod netns;
 pub mod sim;
 
+/// `meshctl` isolated from the test's own environment: no `MESH_*`
+/// variable and no config file of the user running the tests.
+pub fn meshctl_command() -> anyhow::Result<Command> {
+    let mut cmd = Command::new(bin("meshctl")?);
+    for var in [
+        "MESH_API",
+        "MESH_TOKEN",
+        "MESH_TOKEN_FILE",
+        "MESH_CA",
+        "MESH_CONFIG",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("HOME", "/nonexistent")
+        .env_remove("XDG_CONFIG_HOME");
+    Ok(cmd)
+}
+
+/// A finished command's (exit code, stdout, stderr).
+pub fn output(cmd: &mut Command) -> anyhow::Result<(i32, String, String)> {
+    let out = cmd.output()?;
+    Ok((
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// `meshctl args` against `api` with `token`: (exit code, stdout, stderr).
+pub fn meshctl_at(api: &str, token: &str, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
+    output(
+        meshctl_command()?
+            .args(args)
+            .env("MESH_API", api)
+            .env("MESH_TOKEN", token),
+    )
+}
+
 /// Path of a workspace binary next to the test executable's directory.
 pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
@@ -398,6 +436,12 @@ impl Mesh {
     }
 
     /// The environment's first admin API token (the controller registers it at start).
+    /// `meshctl args` against this mesh, as its admin: (exit code, stdout,
+    /// stderr).
+    pub fn meshctl(&self, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
+        meshctl_at(&self.api, self.admin_token(), args)
+    }
+
     pub fn admin_token(&self) -> &str {
         self.env.admin_token()
     }

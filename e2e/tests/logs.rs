@@ -24,21 +24,6 @@ use serde_json::{Value, json};
 
 const WITHIN: Duration = Duration::from_secs(30);
 
-/// `meshctl` against the mesh, as the admin: (exit code, stdout, stderr).
-fn meshctl(mesh: &Mesh, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
-    let out = Command::new(bin("meshctl")?)
-        .args(args)
-        .env("MESH_API", &mesh.api)
-        .env("MESH_TOKEN", mesh.admin_token())
-        .env_remove("MESH_TOKEN_FILE")
-        .output()?;
-    Ok((
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
-}
-
 async fn put_module(mesh: &Mesh, name: &str, spec: &Value) -> anyhow::Result<()> {
     let (status, body) = mesh.put(&format!("/v1/modules/{name}"), spec).await?;
     anyhow::ensure!(
@@ -99,7 +84,7 @@ async fn unit_output_through_the_agents() -> anyhow::Result<()> {
 
     // Both nodes answer: every line prefixed with its node.
     let (out, err) = wait_for("both nodes' lines", WITHIN, || async {
-        let (code, out, err) = meshctl(&mesh, &["logs", "chatty"])?;
+        let (code, out, err) = mesh.meshctl(&["logs", "chatty"])?;
         anyhow::ensure!(code == 0, "meshctl logs: {code} {err}");
         Ok((out.matches("hello from").count() == 2).then_some((out, err)))
     })
@@ -117,7 +102,7 @@ async fn unit_output_through_the_agents() -> anyhow::Result<()> {
     }
 
     // One node: its lines alone, unprefixed.
-    let (code, out, err) = meshctl(&mesh, &["logs", "chatty", "--node", &a])?;
+    let (code, out, err) = mesh.meshctl(&["logs", "chatty", "--node", &a])?;
     assert_eq!(code, 0, "{err}");
     assert_eq!(out.matches("hello from").count(), 1, "{out}");
     assert!(out.starts_with("hello from chatty-"), "{out}");
@@ -215,7 +200,7 @@ async fn unit_output_through_the_agents() -> anyhow::Result<()> {
         assert_eq!(got, status, "{path}: {body}");
         assert_eq!(body["field"], field, "{path}: {body}");
     }
-    let (code, _, err) = meshctl(&mesh, &["logs", "chatty", "--tail", "0"])?;
+    let (code, _, err) = mesh.meshctl(&["logs", "chatty", "--tail", "0"])?;
     assert_eq!(code, 1);
     assert!(err.contains("field: tail"), "{err}");
 
@@ -364,7 +349,7 @@ async fn unit_output_through_the_agents() -> anyhow::Result<()> {
         "{letters:?}"
     );
     // meshctl names the node that did not answer, prints what came, exits 1.
-    let (code, _, err) = meshctl(&mesh, &["logs", "ghostly"])?;
+    let (code, _, err) = mesh.meshctl(&["logs", "ghostly"])?;
     assert_eq!(code, 1, "{err}");
     assert!(err.contains(&format!("no output from {ghost}")), "{err}");
     beating.abort();

@@ -17,29 +17,10 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use mesh_e2e::{Mesh, bin, wait_for};
+use mesh_e2e::{Mesh, meshctl_at, wait_for};
 use serde_json::{Value, json};
 
 const WITHIN: Duration = Duration::from_secs(60);
-
-/// `meshctl` with `api` and `token`: (exit code, stdout, stderr).
-fn meshctl_at(api: &str, token: &str, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
-    let out = std::process::Command::new(bin("meshctl")?)
-        .args(args)
-        .env("MESH_API", api)
-        .env("MESH_TOKEN", token)
-        .env_remove("MESH_TOKEN_FILE")
-        .output()?;
-    Ok((
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
-}
-
-fn meshctl(mesh: &Mesh, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
-    meshctl_at(&mesh.api, mesh.admin_token(), args)
-}
 
 fn examples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples")
@@ -210,17 +191,14 @@ async fn every_example_is_planned_applied_and_lands() -> anyhow::Result<()> {
     }
 
     // The plan: everything is created; each change names the nodes it reaches.
-    let (code, out, err) = meshctl(
-        &mesh,
-        &[
-            "plan",
-            "-f",
-            ex,
-            "--detailed-exitcode",
-            "--out",
-            plan_file.to_str().unwrap_or_default(),
-        ],
-    )?;
+    let (code, out, err) = mesh.meshctl(&[
+        "plan",
+        "-f",
+        ex,
+        "--detailed-exitcode",
+        "--out",
+        plan_file.to_str().unwrap_or_default(),
+    ])?;
     assert_eq!(
         code, 2,
         "plan with changes and --detailed-exitcode: {out}{err}"
@@ -248,30 +226,25 @@ async fn every_example_is_planned_applied_and_lands() -> anyhow::Result<()> {
         "one entry a resource (the secret's grant counts): {saved}"
     );
     // `apply --dry-run` is the same plan.
-    let (code, dry, err) = meshctl(
-        &mesh,
-        &["apply", "--dry-run", "--detailed-exitcode", "-f", ex],
-    )?;
+    let (code, dry, err) =
+        mesh.meshctl(&["apply", "--dry-run", "--detailed-exitcode", "-f", ex])?;
     assert_eq!(code, 2, "{dry}{err}");
     assert_eq!(dry, out);
 
     // Apply exactly that plan.
-    let (code, applied, err) = meshctl(
-        &mesh,
-        &[
-            "apply",
-            "-f",
-            ex,
-            "--plan",
-            plan_file.to_str().unwrap_or_default(),
-        ],
-    )?;
+    let (code, applied, err) = mesh.meshctl(&[
+        "apply",
+        "-f",
+        ex,
+        "--plan",
+        plan_file.to_str().unwrap_or_default(),
+    ])?;
     assert_eq!(code, 0, "apply: {applied}{err}");
     assert!(applied.contains("+ Module web: created"), "{applied}");
     assert!(!applied.contains("example-value-not-a-real"), "{applied}");
 
     // Nothing left to change.
-    let (code, again, err) = meshctl(&mesh, &["plan", "-f", ex, "--detailed-exitcode"])?;
+    let (code, again, err) = mesh.meshctl(&["plan", "-f", ex, "--detailed-exitcode"])?;
     assert_eq!(code, 0, "a second plan has no change: {again}{err}");
     assert!(
         again
@@ -349,7 +322,7 @@ async fn a_plan_made_stale_by_a_concurrent_change_writes_nothing() -> anyhow::Re
     let m = m.to_str().unwrap_or_default().to_owned();
     let plan = dir.path().join("plan.json");
     let plan = plan.to_str().unwrap_or_default().to_owned();
-    let (code, out, err) = meshctl(&mesh, &["plan", "-f", &m, "--out", &plan])?;
+    let (code, out, err) = mesh.meshctl(&["plan", "-f", &m, "--out", &plan])?;
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("~ File stale-a: update (ETag \"1\")"), "{out}");
     assert!(
@@ -368,7 +341,7 @@ async fn a_plan_made_stale_by_a_concurrent_change_writes_nothing() -> anyhow::Re
         )
         .await?;
     assert_eq!(status, 200);
-    let (code, out, err) = meshctl(&mesh, &["apply", "-f", &m, "--plan", &plan])?;
+    let (code, out, err) = mesh.meshctl(&["apply", "-f", &m, "--plan", &plan])?;
     assert_eq!(code, 7, "a stale plan exits 7: {out}{err}");
     assert!(err.contains("File stale-a") && err.contains("412"), "{err}");
     let (_, a) = mesh.get("/v1/files/stale-a").await?;
@@ -378,14 +351,14 @@ async fn a_plan_made_stale_by_a_concurrent_change_writes_nothing() -> anyhow::Re
 
     // A plan is refused for another manifest.
     std::fs::write(&m, manifest.replace("content: new", "content: newer"))?;
-    let (code, _, err) = meshctl(&mesh, &["apply", "-f", &m, "--plan", &plan])?;
+    let (code, _, err) = mesh.meshctl(&["apply", "-f", &m, "--plan", &plan])?;
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("different manifest"), "{err}");
     let (status, _) = mesh.get("/v1/files/stale-b").await?;
     assert_eq!(status, 404);
 
     // Planned afresh (apply plans itself), it goes through.
-    let (code, out, err) = meshctl(&mesh, &["apply", "-f", &m])?;
+    let (code, out, err) = mesh.meshctl(&["apply", "-f", &m])?;
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.contains("~ File stale-a: updated (ETag \"3\")"),
@@ -403,10 +376,10 @@ async fn a_plan_made_stale_by_a_concurrent_change_writes_nothing() -> anyhow::Re
         "kind: Secret\nname: not-set\ngrants: [{module: web}]\n---\n\
          kind: File\nname: stale-c\npath: /etc/c\ncontent: c\nselector: {}\n",
     )?;
-    let (code, out, _) = meshctl(&mesh, &["plan", "-f", &m, "--detailed-exitcode"])?;
+    let (code, out, _) = mesh.meshctl(&["plan", "-f", &m, "--detailed-exitcode"])?;
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("! Secret not-set: missing"), "{out}");
-    let (code, _, err) = meshctl(&mesh, &["apply", "-f", &m])?;
+    let (code, _, err) = mesh.meshctl(&["apply", "-f", &m])?;
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("Secret not-set") && err.contains("nothing was written"),

@@ -12,52 +12,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use mesh_e2e::{GRACE, Mesh, bin, wait_for};
+use mesh_e2e::{GRACE, Mesh, meshctl_command, output, wait_for};
 use reqwest::Method;
 use serde_json::{Value, json};
 
 const WITHIN: Duration = Duration::from_secs(60);
 
-/// `meshctl` with no MESH_* from the test's own environment.
-fn command() -> anyhow::Result<Command> {
-    let mut cmd = Command::new(bin("meshctl")?);
-    for var in [
-        "MESH_API",
-        "MESH_TOKEN",
-        "MESH_TOKEN_FILE",
-        "MESH_CA",
-        "MESH_CONFIG",
-    ] {
-        cmd.env_remove(var);
-    }
-    // No config file of the user running the tests.
-    cmd.env("HOME", "/nonexistent")
-        .env_remove("XDG_CONFIG_HOME");
-    Ok(cmd)
-}
-
-fn output(cmd: &mut Command) -> anyhow::Result<(i32, String, String)> {
-    let out = cmd.output()?;
-    Ok((
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
-}
-
-/// `meshctl` against the mesh, as the admin: (exit code, stdout, stderr).
-fn meshctl(mesh: &Mesh, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
-    output(
-        command()?
-            .args(args)
-            .env("MESH_API", &mesh.api)
-            .env("MESH_TOKEN", mesh.admin_token()),
-    )
-}
-
 /// `meshctl` that must succeed: its stdout.
 fn ok(mesh: &Mesh, args: &[&str]) -> anyhow::Result<String> {
-    let (code, out, err) = meshctl(mesh, args)?;
+    let (code, out, err) = mesh.meshctl(args)?;
     anyhow::ensure!(code == 0, "meshctl {args:?}: exit {code}\n{err}\n{out}");
     Ok(out)
 }
@@ -219,10 +182,10 @@ async fn meshctl_gets_describes_labels_and_drains_what_the_api_holds() -> anyhow
     assert_eq!(ids(&eu_web, "id"), vec![web_eu.clone()]);
     let eu_web = json_of(&mesh, &["get", "no", "-l", "role=web", "-l", "zone=eu"])?;
     assert_eq!(ids(&eu_web, "id"), vec![web_eu.clone()]);
-    let (code, _, err) = meshctl(&mesh, &["get", "modules", "-l", "role=web"])?;
+    let (code, _, err) = mesh.meshctl(&["get", "modules", "-l", "role=web"])?;
     assert_eq!(code, 1);
     assert!(err.contains("modules have no labels"), "{err}");
-    let (code, _, err) = meshctl(&mesh, &["get", "nodes", "-l", "role"])?;
+    let (code, _, err) = mesh.meshctl(&["get", "nodes", "-l", "role"])?;
     assert_eq!(code, 1);
     assert!(err.contains("key=value"), "{err}");
 
@@ -239,7 +202,7 @@ async fn meshctl_gets_describes_labels_and_drains_what_the_api_holds() -> anyhow
     assert_eq!(labels["labels"]["operator"], json!({"owner": "ops"}));
     let gold = json_of(&mesh, &["get", "nodes", "-l", "owner=ops"])?;
     assert_eq!(ids(&gold, "id"), vec![db.clone()]);
-    let (code, _, err) = meshctl(&mesh, &["label", &db, "Bad Key=x"])?;
+    let (code, _, err) = mesh.meshctl(&["label", &db, "Bad Key=x"])?;
     assert_eq!(code, 1);
     assert!(
         err.contains("422") && err.contains("field: labels.Bad Key"),
@@ -365,23 +328,20 @@ async fn meshctl_gets_describes_labels_and_drains_what_the_api_holds() -> anyhow
         ],
     )?;
     let rev = rev.trim().to_owned();
-    let (code, out, err) = meshctl(
-        &mesh,
-        &[
-            "rollout",
-            "start",
-            "web",
-            "--revision",
-            &rev,
-            "--settle",
-            "0",
-            "--wait",
-            "--timeout",
-            "60",
-            "--interval-ms",
-            "200",
-        ],
-    )?;
+    let (code, out, err) = mesh.meshctl(&[
+        "rollout",
+        "start",
+        "web",
+        "--revision",
+        &rev,
+        "--settle",
+        "0",
+        "--wait",
+        "--timeout",
+        "60",
+        "--interval-ms",
+        "200",
+    ])?;
     assert_eq!(code, 0, "rollout: {out}\n{err}");
     let runs = json_of(&mesh, &["get", "runs"])?;
     let api_runs = api_list(&mesh, "/v1/runs", "runs").await?;
@@ -468,7 +428,7 @@ async fn meshctl_gets_describes_labels_and_drains_what_the_api_holds() -> anyhow
     );
 
     // An API problem prints its title, detail and field; exit 1.
-    let (code, _, err) = meshctl(&mesh, &["describe", "node", "nobody-here"])?;
+    let (code, _, err) = mesh.meshctl(&["describe", "node", "nobody-here"])?;
     assert_eq!(code, 1);
     assert!(err.contains("404"), "{err}");
 
@@ -493,7 +453,7 @@ fn config_precedence(mesh: &Mesh) -> anyhow::Result<()> {
 
     let get = |cmd: &mut Command| output(cmd.args(["get", "nodes", "-o", "json"]));
     // The file alone (named by --config, by MESH_CONFIG, or found at home).
-    let (code, out, err) = get(command()?.arg("--config").arg(&good))?;
+    let (code, out, err) = get(meshctl_command()?.arg("--config").arg(&good))?;
     assert_eq!(code, 0, "{err}");
     assert_eq!(
         serde_json::from_str::<Value>(&out)?
@@ -501,37 +461,37 @@ fn config_precedence(mesh: &Mesh) -> anyhow::Result<()> {
             .map(Vec::len),
         Some(3)
     );
-    let (code, _, err) = get(command()?.env("MESH_CONFIG", &good))?;
+    let (code, _, err) = get(meshctl_command()?.env("MESH_CONFIG", &good))?;
     assert_eq!(code, 0, "{err}");
     let home = dir.path().join("home");
     std::fs::create_dir_all(home.join(".config/mesh"))?;
     std::fs::copy(&good, home.join(".config/mesh/meshctl.toml"))?;
     std::fs::copy(&token, home.join(".config/mesh/token"))?;
-    let (code, _, err) = get(command()?.env("HOME", &home))?;
+    let (code, _, err) = get(meshctl_command()?.env("HOME", &home))?;
     assert_eq!(code, 0, "the default file: {err}");
     // Env beats the file: a dead API from MESH_API fails...
-    let (code, _, err) = get(command()?
+    let (code, _, err) = get(meshctl_command()?
         .arg("--config")
         .arg(&good)
         .env("MESH_API", nowhere))?;
     assert_eq!(code, 1, "MESH_API must win over the file");
     assert!(err.contains("GET /v1/nodes"), "{err}");
     // ...and a flag beats env.
-    let (code, _, err) = get(command()?
+    let (code, _, err) = get(meshctl_command()?
         .arg("--config")
         .arg(&good)
         .env("MESH_API", nowhere)
         .args(["--api", &mesh.api]))?;
     assert_eq!(code, 0, "--api must win over MESH_API: {err}");
     // A wrong token from env beats the file's token file (401).
-    let (code, _, err) = get(command()?
+    let (code, _, err) = get(meshctl_command()?
         .arg("--config")
         .arg(&good)
         .env("MESH_TOKEN", "wrong"))?;
     assert_eq!(code, 1);
     assert!(err.contains("401"), "{err}");
     // MESH_TOKEN_FILE alone.
-    let (code, _, err) = get(command()?
+    let (code, _, err) = get(meshctl_command()?
         .env("MESH_API", &mesh.api)
         .env("MESH_TOKEN_FILE", &token))?;
     assert_eq!(code, 0, "{err}");
@@ -540,15 +500,15 @@ fn config_precedence(mesh: &Mesh) -> anyhow::Result<()> {
     // is never printed.
     let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, "api = \"http://127.0.0.1:1\"\ntokn = \"x\"\n")?;
-    let (code, _, err) = get(command()?.arg("--config").arg(&bad))?;
+    let (code, _, err) = get(meshctl_command()?.arg("--config").arg(&bad))?;
     assert_eq!(code, 1);
     assert!(err.contains("bad.toml") && err.contains("tokn"), "{err}");
     let missing = dir.path().join("missing.toml");
-    let (code, _, err) = get(command()?.env("MESH_CONFIG", &missing))?;
+    let (code, _, err) = get(meshctl_command()?.env("MESH_CONFIG", &missing))?;
     assert_eq!(code, 1);
     assert!(err.contains("missing.toml"), "{err}");
     let (_, out, err) = output(
-        command()?
+        meshctl_command()?
             .arg("--config")
             .arg(&good)
             .args(["get", "nodes", "-o", "json", "--api", nowhere]),
@@ -564,7 +524,7 @@ async fn get_nodes_watch_shows_a_stopped_agent_turn_unreachable() -> anyhow::Res
     let b = mesh.add_agent("b", &[("role", "web")]).await?;
     all_alive(&mesh, 2).await?;
     let mut watch = Kill(
-        command()?
+        meshctl_command()?
             .args(["get", "nodes", "-w"])
             .env("MESH_API", &mesh.api)
             .env("MESH_TOKEN", mesh.admin_token())
@@ -609,7 +569,7 @@ async fn events_follow_resumes_after_the_controller_restarts() -> anyhow::Result
     let a = mesh.add_agent("a", &[("role", "web")]).await?;
     all_alive(&mesh, 1).await?;
     let mut follow = Kill(
-        command()?
+        meshctl_command()?
             .args([
                 "events",
                 "--follow",
@@ -703,7 +663,7 @@ async fn events_follow_resumes_after_the_controller_restarts() -> anyhow::Result
 #[test]
 fn completions_and_man_pages_are_well_formed() -> anyhow::Result<()> {
     for shell in ["bash", "zsh", "fish"] {
-        let (code, out, err) = output(command()?.args(["completion", shell]))?;
+        let (code, out, err) = output(meshctl_command()?.args(["completion", shell]))?;
         assert_eq!(code, 0, "{err}");
         assert!(out.contains("meshctl"), "{shell}");
         for sub in [
@@ -733,12 +693,12 @@ fn completions_and_man_pages_are_well_formed() -> anyhow::Result<()> {
             );
         }
     }
-    let (code, _, err) = output(command()?.args(["completion", "tcsh"]))?;
+    let (code, _, err) = output(meshctl_command()?.args(["completion", "tcsh"]))?;
     assert_eq!(code, 1, "an unknown shell is refused: {err}");
 
     let dir = tempfile::tempdir()?;
     let man = dir.path().join("man1");
-    let (code, _, err) = output(command()?.arg("man").arg(&man))?;
+    let (code, _, err) = output(meshctl_command()?.arg("man").arg(&man))?;
     assert_eq!(code, 0, "{err}");
     for page in [
         "meshctl.1",
@@ -784,7 +744,7 @@ fn completions_and_man_pages_are_well_formed() -> anyhow::Result<()> {
             "{text}"
         );
     }
-    let help = output(command()?.arg("--help"))?.1;
+    let help = output(meshctl_command()?.arg("--help"))?.1;
     for code in [
         "0  success",
         "1  error",

@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use mesh_e2e::{Mesh, bin, wait_for};
+use mesh_e2e::{Mesh, wait_for};
 use mesh_protocol::{ARTIFACT_REPOSITORY, ArtifactDigest, ArtifactSignature, DeclarationSigner};
 use serde_json::{Value, json};
 
@@ -42,21 +42,6 @@ async fn agents(mesh: &mut Mesh, n: usize) -> anyhow::Result<Vec<String>> {
     Ok(nodes)
 }
 
-/// `meshctl` against the mesh, as the admin: (exit code, stdout, stderr).
-fn meshctl(mesh: &Mesh, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
-    let out = std::process::Command::new(bin("meshctl")?)
-        .args(args)
-        .env("MESH_API", &mesh.api)
-        .env("MESH_TOKEN", mesh.admin_token())
-        .env_remove("MESH_TOKEN_FILE")
-        .output()?;
-    Ok((
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
-}
-
 /// A directory holding `run.sh`, whose unit writes "<version> <pid>" to its
 /// working directory (unless `fail`: it exits 1 at once).
 fn app(dir: &Path, version: &str, fail: bool) -> anyhow::Result<PathBuf> {
@@ -78,29 +63,26 @@ fn app(dir: &Path, version: &str, fail: bool) -> anyhow::Result<PathBuf> {
 
 /// Push `dir` with meshctl: its digest.
 fn push(mesh: &Mesh, dir: &Path) -> anyhow::Result<ArtifactDigest> {
-    let (code, out, err) = meshctl(mesh, &["artifact", "push", &dir.to_string_lossy()])?;
+    let (code, out, err) = mesh.meshctl(&["artifact", "push", &dir.to_string_lossy()])?;
     anyhow::ensure!(code == 0, "meshctl artifact push: {code} {err}");
     Ok(ArtifactDigest::parse("digest", out.trim())?)
 }
 
 /// A revision of `web` running `run.sh` of `artifact` in /srv/web.
 fn revision(mesh: &Mesh, artifact: &ArtifactDigest) -> anyhow::Result<String> {
-    let (code, out, err) = meshctl(
-        mesh,
-        &[
-            "revision",
-            "create",
-            "web",
-            "--artifact",
-            artifact.as_str(),
-            "--command",
-            "run.sh",
-            "--working-dir",
-            "/srv/web",
-            "--restart",
-            "on_failure",
-        ],
-    )?;
+    let (code, out, err) = mesh.meshctl(&[
+        "revision",
+        "create",
+        "web",
+        "--artifact",
+        artifact.as_str(),
+        "--command",
+        "run.sh",
+        "--working-dir",
+        "/srv/web",
+        "--restart",
+        "on_failure",
+    ])?;
     anyhow::ensure!(code == 0, "meshctl revision create: {code} {err}");
     Ok(out.trim().to_owned())
 }
@@ -137,7 +119,7 @@ fn rollout(mesh: &Mesh, revision: &str, extra: &[&str]) -> anyhow::Result<(i32, 
         "120",
     ];
     args.extend_from_slice(extra);
-    let (code, out, err) = meshctl(mesh, &args)?;
+    let (code, out, err) = mesh.meshctl(&args)?;
     let id = out.lines().next().unwrap_or_default().trim().to_owned();
     if code != 0 {
         for node in mesh.agents.keys() {
@@ -442,7 +424,7 @@ async fn approvals_and_the_freeze_hold_rollouts() -> anyhow::Result<()> {
     let rev1 = revision(&mesh, &v1)?;
 
     // The freeze: 409 with its reason, until lifted.
-    let (code, _, err) = meshctl(&mesh, &["freeze", "set", "--reason", "release week"])?;
+    let (code, _, err) = mesh.meshctl(&["freeze", "set", "--reason", "release week"])?;
     assert_eq!(code, 0, "{err}");
     let (status, body) = mesh
         .post_json(
@@ -458,14 +440,12 @@ async fn approvals_and_the_freeze_hold_rollouts() -> anyhow::Result<()> {
             .contains("release week"),
         "{body}"
     );
-    let (code, _, err) = meshctl(&mesh, &["freeze", "lift"])?;
+    let (code, _, err) = mesh.meshctl(&["freeze", "lift"])?;
     assert_eq!(code, 0, "{err}");
 
     // Approval: nothing starts until approved; `decided_by` is the token's.
-    let (code, _, err) = meshctl(
-        &mesh,
-        &["module", "delivery", "web", "--require-approval", "true"],
-    )?;
+    let (code, _, err) =
+        mesh.meshctl(&["module", "delivery", "web", "--require-approval", "true"])?;
     assert_eq!(code, 0, "{err}");
     let (status, view) = mesh
         .post_json(
@@ -530,19 +510,16 @@ async fn approvals_and_the_freeze_hold_rollouts() -> anyhow::Result<()> {
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    let (code, _, err) = meshctl(&mesh, &["run", "approve", &run])?;
+    let (code, _, err) = mesh.meshctl(&["run", "approve", &run])?;
     assert_eq!(code, 0, "{err}");
     wait_versions(&mesh, &nodes, "v1").await?;
-    let (code, _, out) = meshctl(
-        &mesh,
-        &[
-            "rollout",
-            "status",
-            view["id"].as_str().unwrap_or_default(),
-            "--timeout",
-            "60",
-        ],
-    )?;
+    let (code, _, out) = mesh.meshctl(&[
+        "rollout",
+        "status",
+        view["id"].as_str().unwrap_or_default(),
+        "--timeout",
+        "60",
+    ])?;
     assert_eq!(code, 0, "{out}");
     mesh.teardown().await
 }
