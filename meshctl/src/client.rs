@@ -241,40 +241,12 @@ impl Api {
         body: Option<&Value>,
         headers: &[(&str, &str)],
     ) -> anyhow::Result<Answer> {
-        let mut req = self
-            .http
-            .request(method.clone(), format!("{}{path}", self.base));
-        if let Some(t) = &self.token {
-            req = req.bearer_auth(t);
-        }
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        if let Some(b) = body {
-            req = req.json(b);
-        }
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| anyhow::anyhow!("{method} {path}: {}", chain(&e.without_url())))?;
-        let status = resp.status();
-        let etag = resp
-            .headers()
+        let body = body.map_or(Body::None, |v| Body::Json(v.clone()));
+        let (status, answer_headers, value) = self.send_with(method, path, body, headers).await?;
+        let etag = answer_headers
             .get(reqwest::header::ETAG)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
-        let bytes = resp.bytes().await.map_err(|e| {
-            anyhow::anyhow!("{method} {path}: reading the answer: {}", e.without_url())
-        })?;
-        if !status.is_success() {
-            return Err(ApiError::from_answer(method, path, status, &bytes).into());
-        }
-        let value = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes)
-                .with_context(|| format!("{method} {path}: {status}: the answer is not JSON"))?
-        };
         Ok(Answer {
             status,
             etag,
