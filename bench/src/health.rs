@@ -112,6 +112,8 @@ async fn one(nodes: usize, units: usize) -> anyhow::Result<Row> {
                 nodes: sorted.clone(),
                 settings_files: Vec::new(),
                 ports: Vec::new(),
+                requires: Vec::new(),
+                provides: Vec::new(),
             },
         )));
     }

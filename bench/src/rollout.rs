@@ -81,6 +81,8 @@ async fn one(n: usize) -> anyhow::Result<Row> {
         nodes: nodes.clone(),
         settings_files: vec![],
         ports: vec![],
+        requires: Vec::new(),
+        provides: Vec::new(),
     }));
     let mut tx = delivery.pool().begin().await?;
     delivery.handle_events(&mut tx, &[&placed]).await?;

@@ -76,6 +76,9 @@ pub(crate) fn report_queue_bound(kind: ReportKind) -> FieldTable {
         // A logs answer is wanted for seconds (it expires anyway): drop the
         // oldest (decision 0033).
         ReportKind::Logs => bounded(LOGS_QUEUE_MAX_LEN, "drop-head"),
+        // A resources report is a provider node's whole list, superseded by
+        // its next one (decision 0039).
+        ReportKind::Resources => bounded(RESOURCES_QUEUE_MAX_LEN, "drop-head"),
     }
 }
 

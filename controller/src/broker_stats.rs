@@ -82,6 +82,9 @@ pub const HEALTH_QUEUE_WARNING_DEPTH: u64 = HEALTH_QUEUE_MAX_LEN.unsigned_abs() 
 /// Warning depth of `reports.logs`: a tenth of its bound ([`LOGS_QUEUE_MAX_LEN`]).
 pub const LOGS_QUEUE_WARNING_DEPTH: u64 = LOGS_QUEUE_MAX_LEN.unsigned_abs() / 10;
 
+/// Warning depth of `reports.resources`: a tenth of its bound ([`RESOURCES_QUEUE_MAX_LEN`]).
+pub const RESOURCES_QUEUE_WARNING_DEPTH: u64 = RESOURCES_QUEUE_MAX_LEN.unsigned_abs() / 10;
+
 /// The warning depth of the queue of `kind`: a tenth of its bound. Past it
 /// the controller is falling behind that kind of report (a sustained backlog,
 /// long before the bound drops or refuses anything).
@@ -94,6 +97,7 @@ pub const fn report_queue_warning_depth(kind: ReportKind) -> u64 {
         ReportKind::Units => UNITS_QUEUE_WARNING_DEPTH,
         ReportKind::Health => HEALTH_QUEUE_WARNING_DEPTH,
         ReportKind::Logs => LOGS_QUEUE_WARNING_DEPTH,
+        ReportKind::Resources => RESOURCES_QUEUE_WARNING_DEPTH,
     }
 }
 

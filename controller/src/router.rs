@@ -106,6 +106,11 @@ impl Contexts {
             ReportKind::Logs => Err(HandlerError::Permanent(
                 "a logs answer is for the controller's logs requests, not for a context".into(),
             )),
+            // resources: what provider nodes found of their grants'
+            // resources (provisioning; decision 0039).
+            ReportKind::Resources => Err(HandlerError::Permanent(
+                "resources reports have no context yet".into(),
+            )),
             // health: probe results (observability owns health and alerts).
             ReportKind::Health => {
                 run(

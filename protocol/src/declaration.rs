@@ -254,6 +254,11 @@ pub struct DeclarationItems {
     /// artifacts ignores the field.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub artifacts: Vec<crate::ArtifactItem>,
+    /// Resources of grants the node's provider modules serve (the
+    /// provisioning section; decision 0039). An agent older than grants
+    /// ignores the field.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resources: Vec<crate::ResourceItem>,
 }
 
 /// The heartbeat interval and grace the controller asks of a node.
@@ -341,6 +346,23 @@ impl DeclarationItems {
                 ));
             }
         }
+        if self.resources.len() > crate::MAX_RESOURCES {
+            return Err(DecodeError::invalid(
+                "body.items.resources",
+                format!("more than {} resources", crate::MAX_RESOURCES),
+            ));
+        }
+        let mut grants = BTreeSet::new();
+        for (i, r) in self.resources.iter().enumerate() {
+            let field = format!("body.items.resources[{i}]");
+            r.validate(&field)?;
+            if !grants.insert(r.grant) {
+                return Err(DecodeError::invalid(
+                    format!("{field}.grant"),
+                    format!("`{}` is declared twice", r.grant),
+                ));
+            }
+        }
         let mut certs = BTreeSet::new();
         for (i, c) in self.certificates.iter().enumerate() {
             let field = format!("body.items.certificates[{i}]");
@@ -397,6 +419,7 @@ pub fn digest_items(items: &DeclarationItems) -> String {
     sorted.secrets.sort_by(|a, b| a.path.cmp(&b.path));
     sorted.certificates.sort_by(|a, b| a.name.cmp(&b.name));
     sorted.artifacts.sort_by(|a, b| a.digest.cmp(&b.digest));
+    sorted.resources.sort_by(|a, b| a.grant.cmp(&b.grant));
     let bytes = serde_json::to_vec(&sorted).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }

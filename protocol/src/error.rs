@@ -30,6 +30,18 @@ impl DecodeError {
         }
     }
 
+    /// The same error with its field under `prefix` (`requires[0].name` in a
+    /// record body becomes `body.requires[0].name`).
+    pub fn prefixed(self, prefix: &str) -> Self {
+        match self {
+            DecodeError::Invalid { field, reason } => DecodeError::Invalid {
+                field: format!("{prefix}.{field}"),
+                reason,
+            },
+            other => other,
+        }
+    }
+
     /// A short, stable label for metrics (`reason` label of the dead-letter counter).
     pub fn metric_label(&self) -> &'static str {
         match self {

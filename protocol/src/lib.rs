@@ -21,6 +21,7 @@ mod health;
 mod logs;
 mod module;
 mod node;
+mod provisioning;
 mod record;
 mod report;
 pub mod sealing;
@@ -64,6 +65,12 @@ pub use module::{
     validate_settings_files,
 };
 pub use node::{Labels, NodeId, parse_selector, validate_labels};
+pub use provisioning::{
+    AdminAccess, AdminServer, CREDENTIAL_VERSION_KEY, CredentialFile, CredentialsIssued,
+    CredentialsWithdrawn, MAX_REASON_CHARS, MAX_REQUIREMENTS, MAX_RESOURCES, Provides, Requirement,
+    ResourceItem, ResourceKind, ResourceState, ResourceStatus, ResourceStatusState, Resources,
+    is_garage_key_id, validate_requirement_name, validate_resource_name, validate_resources,
+};
 pub use record::{
     AUDIT_EVENT, AuditEntry, LivenessState, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,
     RECORD_EVENTS, RecordEvent, RecordKind,

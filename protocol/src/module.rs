@@ -143,6 +143,13 @@ pub struct ModulePlacement {
     /// are exposed publicly (connectivity). Absent when the module declares none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ports: Vec<crate::ModulePort>,
+    /// The resources the module requires (provisioning; decision 0039).
+    /// Absent when it requires none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requires: Vec<crate::Requirement>,
+    /// The resource kinds the module provides, and how its server is reached.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub provides: Vec<crate::Provides>,
 }
 
 impl ModulePlacement {
@@ -155,7 +162,8 @@ impl ModulePlacement {
             ));
         }
         validate_settings_files("body.settings_files", &self.settings_files)?;
-        crate::validate_ports("body.ports", &self.ports)
+        crate::validate_ports("body.ports", &self.ports)?;
+        crate::validate_resources(&self.requires, &self.provides).map_err(|e| e.prefixed("body"))
     }
 }
 
@@ -306,6 +314,8 @@ mod tests {
             nodes: Vec::new(),
             settings_files: Vec::new(),
             ports: Vec::new(),
+            requires: Vec::new(),
+            provides: Vec::new(),
         };
         let (p3, p5) = (placed(3), placed(5));
         let r4 = ModuleRemoved {

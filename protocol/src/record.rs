@@ -22,7 +22,7 @@ pub const AUDIT_EVENT: &str = "operator.audit";
 
 /// Every record event of this version, as `<context>.<event>` (`*` for any
 /// context). The compatibility corpus (tests/compat/v1/) holds one of each.
-pub const RECORD_EVENTS: [&str; 15] = [
+pub const RECORD_EVENTS: [&str; 18] = [
     "inventory.node.joined",
     "inventory.node.updated",
     "inventory.node.unreachable",
@@ -37,6 +37,9 @@ pub const RECORD_EVENTS: [&str; 15] = [
     "observability.alert.raised",
     "observability.alert.resolved",
     "delivery.module.targets",
+    "provisioning.credentials.issued",
+    "provisioning.credentials.withdrawn",
+    "provisioning.grants.conditions",
     "*.operator.audit",
 ];
 
@@ -93,6 +96,15 @@ pub enum RecordKind {
     AlertResolved(crate::AlertChanged),
     /// `delivery.module.targets`: the revision each node's replicas of a module run.
     ModuleTargets(crate::ModuleTargets),
+    /// `provisioning.credentials.issued`: a grant's credential file for config
+    /// to keep and deliver, encrypted under the secrets master key.
+    CredentialsIssued(crate::CredentialsIssued),
+    /// `provisioning.credentials.withdrawn`: a grant's credential file is
+    /// withdrawn from every node.
+    CredentialsWithdrawn(crate::CredentialsWithdrawn),
+    /// `provisioning.grants.conditions`: grants that wait or failed, whole
+    /// (observability turns each into an alert).
+    GrantConditions(crate::FleetConditions),
     /// `<context>.operator.audit`: an operator's mutation served by `context`.
     OperatorAudit { context: String, entry: AuditEntry },
 }
@@ -114,6 +126,9 @@ impl RecordKind {
             | RecordKind::AlertRaised(_)
             | RecordKind::AlertResolved(_) => "observability",
             RecordKind::ModuleTargets(_) => "delivery",
+            RecordKind::CredentialsIssued(_)
+            | RecordKind::CredentialsWithdrawn(_)
+            | RecordKind::GrantConditions(_) => "provisioning",
             RecordKind::OperatorAudit { context, .. } => context,
         }
     }
@@ -133,6 +148,9 @@ impl RecordKind {
             RecordKind::AlertRaised(_) => "alert.raised",
             RecordKind::AlertResolved(_) => "alert.resolved",
             RecordKind::ModuleTargets(_) => "module.targets",
+            RecordKind::CredentialsIssued(_) => "credentials.issued",
+            RecordKind::CredentialsWithdrawn(_) => "credentials.withdrawn",
+            RecordKind::GrantConditions(_) => "grants.conditions",
             RecordKind::NodeEnrolled(_) => "node.enrolled",
             RecordKind::NodeRevoked(_) => "node.revoked",
             RecordKind::OperatorAudit { .. } => AUDIT_EVENT,
@@ -149,6 +167,9 @@ impl RecordKind {
             RecordKind::CertificateIssued(b) => serde_json::to_value(b),
             RecordKind::ModuleHealth(b) => serde_json::to_value(b),
             RecordKind::ModuleTargets(b) => serde_json::to_value(b),
+            RecordKind::CredentialsIssued(b) => serde_json::to_value(b),
+            RecordKind::CredentialsWithdrawn(b) => serde_json::to_value(b),
+            RecordKind::GrantConditions(b) => serde_json::to_value(b),
             RecordKind::AlertRaised(b) | RecordKind::AlertResolved(b) => serde_json::to_value(b),
             RecordKind::NodeEnrolled(b) | RecordKind::NodeRevoked(b) => serde_json::to_value(b),
             RecordKind::OperatorAudit { entry, .. } => serde_json::to_value(entry),
@@ -202,6 +223,15 @@ impl RecordKind {
             ("delivery", "module.targets") => {
                 RecordKind::ModuleTargets(parse(&key, body, unknown)?)
             }
+            ("provisioning", "credentials.issued") => {
+                RecordKind::CredentialsIssued(parse(&key, body, unknown)?)
+            }
+            ("provisioning", "credentials.withdrawn") => {
+                RecordKind::CredentialsWithdrawn(parse(&key, body, unknown)?)
+            }
+            ("provisioning", "grants.conditions") => {
+                RecordKind::GrantConditions(parse(&key, body, unknown)?)
+            }
             ("identity", "node.enrolled") => RecordKind::NodeEnrolled(parse(&key, body, unknown)?),
             ("identity", "node.revoked") => RecordKind::NodeRevoked(parse(&key, body, unknown)?),
             (context, AUDIT_EVENT) => {
@@ -239,6 +269,9 @@ impl RecordKind {
             RecordKind::CertificateIssued(b) => b.validate(),
             RecordKind::ModuleHealth(b) => b.validate(),
             RecordKind::ModuleTargets(b) => b.validate(),
+            RecordKind::CredentialsIssued(b) => b.validate(),
+            RecordKind::CredentialsWithdrawn(b) => b.validate(),
+            RecordKind::GrantConditions(b) => b.validate(),
             RecordKind::AlertRaised(b) if b.resolved_at.is_some() => Err(DecodeError::invalid(
                 "body.resolved_at",
                 "a raised alert is not resolved",
@@ -463,6 +496,8 @@ mod tests {
                     format: crate::SettingsFormat::Env,
                 }],
                 ports: Vec::new(),
+                requires: Vec::new(),
+                provides: Vec::new(),
             }),
             RecordKind::ModuleRemoved(ModuleRemoved {
                 module: "web".into(),

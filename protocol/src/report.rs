@@ -53,10 +53,12 @@ pub enum ReportKind {
     /// The answer to a logs request (decision 0033): transient, consumed by
     /// the controller's memory, never by a context.
     Logs,
+    /// What a provider's agent found of its grants' resources (decision 0039).
+    Resources,
 }
 
 impl ReportKind {
-    pub const ALL: [ReportKind; 7] = [
+    pub const ALL: [ReportKind; 8] = [
         ReportKind::Hello,
         ReportKind::Heartbeat,
         ReportKind::Applied,
@@ -64,6 +66,7 @@ impl ReportKind {
         ReportKind::Certificates,
         ReportKind::Health,
         ReportKind::Logs,
+        ReportKind::Resources,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -75,6 +78,7 @@ impl ReportKind {
             ReportKind::Certificates => "certificates",
             ReportKind::Health => "health",
             ReportKind::Logs => "logs",
+            ReportKind::Resources => "resources",
         }
     }
 
@@ -96,6 +100,7 @@ pub enum Report {
     Certificates(crate::Certificates),
     Health(crate::Health),
     Logs(crate::Logs),
+    Resources(crate::Resources),
 }
 
 impl Report {
@@ -108,6 +113,7 @@ impl Report {
             Report::Certificates(_) => ReportKind::Certificates,
             Report::Health(_) => ReportKind::Health,
             Report::Logs(_) => ReportKind::Logs,
+            Report::Resources(_) => ReportKind::Resources,
         }
     }
 }
@@ -126,6 +132,7 @@ impl Body for Report {
             Report::Certificates(b) => serde_json::to_value(b),
             Report::Health(b) => serde_json::to_value(b),
             Report::Logs(b) => serde_json::to_value(b),
+            Report::Resources(b) => serde_json::to_value(b),
         };
         v.unwrap_or(serde_json::Value::Null)
     }
@@ -143,6 +150,7 @@ impl Body for Report {
             ReportKind::Certificates => Report::Certificates(parse_body(kind, body, unknown)?),
             ReportKind::Health => Report::Health(parse_body(kind, body, unknown)?),
             ReportKind::Logs => Report::Logs(parse_body(kind, body, unknown)?),
+            ReportKind::Resources => Report::Resources(parse_body(kind, body, unknown)?),
         };
         report.validate()?;
         Ok(report)
@@ -164,6 +172,7 @@ impl Report {
             Report::Certificates(c) => c.validate(),
             Report::Health(h) => h.validate(),
             Report::Logs(l) => l.validate(),
+            Report::Resources(r) => r.validate(),
         }
     }
 }

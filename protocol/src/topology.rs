@@ -56,6 +56,9 @@ pub const UNITS_QUEUE_MAX_LEN: i64 = 100_000;
 /// Bound of the health queue (messages); overflow drops the oldest: a health
 /// report is a node's whole list of probe results, superseded by its next one.
 pub const HEALTH_QUEUE_MAX_LEN: i64 = 100_000;
+/// Bound of the resources queue (messages); overflow drops the oldest: a
+/// resources report is a provider node's whole list, superseded by its next.
+pub const RESOURCES_QUEUE_MAX_LEN: i64 = 100_000;
 /// Bound of the logs queue (messages); overflow drops the oldest: an answer
 /// is wanted for seconds only (it also expires), and the controller asks at
 /// most `logs_max_requests` × `logs_max_nodes` at once (decision 0033).

@@ -146,12 +146,13 @@ fn the_corpus_holds_every_kind() {
 }
 
 /// Add `"x_future_<n>"` fields to every object of `v` that holds fields (not
-/// to the data maps `labels` and `env`, whose keys are data); returns how many.
+/// to the data maps `labels`, `env` and `options`, whose keys are data);
+/// returns how many.
 fn add_unknown_fields(v: &mut Value, n: &mut usize) {
     match v {
         Value::Object(m) => {
             for (key, child) in m.iter_mut() {
-                if key != "labels" && key != "env" {
+                if key != "labels" && key != "env" && key != "options" {
                     add_unknown_fields(child, n);
                 }
             }
@@ -395,6 +396,8 @@ fn write_corpus() {
                 },
             ],
             ports: Vec::new(),
+            requires: Vec::new(),
+            provides: Vec::new(),
         }),
         RecordKind::ModuleRemoved(ModuleRemoved {
             module: "web".into(),

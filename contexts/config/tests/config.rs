@@ -1216,6 +1216,8 @@ async fn placed(
         nodes: nodes.iter().map(|n| (*n).clone()).collect(),
         settings_files: files,
         ports: Vec::new(),
+        requires: Vec::new(),
+        provides: Vec::new(),
     }));
     route_events(f, &[event]).await;
 }
@@ -1773,6 +1775,8 @@ async fn a_batch_of_module_events_keeps_each_modules_newest() {
             )
             .unwrap(),
             ports: Vec::new(),
+            requires: Vec::new(),
+            provides: Vec::new(),
         }))
     };
     // Newer before older, a module placed then removed, all in one batch.

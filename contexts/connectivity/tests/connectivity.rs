@@ -125,6 +125,8 @@ impl Fixture {
             nodes,
             settings_files: vec![],
             ports,
+            requires: Vec::new(),
+            provides: Vec::new(),
         }))
         .await;
     }

@@ -120,6 +120,8 @@ impl Fixture {
                 nodes,
                 settings_files: vec![],
                 ports: vec![],
+                requires: Vec::new(),
+                provides: Vec::new(),
             },
         ))])
         .await;

@@ -16,8 +16,8 @@ use chrono::{DateTime, Utc};
 use mesh_plumbing::outbox;
 use mesh_plumbing::section::Items;
 use mesh_protocol::{
-    DeclarationItems, HeartbeatPlan, ModulePlacement, ModulePort, ModuleRemoved, NodeId,
-    RecordEvent, RecordKind, SettingsFile,
+    DeclarationItems, HeartbeatPlan, ModulePlacement, ModulePort, ModuleRemoved, NodeId, Provides,
+    RecordEvent, RecordKind, Requirement, SettingsFile,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -541,6 +541,8 @@ struct Placed {
     nodes: Vec<String>,
     settings_files: Vec<SettingsFile>,
     ports: Vec<ModulePort>,
+    requires: Vec<Requirement>,
+    provides: Vec<Provides>,
 }
 
 /// A row of `inventory.module_placements`: what the record was last told.
@@ -550,6 +552,8 @@ struct PublishedRow {
     nodes: Json<Vec<String>>,
     settings_files: Json<Vec<SettingsFile>>,
     ports: Json<Vec<ModulePort>>,
+    requires: Json<Vec<Requirement>>,
+    provides: Json<Vec<Provides>>,
 }
 
 /// Tell the record where each module runs, level-triggered: every module
@@ -574,6 +578,8 @@ async fn publish_placements(
                     nodes: Vec::new(),
                     settings_files: m.spec.settings_files.clone(),
                     ports: m.spec.ports.clone(),
+                    requires: m.spec.requires.clone(),
+                    provides: m.spec.provides.clone(),
                 },
             )
         })
@@ -590,7 +596,8 @@ async fn publish_placements(
         }
     }
     let rows: Vec<PublishedRow> = sqlx::query_as(
-        "SELECT module, nodes, settings_files, ports FROM inventory.module_placements",
+        "SELECT module, nodes, settings_files, ports, requires, provides \
+         FROM inventory.module_placements",
     )
     .fetch_all(&mut *tx)
     .await?;
@@ -603,6 +610,8 @@ async fn publish_placements(
                     nodes: r.nodes.0,
                     settings_files: r.settings_files.0,
                     ports: r.ports.0,
+                    requires: r.requires.0,
+                    provides: r.provides.0,
                 },
             )
         })
@@ -632,6 +641,7 @@ async fn publish_placements(
     let mut events = Vec::with_capacity(count);
     let (mut names, mut nodes, mut files, mut ports, mut placed_versions) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut requires, mut provides) = (Vec::new(), Vec::new());
     for (name, p) in &changed {
         let version = versions.next().ok_or_else(|| Error::Corrupt {
             node: (*name).to_owned(),
@@ -649,12 +659,16 @@ async fn publish_placements(
                 nodes: ids,
                 settings_files: p.settings_files.clone(),
                 ports: p.ports.clone(),
+                requires: p.requires.clone(),
+                provides: p.provides.clone(),
             },
         )));
         names.push((*name).to_owned());
         nodes.push(serde_json::to_string(&p.nodes).unwrap_or_else(|_| "[]".to_owned()));
         files.push(serde_json::to_string(&p.settings_files).unwrap_or_else(|_| "[]".to_owned()));
         ports.push(serde_json::to_string(&p.ports).unwrap_or_else(|_| "[]".to_owned()));
+        requires.push(serde_json::to_string(&p.requires).unwrap_or_else(|_| "[]".to_owned()));
+        provides.push(serde_json::to_string(&p.provides).unwrap_or_else(|_| "[]".to_owned()));
         placed_versions.push(version);
     }
     for name in &removed {
@@ -669,12 +683,16 @@ async fn publish_placements(
     }
     if !names.is_empty() {
         sqlx::query(
-            "INSERT INTO inventory.module_placements AS p (module, nodes, settings_files, ports, version) \
-             SELECT u.module, u.nodes::jsonb, u.files::jsonb, u.ports::jsonb, u.version \
-             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[]) \
-                  AS u(module, nodes, files, ports, version) \
+            "INSERT INTO inventory.module_placements AS p \
+                 (module, nodes, settings_files, ports, version, requires, provides) \
+             SELECT u.module, u.nodes::jsonb, u.files::jsonb, u.ports::jsonb, u.version, \
+                 u.requires::jsonb, u.provides::jsonb \
+             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], \
+                  $6::text[], $7::text[]) \
+                  AS u(module, nodes, files, ports, version, requires, provides) \
              ON CONFLICT (module) DO UPDATE SET nodes = excluded.nodes, \
              settings_files = excluded.settings_files, ports = excluded.ports, \
+             requires = excluded.requires, provides = excluded.provides, \
              version = excluded.version, published_at = now()",
         )
         .bind(&names)
@@ -682,6 +700,8 @@ async fn publish_placements(
         .bind(&files)
         .bind(&ports)
         .bind(&placed_versions)
+        .bind(&requires)
+        .bind(&provides)
         .execute(&mut *tx)
         .await?;
     }

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use mesh_protocol::{
-    DesiredState, ModulePort, Probe, RestartPolicy, SettingsFile, UnitItem, validate_ports,
-    validate_settings_files,
+    DesiredState, ModulePort, Probe, Provides, Requirement, RestartPolicy, SettingsFile, UnitItem,
+    validate_ports, validate_settings_files,
 };
 use serde::{Deserialize, Serialize};
 
@@ -61,6 +61,16 @@ pub struct ModuleSpec {
     /// connectivity context turns them into each node's packet filter.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ports: Vec<ModulePort>,
+    /// The resources the module requires (at most 32, names unique): a
+    /// database, a vhost or a bucket that a provider module grants it; the
+    /// credentials arrive at `/modules/<module>/secrets/grant-<name>.env` on
+    /// every node that runs it (provisioning; decision 0039).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requires: Vec<Requirement>,
+    /// The resource kinds this module's server provides (one entry per
+    /// kind): where consumers reach it and how its node's agent administers it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub provides: Vec<Provides>,
 }
 
 /// The largest replica count any layer may ask for.
@@ -103,6 +113,7 @@ impl ModuleSpec {
         }
         validate_settings_files("settings_files", &self.settings_files)?;
         validate_ports("ports", &self.ports)?;
+        mesh_protocol::validate_resources(&self.requires, &self.provides)?;
         if let Placement::MatchLabels { labels, replicas } = &self.placement {
             mesh_protocol::validate_labels("placement.match_labels.labels", labels)?;
             if *replicas > MAX_REPLICAS {

@@ -39,9 +39,13 @@ pub(crate) async fn handle(
             Report::Heartbeat(_) => heartbeats.push(env),
             Report::Applied(a) => applied.push((env, a)),
             Report::Units(u) => units.push((env, u)),
-            // Certificates are connectivity's alone, health observability's;
-            // logs answers the controller's (never a context's).
-            Report::Certificates(_) | Report::Health(_) | Report::Logs(_) => {}
+            // Certificates are connectivity's alone, health observability's,
+            // resources provisioning's; logs answers the controller's (never
+            // a context's).
+            Report::Certificates(_)
+            | Report::Health(_)
+            | Report::Logs(_)
+            | Report::Resources(_) => {}
         }
     }
     // New nodes first, all at once; the rest one by one, in the batch's order.

@@ -18,7 +18,7 @@ use crate::health::{ModuleHealthView, NodeRow};
 use crate::{Error, Settings};
 
 /// Every kind of alert there is, as `GET /v1/alerts?kind=` names them.
-pub const ALERT_KINDS: [&str; 13] = [
+pub const ALERT_KINDS: [&str; 15] = [
     NODE_UNREACHABLE,
     UNIT_CRASH_LOOPING,
     MODULE_BELOW_REPLICAS,
@@ -32,6 +32,8 @@ pub const ALERT_KINDS: [&str; 13] = [
     REPLACEMENT_PAUSED,
     CONTROLLER_UNREACHABLE,
     FLEET_CONDITION,
+    GRANT_WAITING,
+    GRANT_FAILED,
 ];
 
 pub const NODE_UNREACHABLE: &str = "node_unreachable";
@@ -48,6 +50,10 @@ pub const REPLACEMENT_PAUSED: &str = "replacement_paused";
 pub const CONTROLLER_UNREACHABLE: &str = "controller_unreachable";
 /// A fleet condition of a kind this version does not know (a newer inventory's).
 pub const FLEET_CONDITION: &str = "fleet_condition";
+/// A resource grant waits for its provider (provisioning's condition).
+pub const GRANT_WAITING: &str = "grant_waiting";
+/// A resource grant's provider refused it (provisioning's condition).
+pub const GRANT_FAILED: &str = "grant_failed";
 
 /// What the controller observed outside any context's tables, handed to each
 /// evaluation: the broker's queue depths and the nodes behind on a section.
@@ -258,6 +264,8 @@ pub(crate) fn rules(i: &RuleInputs<'_>) -> BTreeMap<String, Wanted> {
             "pinned_unreachable" if c.stateful => (STATEFUL_MODULE_UNREACHABLE, Severity::Critical),
             "pinned_unreachable" => (PINNED_MODULE_UNREACHABLE, Severity::Warning),
             "replacement_paused" => (REPLACEMENT_PAUSED, Severity::Critical),
+            "grant_waiting" => (GRANT_WAITING, Severity::Warning),
+            "grant_failed" => (GRANT_FAILED, Severity::Warning),
             _ => (FLEET_CONDITION, Severity::Warning),
         };
         let subject = match (&c.module, &c.node) {

@@ -139,17 +139,18 @@ pub(crate) async fn run(
     let mut events = health_changes(tx, &modules).await?;
     let health_changed = events.len();
 
-    let conditions: Option<serde_json::Value> =
-        sqlx::query_scalar("SELECT conditions FROM observability.conditions")
-            .fetch_optional(&mut *tx)
+    let sets: Vec<serde_json::Value> =
+        sqlx::query_scalar("SELECT conditions FROM observability.conditions ORDER BY source")
+            .fetch_all(&mut *tx)
             .await?;
-    let conditions: Vec<FleetCondition> = match conditions {
-        Some(v) => serde_json::from_value(v).map_err(|e| Error::Corrupt {
+    let mut conditions: Vec<FleetCondition> = Vec::new();
+    for v in sets {
+        let set: Vec<FleetCondition> = serde_json::from_value(v).map_err(|e| Error::Corrupt {
             what: "observability.conditions".to_owned(),
             reason: e.to_string(),
-        })?,
-        None => Vec::new(),
-    };
+        })?;
+        conditions.extend(set);
+    }
     // The newest certificate of each node and name (by not_after).
     let certificates: Vec<(String, String, DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
         "SELECT DISTINCT ON (node, name) node, name, not_after, issued_at \

@@ -39,7 +39,8 @@ pub(crate) async fn reports(
             Report::Heartbeat(_)
             | Report::Applied(_)
             | Report::Certificates(_)
-            | Report::Logs(_) => {}
+            | Report::Logs(_)
+            | Report::Resources(_) => {}
         }
     }
     for (node, (n, h)) in health {
@@ -303,21 +304,10 @@ pub(crate) async fn events(tx: &mut PgConnection, events: &[&RecordEvent]) -> Re
                 .await?;
             }
             RecordKind::FleetConditions(b) => {
-                let conditions =
-                    serde_json::to_value(&b.conditions).map_err(|e| Error::Corrupt {
-                        what: "fleet conditions".to_owned(),
-                        reason: e.to_string(),
-                    })?;
-                sqlx::query(
-                    "INSERT INTO observability.conditions AS c (version, conditions) VALUES ($1, $2) \
-                     ON CONFLICT (one) DO UPDATE SET version = excluded.version, \
-                         conditions = excluded.conditions \
-                     WHERE c.version < excluded.version",
-                )
-                .bind(b.version)
-                .bind(conditions)
-                .execute(&mut *tx)
-                .await?;
+                conditions(tx, "inventory", b).await?;
+            }
+            RecordKind::GrantConditions(b) => {
+                conditions(tx, "provisioning", b).await?;
             }
             RecordKind::CertificateIssued(b) => {
                 sqlx::query(
@@ -337,8 +327,35 @@ pub(crate) async fn events(tx: &mut PgConnection, events: &[&RecordEvent]) -> Re
             | RecordKind::AlertRaised(_)
             | RecordKind::ModuleTargets(_)
             | RecordKind::AlertResolved(_)
+            | RecordKind::CredentialsIssued(_)
+            | RecordKind::CredentialsWithdrawn(_)
             | RecordKind::OperatorAudit { .. } => {}
         }
     }
+    Ok(())
+}
+
+/// Keep the newest set of conditions `source` told (by its `version`).
+async fn conditions(
+    tx: &mut PgConnection,
+    source: &str,
+    b: &mesh_protocol::FleetConditions,
+) -> Result<(), Error> {
+    let conditions = serde_json::to_value(&b.conditions).map_err(|e| Error::Corrupt {
+        what: format!("{source} conditions"),
+        reason: e.to_string(),
+    })?;
+    sqlx::query(
+        "INSERT INTO observability.conditions AS c (source, version, conditions) \
+         VALUES ($1, $2, $3) \
+         ON CONFLICT (source) DO UPDATE SET version = excluded.version, \
+             conditions = excluded.conditions \
+         WHERE c.version < excluded.version",
+    )
+    .bind(source)
+    .bind(b.version)
+    .bind(conditions)
+    .execute(&mut *tx)
+    .await?;
     Ok(())
 }

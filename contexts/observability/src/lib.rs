@@ -70,8 +70,10 @@ pub async fn migrate(url: &str) -> Result<Vec<String>, MigrateError> {
 }
 
 /// What this context subscribes to: every record event of
-/// [`mesh_protocol::RECORD_EVENTS`] but `*.operator.audit`.
-pub const SUBSCRIPTIONS: [&str; 14] = [
+/// [`mesh_protocol::RECORD_EVENTS`] but `*.operator.audit` and
+/// `provisioning.credentials.*` (encrypted credentials: not for the
+/// viewers' event stream).
+pub const SUBSCRIPTIONS: [&str; 15] = [
     "inventory.node.joined",
     "inventory.node.updated",
     "inventory.node.unreachable",
@@ -86,6 +88,7 @@ pub const SUBSCRIPTIONS: [&str; 14] = [
     "observability.alert.raised",
     "observability.alert.resolved",
     "delivery.module.targets",
+    "provisioning.grants.conditions",
 ];
 
 /// Tunables of the observability context.

@@ -135,6 +135,8 @@ fn placed(module: &str, version: i64, nodes: &[&NodeId]) -> RecordEvent {
         nodes,
         settings_files: Vec::new(),
         ports: Vec::new(),
+        requires: Vec::new(),
+        provides: Vec::new(),
     }))
 }
 
