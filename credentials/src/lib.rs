@@ -26,6 +26,7 @@ mod admin;
 pub mod advertise;
 mod agent;
 mod controller;
+pub mod crypt;
 mod file;
 pub mod key;
 mod master;

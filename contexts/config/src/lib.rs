@@ -22,7 +22,7 @@
 //! same generation from a stale read.
 
 mod api;
-mod crypt;
+use mesh_credentials::crypt;
 mod derive;
 mod error;
 mod layers;
