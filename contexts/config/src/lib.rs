@@ -26,6 +26,7 @@ use mesh_credentials::crypt;
 mod derive;
 mod error;
 mod layers;
+mod provisioned;
 mod query;
 mod reconcile;
 mod reports;
@@ -197,7 +198,11 @@ impl Context for Config {
     }
 
     fn subscriptions(&self) -> &'static [&'static str] {
-        &["inventory.node.*", "inventory.module.*"]
+        &[
+            "inventory.node.*",
+            "inventory.module.*",
+            "provisioning.credentials.*",
+        ]
     }
 
     async fn handle_reports(
@@ -227,12 +232,16 @@ impl Context for Config {
     ) -> Result<(), HandlerError> {
         let mut bodies = Vec::with_capacity(events.len());
         let mut modules = Vec::new();
+        let mut credentials = Vec::new();
         for event in events {
             match &event.kind {
                 RecordKind::NodeJoined(body) | RecordKind::NodeUpdated(body) => bodies.push(body),
                 RecordKind::ModulePlaced(p) => modules.push(mesh_protocol::ModuleEvent::Placed(p)),
                 RecordKind::ModuleRemoved(r) => {
                     modules.push(mesh_protocol::ModuleEvent::Removed(r))
+                }
+                RecordKind::CredentialsIssued(_) | RecordKind::CredentialsWithdrawn(_) => {
+                    credentials.push(&event.kind)
                 }
                 // Known events config does not act on (the protocol decoded
                 // them: an unknown one never reaches a context).
@@ -248,6 +257,18 @@ impl Context for Config {
             .map_err(HandlerError::from)?;
         reports::modules_changed(tx, &modules, &self.keyring)
             .await
-            .map_err(HandlerError::from)
+            .map_err(HandlerError::from)?;
+        // Credentials last: a module placed in the same batch is known.
+        for kind in credentials {
+            match kind {
+                RecordKind::CredentialsIssued(b) => provisioned::issued(tx, b, &self.keyring).await,
+                RecordKind::CredentialsWithdrawn(b) => {
+                    provisioned::withdrawn(tx, b, &self.keyring).await
+                }
+                _ => Ok(()),
+            }
+            .map_err(HandlerError::from)?;
+        }
+        Ok(())
     }
 }

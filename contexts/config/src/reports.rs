@@ -66,7 +66,7 @@ async fn seal_keys(
 }
 
 /// Reconcile the nodes named (ids stored by config itself), if any.
-async fn reconcile_named(
+pub(crate) async fn reconcile_named(
     tx: &mut PgConnection,
     names: impl IntoIterator<Item = String>,
     keyring: &Keyring,

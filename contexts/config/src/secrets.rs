@@ -68,7 +68,7 @@ impl Keyring {
     }
 
     /// The bytes of key `id`.
-    fn key(&self, id: &str) -> Result<[u8; 32], Error> {
+    pub(crate) fn key(&self, id: &str) -> Result<[u8; 32], Error> {
         self.with(|k| {
             k.get(id).map(MasterKey::bytes).ok_or_else(|| {
                 Error::Keyring(format!("master key `{id}` is not in the keyring file"))
@@ -215,6 +215,7 @@ impl Config {
         let _writing = self.keyring.writes.read().await;
         let by = audit.principal().name.clone();
         let mut tx = self.pool.begin().await?;
+        crate::provisioned::refuse_managed(&mut tx, name).await?;
         let current: Option<(i64, String, Vec<u8>)> = sqlx::query_as(
             "SELECT version, key_id, wrapped_key FROM config.secrets WHERE name = $1 FOR UPDATE",
         )
@@ -280,6 +281,7 @@ impl Config {
         audit: &Audit,
     ) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
+        crate::provisioned::refuse_managed(&mut tx, name).await?;
         let current: Option<i64> =
             sqlx::query_scalar("SELECT version FROM config.secrets WHERE name = $1 FOR UPDATE")
                 .bind(name)
@@ -325,6 +327,8 @@ impl Config {
         validate_file(file)?;
         let by = audit.principal().name.clone();
         let mut tx = self.pool.begin().await?;
+        crate::provisioned::refuse_managed(&mut tx, secret).await?;
+        crate::provisioned::refuse_reserved_file(file)?;
         let exists: Option<i64> =
             sqlx::query_scalar("SELECT version FROM config.secrets WHERE name = $1 FOR SHARE")
                 .bind(secret)
@@ -387,6 +391,7 @@ impl Config {
         audit: &Audit,
     ) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
+        crate::provisioned::refuse_managed(&mut tx, secret).await?;
         let current: Option<i64> = sqlx::query_scalar(
             "SELECT revision FROM config.grants WHERE module = $1 AND secret = $2 FOR UPDATE",
         )

@@ -1823,3 +1823,222 @@ async fn a_batch_of_module_events_keeps_each_modules_newest() {
     assert!(decl[a.as_str()].items.files.is_empty());
     f.env.teardown().await.unwrap();
 }
+
+/// A `provisioning.credentials.issued` as provisioning writes it: the file
+/// under the keyring's current master key, in config's at-rest form.
+fn issued(
+    f: &Fixture,
+    grant: uuid::Uuid,
+    secret: &str,
+    version: i64,
+    value: &str,
+    files: &[(&str, &str)],
+) -> RecordEvent {
+    use base64::Engine as _;
+    let keys = mesh_credentials::MasterKeys::load(&f.env.master_keys_path()).unwrap();
+    let current = keys.current().unwrap();
+    let dk = mesh_credentials::crypt::new_data_key();
+    let wrapped = mesh_credentials::crypt::wrap_key(&current.bytes(), secret, &dk).unwrap();
+    let ct =
+        mesh_credentials::crypt::encrypt_value(&dk, secret, version, value.as_bytes()).unwrap();
+    let b64 = base64::engine::general_purpose::STANDARD;
+    RecordEvent::new(RecordKind::CredentialsIssued(
+        mesh_protocol::CredentialsIssued {
+            grant,
+            secret: secret.to_owned(),
+            version,
+            files: files
+                .iter()
+                .map(|(m, file)| mesh_protocol::CredentialFile {
+                    module: (*m).to_owned(),
+                    file: (*file).to_owned(),
+                })
+                .collect(),
+            key_id: current.id.clone(),
+            wrapped_key: b64.encode(wrapped),
+            ciphertext: b64.encode(ct),
+        },
+    ))
+}
+
+#[tokio::test]
+async fn grant_credentials_from_the_record_reach_exactly_the_consumers_and_providers_nodes() {
+    let f = setup().await;
+    let (a, b, c) = three_nodes(&f).await;
+    let keys = [
+        (a.clone(), seal_key(1)),
+        (b.clone(), seal_key(2)),
+        (c.clone(), seal_key(3)),
+    ];
+    handle(
+        &f,
+        &keys
+            .iter()
+            .map(|(n, k)| hello_sealed(n, k))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    placed(&f, "app", 1, &[&a], &[]).await;
+    placed(&f, "db", 1, &[&c], &[]).await;
+    let grant = uuid::Uuid::now_v7();
+    let secret = format!("grant-{}", grant.simple());
+    let provider_file = format!("{secret}.env");
+    const V1: &str =
+        "PGUSER=app-main\nPGPASSWORD=first-password-never-in-clear\nMESH_CREDENTIAL_VERSION=1\n";
+    let before = last_outbox_id(&f).await;
+    route_events(
+        &f,
+        &[issued(
+            &f,
+            grant,
+            &secret,
+            1,
+            V1,
+            &[("app", "grant-main.env"), ("db", &provider_file)],
+        )],
+    )
+    .await;
+    let decl = newest(&f, before).await;
+    assert_eq!(
+        decl.keys().cloned().collect::<Vec<_>>(),
+        vec![a.to_string(), c.to_string()],
+        "the consumer's node and the provider's, no other"
+    );
+    let open = |n: &NodeId, key: &mesh_protocol::sealing::SealSecretKey, d: &Declaration| {
+        let item = &d.items.secrets[0];
+        let aad = mesh_protocol::sealing::secret_aad(n.as_str(), &item.path);
+        (
+            item.path.clone(),
+            String::from_utf8(mesh_protocol::sealing::open(key, &aad, &item.sealed).unwrap())
+                .unwrap(),
+        )
+    };
+    assert_eq!(
+        open(&a, &keys[0].1, &decl[a.as_str()]),
+        (
+            "/modules/app/secrets/grant-main.env".to_owned(),
+            V1.to_owned()
+        )
+    );
+    assert_eq!(
+        open(&c, &keys[2].1, &decl[c.as_str()]),
+        (
+            format!("/modules/db/secrets/{provider_file}"),
+            V1.to_owned()
+        )
+    );
+
+    // Operators see it, but cannot write, grant, revoke or delete it, nor
+    // take a `grant-` file for their own grants.
+    let (status, _, list) = request(&f, "GET", "/v1/secrets", "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(list.to_string().contains(&secret), "{list}");
+    assert!(!list.to_string().contains("first-password"), "{list}");
+    let path = format!("/v1/secrets/{secret}");
+    for (method, uri, body) in [
+        ("PUT", path.as_str(), r#"{"value": "x"}"#),
+        ("DELETE", path.as_str(), ""),
+        ("PUT", &format!("/v1/modules/other/grants/{secret}"), "{}"),
+        ("DELETE", &format!("/v1/modules/app/grants/{secret}"), ""),
+    ] {
+        let (status, _, problem) = request(&f, method, uri, body).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{method} {uri}: {problem}");
+        assert!(
+            problem.to_string().contains("managed by provisioning"),
+            "{problem}"
+        );
+    }
+    let (status, _, _) = request(&f, "PUT", "/v1/secrets/mine", r#"{"value": "v"}"#).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _, problem) = request(
+        &f,
+        "PUT",
+        "/v1/modules/app/grants/mine",
+        r#"{"file": "grant-main.env"}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{problem}");
+    assert_eq!(problem["field"], "file", "{problem}");
+
+    // The consumer moves to b: the file follows it and leaves a.
+    let before = last_outbox_id(&f).await;
+    placed(&f, "app", 2, &[&b], &[]).await;
+    let decl = newest(&f, before).await;
+    assert!(decl[a.as_str()].items.secrets.is_empty());
+    assert_eq!(open(&b, &keys[1].1, &decl[b.as_str()]).1, V1);
+
+    // A rotation replaces the value on both nodes; an older issue is ignored.
+    const V2: &str = "PGPASSWORD=second\nMESH_CREDENTIAL_VERSION=2\n";
+    let before = last_outbox_id(&f).await;
+    route_events(
+        &f,
+        &[
+            issued(
+                &f,
+                grant,
+                &secret,
+                2,
+                V2,
+                &[("app", "grant-main.env"), ("db", &provider_file)],
+            ),
+            issued(
+                &f,
+                grant,
+                &secret,
+                1,
+                V1,
+                &[("app", "grant-main.env"), ("db", &provider_file)],
+            ),
+        ],
+    )
+    .await;
+    let decl = newest(&f, before).await;
+    assert_eq!(open(&b, &keys[1].1, &decl[b.as_str()]).1, V2);
+    assert_eq!(open(&c, &keys[2].1, &decl[c.as_str()]).1, V2);
+
+    // One that does not open under the keyring is refused, nothing stored.
+    let mut bad = issued(&f, grant, &secret, 3, "x", &[("app", "grant-main.env")]);
+    if let RecordKind::CredentialsIssued(b) = &mut bad.kind {
+        b.key_id = "no-such-key".into();
+    }
+    let mut tx = f.pool.begin().await.unwrap();
+    assert!(f.config.handle_event(&mut tx, &bad).await.is_err());
+    drop(tx);
+
+    // Withdrawn: gone from both nodes and from the schema.
+    let before = last_outbox_id(&f).await;
+    route_events(
+        &f,
+        &[RecordEvent::new(RecordKind::CredentialsWithdrawn(
+            mesh_protocol::CredentialsWithdrawn {
+                grant,
+                secret: secret.clone(),
+            },
+        ))],
+    )
+    .await;
+    let decl = newest(&f, before).await;
+    assert!(decl[b.as_str()].items.secrets.is_empty());
+    assert!(decl[c.as_str()].items.secrets.is_empty());
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM config.secrets WHERE managed_by IS NOT NULL")
+            .fetch_one(&f.pool)
+            .await
+            .unwrap();
+    assert_eq!(left, 0);
+    // Nothing of it was ever in clear in the schema or the outbox.
+    let dump: Vec<String> = sqlx::query_scalar(
+        "SELECT row_to_json(t)::text FROM (SELECT * FROM config.secret_versions) t UNION ALL \
+         SELECT row_to_json(t)::text FROM (SELECT * FROM config.sealed) t UNION ALL \
+         SELECT encode(payload, 'escape') FROM config.outbox",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    for row in &dump {
+        assert!(
+            !row.contains("first-password") && !row.contains("PGPASSWORD=second"),
+            "{row}"
+        );
+    }
+}
