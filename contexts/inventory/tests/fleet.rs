@@ -1157,6 +1157,60 @@ async fn where_modules_run_is_told_to_the_record_on_change_only() {
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(body["field"], "ports[1].port", "{body}");
 
+    // What the module requires and provides (resource grants) is told with
+    // its placement: a change of them alone writes one event carrying them.
+    spec["requires"] = json!([
+        {"kind": "postgres.database", "name": "main", "options": {"encoding": "UTF8"}}
+    ]);
+    spec["provides"] = json!([
+        {"kind": "s3.bucket", "host": "10.0.0.2", "port": 3900,
+         "admin": {"server": "garage", "config": "/var/lib/garage/garage.toml"}}
+    ]);
+    let (status, _, view) = f
+        .request(
+            "PUT",
+            "/v1/modules/web",
+            &[("if-match", "*")],
+            Some(spec.clone()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{view}");
+    assert_eq!(view["requires"][0]["name"], "main", "{view}");
+    let events = f.new_module_events(&mut seen).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].1["requires"], spec["requires"]);
+    assert_eq!(events[0].1["provides"], spec["provides"]);
+    let (_, v5) = placed(&events[0].1);
+    assert!(v5 > v4);
+    // Bad requirements and provided kinds are refused, naming the field.
+    for (field, value, named) in [
+        (
+            "requires",
+            json!([{"kind": "postgres.database", "name": "main", "options": {"bogus": "1"}}]),
+            "requires[0].options.bogus",
+        ),
+        (
+            "requires",
+            json!([{"kind": "amqp.vhost", "name": "a"}, {"kind": "s3.bucket", "name": "a"}]),
+            "requires[1].name",
+        ),
+        (
+            "provides",
+            json!([{"kind": "amqp.vhost", "host": "h", "port": 5672,
+                    "admin": {"server": "postgres", "socket_dir": "/run/pg"}}]),
+            "provides[0].admin",
+        ),
+    ] {
+        let mut bad = spec.clone();
+        bad[field] = value;
+        let (status, _, body) = f
+            .request("PUT", "/v1/modules/web", &[("if-match", "*")], Some(bad))
+            .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert_eq!(body["field"], named, "{body}");
+    }
+    assert!(f.new_module_events(&mut seen).await.is_empty());
+
     // A bad settings file name is refused, naming the field.
     let mut bad = spec.clone();
     bad["settings_files"] = json!([{"name": "../passwd", "format": "env"}]);

@@ -407,7 +407,8 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
             "V9__module_ports",
             "V10__conditions",
             "V11__module_health",
-            "V12__module_targets"
+            "V12__module_targets",
+            "V13__module_resources"
         ],
         "{applied:?}"
     );
@@ -471,7 +472,8 @@ async fn the_conditions_migration_drops_the_alerts_and_starts_with_nothing_told(
         [
             "V10__conditions",
             "V11__module_health",
-            "V12__module_targets"
+            "V12__module_targets",
+            "V13__module_resources"
         ]
     );
     let alerts: Option<String> = sqlx::query_scalar("SELECT to_regclass('inventory.alerts')::text")

@@ -287,10 +287,11 @@ impl Context for Observability {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn subscriptions_are_the_record_without_audit() {
+    fn subscriptions_are_the_record_without_audit_or_credentials() {
         let expected: Vec<&str> = mesh_protocol::RECORD_EVENTS
             .into_iter()
             .filter(|p| !p.ends_with(mesh_protocol::AUDIT_EVENT))
+            .filter(|p| !p.starts_with("provisioning.credentials."))
             .collect();
         assert_eq!(super::SUBSCRIPTIONS.as_slice(), expected.as_slice());
     }

@@ -415,6 +415,64 @@ async fn outages_nodes_report_are_one_controller_unreachable_alert_naming_each()
 }
 
 #[tokio::test]
+async fn grant_conditions_are_kept_beside_fleet_conditions_and_become_alerts() {
+    let f = setup(Settings::default()).await;
+    let condition = |key: &str, kind: &str, module: &str| FleetCondition {
+        key: key.into(),
+        kind: kind.into(),
+        node: None,
+        module: Some(module.into()),
+        stateful: false,
+        message: format!("{kind} {key}"),
+    };
+    f.events(&[
+        RecordEvent::new(RecordKind::FleetConditions(FleetConditions {
+            version: 1,
+            conditions: vec![condition("unplaced:web", "placement_unsatisfied", "web")],
+        })),
+        RecordEvent::new(RecordKind::GrantConditions(FleetConditions {
+            version: 1,
+            conditions: vec![
+                condition("grant:1", "grant_waiting", "app"),
+                condition("grant:2", "grant_failed", "app"),
+            ],
+        })),
+    ])
+    .await;
+    f.evaluate().await;
+    let mut kinds: Vec<String> = f
+        .open()
+        .await
+        .iter()
+        .map(|x| x["kind"].as_str().unwrap().to_owned())
+        .collect();
+    kinds.sort();
+    assert_eq!(
+        kinds,
+        ["grant_failed", "grant_waiting", "module_below_replicas"],
+        "each source's conditions are its own"
+    );
+    // Provisioning's next set replaces only its own: the failed grant is
+    // over, inventory's condition stays.
+    f.events(&[RecordEvent::new(RecordKind::GrantConditions(
+        FleetConditions {
+            version: 2,
+            conditions: vec![condition("grant:1", "grant_waiting", "app")],
+        },
+    ))])
+    .await;
+    f.evaluate().await;
+    let mut kinds: Vec<String> = f
+        .open()
+        .await
+        .iter()
+        .map(|x| x["kind"].as_str().unwrap().to_owned())
+        .collect();
+    kinds.sort();
+    assert_eq!(kinds, ["grant_waiting", "module_below_replicas"]);
+}
+
+#[tokio::test]
 async fn observations_raise_queue_and_behind_alerts_and_conditions_become_alerts() {
     let f = setup(Settings {
         behind_after: Duration::ZERO,
