@@ -8,6 +8,15 @@
 
 pub mod plan;
 
+use mesh_plumbing::section::Sections;
+use mesh_protocol::Section;
+
+/// The context's schema (and its role's name): `bundle/up` provisions both.
+pub const SCHEMA: &str = "provisioning";
+
+/// The section it declares to provider nodes: their grants' `resources`.
+pub const SECTIONS: Sections = Sections::new(SCHEMA, Section::Provisioning);
+
 pub use plan::{
     Choice, Credential, ModuleFacts, Wanted, credential_file, new_credential, resolve,
     resource_name,
