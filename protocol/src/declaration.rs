@@ -419,7 +419,7 @@ pub fn digest_items(items: &DeclarationItems) -> String {
     sorted.secrets.sort_by(|a, b| a.path.cmp(&b.path));
     sorted.certificates.sort_by(|a, b| a.name.cmp(&b.name));
     sorted.artifacts.sort_by(|a, b| a.digest.cmp(&b.digest));
-    sorted.resources.sort_by(|a, b| a.grant.cmp(&b.grant));
+    sorted.resources.sort_by_key(|r| r.grant);
     let bytes = serde_json::to_vec(&sorted).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }
