@@ -383,3 +383,186 @@ async fn postgres_grant_lifecycle() {
         "the server log holds a password"
     );
 }
+
+const RABBITMQCTL: &str = "/usr/lib/rabbitmq/bin/rabbitmqctl";
+
+fn start_rabbitmq() -> (Server, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("rmq");
+    let port = free_port();
+    let node = format!("mesh-prov-{port}@localhost");
+    let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
+    let child = Command::new("bash")
+        .arg(providers().join("rabbitmq.sh"))
+        .arg(&base)
+        .arg(port.to_string())
+        .arg(&node)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let server = Server {
+        child: Some(child),
+        _dir: dir,
+        base,
+        port,
+    };
+    wait_until("rabbitmq", Duration::from_secs(90), || {
+        Command::new(RABBITMQCTL)
+            .env("HOME", &server.base)
+            .args(["-n", &node, "-q", "await_startup", "--timeout", "5"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    (server, node)
+}
+
+fn amqp_item(server: &Server, node: &str, name: &str, state: ResourceState) -> ResourceItem {
+    ResourceItem {
+        grant: Uuid::from_u128(
+            name.bytes()
+                .fold(7u128, |h, b| h.wrapping_mul(131) ^ u128::from(b)),
+        ),
+        kind: ResourceKind::AmqpVhost,
+        name: name.to_owned(),
+        user: format!("{name}-user"),
+        options: BTreeMap::new(),
+        state,
+        port: server.port,
+        admin: AdminAccess {
+            server: AdminServer::Rabbitmq,
+            socket_dir: None,
+            user: None,
+            node: Some(node.to_owned()),
+            home: Some(server.base.to_string_lossy().into_owned()),
+            config: None,
+        },
+        credential: Some(format!("/creds/{name}.env")),
+        credential_version: 1,
+    }
+}
+
+/// Connect as `user` to `vhost`, declare a queue, publish to it and get the
+/// message back.
+async fn amqp_roundtrip(port: u16, user: &str, password: &str, vhost: &str) -> Result<(), String> {
+    use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
+    let url = format!("amqp://{user}:{password}@127.0.0.1:{port}/{vhost}");
+    let conn = tokio::time::timeout(
+        Duration::from_secs(10),
+        Connection::connect(&url, ConnectionProperties::default()),
+    )
+    .await
+    .map_err(|_| "connect timed out".to_string())?
+    .map_err(|e| format!("connect: {e}"))?;
+    let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+    ch.queue_declare(
+        "q".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    ch.basic_publish(
+        "".into(),
+        "q".into(),
+        BasicPublishOptions::default(),
+        b"hello",
+        BasicProperties::default(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = ch
+            .basic_get("q".into(), BasicGetOptions { no_ack: true })
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(m) = got {
+            assert_eq!(m.delivery.data, b"hello");
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err("message not delivered".into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn rabbitmq_grant_lifecycle() {
+    let (mut server, node) = start_rabbitmq();
+    let kind = ResourceKind::AmqpVhost;
+    let a = amqp_item(&server, &node, "app-a", ResourceState::Present);
+    let b = amqp_item(&server, &node, "app-b", ResourceState::Present);
+    let creds = |path: &str| -> Option<String> {
+        match path {
+            "/creds/app-a.env" => Some(cred_text(kind, 1, PW_A)),
+            "/creds/app-b.env" => Some(cred_text(kind, 1, PW_B)),
+            _ => None,
+        }
+    };
+    let mut p = Provisioner::new();
+    let items = vec![a.clone(), b.clone()];
+    let st = p.pass(&items, creds).await;
+    for s in &st {
+        assert_eq!(s.state, ResourceStatusState::Ready, "{s:?}");
+    }
+    assert!(provision::exists(&a).await.unwrap());
+    amqp_roundtrip(server.port, "app-a-user", PW_A, "app-a")
+        .await
+        .unwrap();
+    let refused = amqp_roundtrip(server.port, "app-a-user", PW_A, "app-b").await;
+    assert!(refused.is_err(), "another vhost must be refused");
+    // A second pass changes nothing and the password still works.
+    assert_eq!(p.pass(&items, creds).await, st);
+    amqp_roundtrip(server.port, "app-a-user", PW_A, "app-a")
+        .await
+        .unwrap();
+
+    // A refused option value: failed, in rabbitmqctl's words.
+    let mut bad = amqp_item(&server, &node, "app-c", ResourceState::Present);
+    bad.options.insert("max_queues".into(), "many".into());
+    let c = CredentialFile::parse(kind, &cred_text(kind, 1, PW_A)).unwrap();
+    assert_eq!(
+        provision::reconcile(&bad, Some(&c)).await.state,
+        ResourceStatusState::Failed
+    );
+
+    // Revoked: refused, vhost kept; idempotent.
+    let ra = amqp_item(&server, &node, "app-a", ResourceState::Revoked);
+    let st2 = p.pass(&[ra.clone(), b.clone()], creds).await;
+    assert_eq!(st2[0].state, ResourceStatusState::Revoked, "{:?}", st2[0]);
+    assert!(
+        amqp_roundtrip(server.port, "app-a-user", PW_A, "app-a")
+            .await
+            .is_err()
+    );
+    assert!(provision::exists(&ra).await.unwrap());
+    assert_eq!(
+        provision::reconcile(&ra, None).await.state,
+        ResourceStatusState::Revoked
+    );
+
+    // Deleted: gone.
+    let da = amqp_item(&server, &node, "app-a", ResourceState::Deleted);
+    assert_eq!(
+        provision::reconcile(&da, None).await.state,
+        ResourceStatusState::Deleted
+    );
+    assert!(!provision::exists(&da).await.unwrap());
+
+    // Stopped: waiting.
+    server.stop();
+    let w = provision::reconcile(&b, Some(&c)).await;
+    assert_eq!(w.state, ResourceStatusState::Waiting, "{w:?}");
+    for s in st.iter().chain(&st2).chain([&w]) {
+        let r = s.reason.clone().unwrap_or_default();
+        assert!(!r.contains(PW_A) && !r.contains(PW_B), "{r}");
+    }
+}

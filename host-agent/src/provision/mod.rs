@@ -20,6 +20,7 @@ use mesh_protocol::{
 use uuid::Uuid;
 
 mod postgres;
+mod rabbitmq;
 
 /// How long one CLI command may take before the server counts as not
 /// answering.
@@ -134,6 +135,7 @@ fn from_error(item: &ResourceItem, e: DriverError) -> ResourceStatus {
 pub async fn exists(item: &ResourceItem) -> Result<bool, DriverError> {
     match item.kind {
         ResourceKind::PostgresDatabase => postgres::exists(item).await,
+        ResourceKind::AmqpVhost => rabbitmq::exists(item).await,
         other => Err(DriverError::Refused(format!(
             "this agent does not administer {other} yet"
         ))),
@@ -160,6 +162,7 @@ pub async fn reconcile(item: &ResourceItem, credential: Option<&CredentialFile>)
             };
             let r = match item.kind {
                 ResourceKind::PostgresDatabase => postgres::ensure(item, &cred.password).await,
+                ResourceKind::AmqpVhost => rabbitmq::ensure(item, &cred.password).await,
                 other => Err(DriverError::Refused(format!(
                     "this agent does not administer {other} yet"
                 ))),
@@ -176,6 +179,7 @@ pub async fn reconcile(item: &ResourceItem, credential: Option<&CredentialFile>)
         ResourceState::Revoked => {
             let r = match item.kind {
                 ResourceKind::PostgresDatabase => postgres::revoke(item).await,
+                ResourceKind::AmqpVhost => rabbitmq::revoke(item).await,
                 other => Err(DriverError::Refused(format!(
                     "this agent does not administer {other} yet"
                 ))),
@@ -188,6 +192,7 @@ pub async fn reconcile(item: &ResourceItem, credential: Option<&CredentialFile>)
         ResourceState::Deleted => {
             let r = match item.kind {
                 ResourceKind::PostgresDatabase => postgres::delete(item).await,
+                ResourceKind::AmqpVhost => rabbitmq::delete(item).await,
                 other => Err(DriverError::Refused(format!(
                     "this agent does not administer {other} yet"
                 ))),
