@@ -566,3 +566,200 @@ async fn rabbitmq_grant_lifecycle() {
         assert!(!r.contains(PW_A) && !r.contains(PW_B), "{r}");
     }
 }
+
+fn start_garage() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("garage");
+    let port = free_port();
+    let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
+    let child = Command::new("bash")
+        .arg(providers().join("garage.sh"))
+        .arg(&base)
+        .arg(port.to_string())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let server = Server {
+        child: Some(child),
+        _dir: dir,
+        base,
+        port,
+    };
+    let garage = if Command::new("garage").arg("--version").output().is_ok() {
+        "garage".to_owned()
+    } else {
+        "/var/cache/mesh-ci/garage-2.5.0/bin/garage".to_owned()
+    };
+    wait_until("garage", Duration::from_secs(60), || {
+        Command::new(&garage)
+            .arg("-c")
+            .arg(server.base.join("garage.toml"))
+            .args(["layout", "show"])
+            .output()
+            .is_ok_and(|o| {
+                String::from_utf8_lossy(&o.stdout).contains("Current cluster layout version: 1")
+            })
+    });
+    server
+}
+
+fn s3_item(server: &Server, name: &str, key: &str, state: ResourceState) -> ResourceItem {
+    ResourceItem {
+        grant: Uuid::from_u128(
+            name.bytes()
+                .fold(11u128, |h, b| h.wrapping_mul(131) ^ u128::from(b)),
+        ),
+        kind: ResourceKind::S3Bucket,
+        name: name.to_owned(),
+        user: key.to_owned(),
+        options: BTreeMap::new(),
+        state,
+        port: server.port,
+        admin: AdminAccess {
+            server: AdminServer::Garage,
+            socket_dir: None,
+            user: None,
+            node: None,
+            home: None,
+            config: Some(
+                server
+                    .base
+                    .join("garage.toml")
+                    .to_string_lossy()
+                    .into_owned(),
+            ),
+        },
+        credential: Some(format!("/creds/{name}.env")),
+        credential_version: 1,
+    }
+}
+
+fn hmac(key: &[u8], msg: &[u8]) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut k = [0u8; 64];
+    if key.len() > 64 {
+        k[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        k[..key.len()].copy_from_slice(key);
+    }
+    let ipad: Vec<u8> = k.iter().map(|b| b ^ 0x36).collect();
+    let opad: Vec<u8> = k.iter().map(|b| b ^ 0x5c).collect();
+    let inner = Sha256::new()
+        .chain_update(&ipad)
+        .chain_update(msg)
+        .finalize();
+    Sha256::new()
+        .chain_update(&opad)
+        .chain_update(inner)
+        .finalize()
+        .to_vec()
+}
+
+/// One path-style S3 request signed with SigV4 (region `garage`): the
+/// status and body.
+async fn s3(
+    port: u16,
+    key: &str,
+    secret: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> (u16, String) {
+    use sha2::{Digest, Sha256};
+    let now = chrono::Utc::now();
+    let amz_date = now.format("%Y%m%dT%H%M%SZ").to_string();
+    let day = now.format("%Y%m%d").to_string();
+    let host = format!("127.0.0.1:{port}");
+    let payload = hex::encode(Sha256::digest(body));
+    let canonical = format!(
+        "{method}\n{path}\n\nhost:{host}\nx-amz-content-sha256:{payload}\nx-amz-date:{amz_date}\n\nhost;x-amz-content-sha256;x-amz-date\n{payload}"
+    );
+    let scope = format!("{day}/garage/s3/aws4_request");
+    let to_sign = format!(
+        "AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{}",
+        hex::encode(Sha256::digest(canonical.as_bytes()))
+    );
+    let k = hmac(format!("AWS4{secret}").as_bytes(), day.as_bytes());
+    let k = hmac(&k, b"garage");
+    let k = hmac(&k, b"s3");
+    let k = hmac(&k, b"aws4_request");
+    let sig = hex::encode(hmac(&k, to_sign.as_bytes()));
+    let auth = format!(
+        "AWS4-HMAC-SHA256 Credential={key}/{scope}, SignedHeaders=host;x-amz-content-sha256;x-amz-date, Signature={sig}"
+    );
+    let resp = reqwest::Client::new()
+        .request(method.parse().unwrap(), format!("http://{host}{path}"))
+        .header("x-amz-date", &amz_date)
+        .header("x-amz-content-sha256", &payload)
+        .header("authorization", auth)
+        .body(body.to_vec())
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.text().await.unwrap_or_default())
+}
+
+const KEY_A: &str = "GK0123456789abcdef01234567";
+const KEY_B: &str = "GK76543210fedcba9876543210";
+const S3_A: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+const S3_B: &str = "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
+
+#[tokio::test]
+async fn garage_grant_lifecycle() {
+    let mut server = start_garage();
+    let kind = ResourceKind::S3Bucket;
+    let a = s3_item(&server, "bucket-a", KEY_A, ResourceState::Present);
+    let b = s3_item(&server, "bucket-b", KEY_B, ResourceState::Present);
+    let creds = |path: &str| -> Option<String> {
+        match path {
+            "/creds/bucket-a.env" => Some(cred_text(kind, 1, S3_A)),
+            "/creds/bucket-b.env" => Some(cred_text(kind, 1, S3_B)),
+            _ => None,
+        }
+    };
+    let mut p = Provisioner::new();
+    let items = vec![a.clone(), b.clone()];
+    let st = p.pass(&items, creds).await;
+    for s in &st {
+        assert_eq!(s.state, ResourceStatusState::Ready, "{s:?}");
+    }
+    assert!(provision::exists(&a).await.unwrap());
+    let (put, text) = s3(server.port, KEY_A, S3_A, "PUT", "/bucket-a/obj", b"hello").await;
+    assert_eq!(put, 200, "{text}");
+    let (get, text) = s3(server.port, KEY_A, S3_A, "GET", "/bucket-a/obj", b"").await;
+    assert_eq!((get, text.as_str()), (200, "hello"));
+    let (other, _) = s3(server.port, KEY_A, S3_A, "PUT", "/bucket-b/obj", b"x").await;
+    assert_eq!(other, 403);
+    assert_eq!(p.pass(&items, creds).await, st);
+
+    // Revoked: refused, bucket kept.
+    let ra = s3_item(&server, "bucket-a", KEY_A, ResourceState::Revoked);
+    assert_eq!(
+        provision::reconcile(&ra, None).await.state,
+        ResourceStatusState::Revoked
+    );
+    let (get, _) = s3(server.port, KEY_A, S3_A, "GET", "/bucket-a/obj", b"").await;
+    assert_eq!(get, 403);
+    assert!(provision::exists(&ra).await.unwrap());
+    assert_eq!(
+        provision::reconcile(&ra, None).await.state,
+        ResourceStatusState::Revoked
+    );
+
+    // Deleted (the empty bucket b): gone.
+    let db = s3_item(&server, "bucket-b", KEY_B, ResourceState::Deleted);
+    let d = provision::reconcile(&db, None).await;
+    assert_eq!(d.state, ResourceStatusState::Deleted, "{d:?}");
+    assert!(!provision::exists(&db).await.unwrap());
+
+    server.stop();
+    let c = CredentialFile::parse(kind, &cred_text(kind, 1, S3_A)).unwrap();
+    let w = provision::reconcile(&a, Some(&c)).await;
+    assert_eq!(w.state, ResourceStatusState::Waiting, "{w:?}");
+    for s in st.iter().chain([&w, &d]) {
+        let r = s.reason.clone().unwrap_or_default();
+        assert!(!r.contains(S3_A) && !r.contains(S3_B), "{r}");
+    }
+}

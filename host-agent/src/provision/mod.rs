@@ -10,12 +10,8 @@
 //! reason (`psql` reads its SQL from stdin, in terse verbosity, with the
 //! server's statement logging off for the session).
 //!
-//! Not yet: `s3.bucket` (Garage). Its items fail with "this agent does not
-//! administer s3.bucket yet". Found for it: `garage key import` takes the
-//! secret in argv; the admin API's `POST /v2/ImportKey` (bearer
-//! `admin_token` from the config file, body `accessKeyId`,
-//! `secretAccessKey`, `name`) imports the same key with the secret kept out
-//! of argv (checked against Garage 2.5.0 from `e2e/providers/garage.sh`).
+//! Garage's `garage key import` takes the secret in argv: its key is
+//! imported through the admin API instead (see `garage.rs`).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -26,6 +22,7 @@ use mesh_protocol::{
 };
 use uuid::Uuid;
 
+mod garage;
 mod postgres;
 mod rabbitmq;
 
@@ -143,9 +140,7 @@ pub async fn exists(item: &ResourceItem) -> Result<bool, DriverError> {
     match item.kind {
         ResourceKind::PostgresDatabase => postgres::exists(item).await,
         ResourceKind::AmqpVhost => rabbitmq::exists(item).await,
-        other => Err(DriverError::Refused(format!(
-            "this agent does not administer {other} yet"
-        ))),
+        ResourceKind::S3Bucket => garage::exists(item).await,
     }
 }
 
@@ -170,9 +165,7 @@ pub async fn reconcile(item: &ResourceItem, credential: Option<&CredentialFile>)
             let r = match item.kind {
                 ResourceKind::PostgresDatabase => postgres::ensure(item, &cred.password).await,
                 ResourceKind::AmqpVhost => rabbitmq::ensure(item, &cred.password).await,
-                other => Err(DriverError::Refused(format!(
-                    "this agent does not administer {other} yet"
-                ))),
+                ResourceKind::S3Bucket => garage::ensure(item, &cred.password).await,
             };
             match r {
                 Ok(()) => {
@@ -187,9 +180,7 @@ pub async fn reconcile(item: &ResourceItem, credential: Option<&CredentialFile>)
             let r = match item.kind {
                 ResourceKind::PostgresDatabase => postgres::revoke(item).await,
                 ResourceKind::AmqpVhost => rabbitmq::revoke(item).await,
-                other => Err(DriverError::Refused(format!(
-                    "this agent does not administer {other} yet"
-                ))),
+                ResourceKind::S3Bucket => garage::revoke(item).await,
             };
             match r {
                 Ok(()) => status(item, ResourceStatusState::Revoked),
@@ -200,9 +191,7 @@ pub async fn reconcile(item: &ResourceItem, credential: Option<&CredentialFile>)
             let r = match item.kind {
                 ResourceKind::PostgresDatabase => postgres::delete(item).await,
                 ResourceKind::AmqpVhost => rabbitmq::delete(item).await,
-                other => Err(DriverError::Refused(format!(
-                    "this agent does not administer {other} yet"
-                ))),
+                ResourceKind::S3Bucket => garage::delete(item).await,
             };
             match r {
                 Ok(()) => status(item, ResourceStatusState::Deleted),
