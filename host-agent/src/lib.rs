@@ -60,6 +60,7 @@ pub mod logs;
 pub mod metrics;
 pub mod overlay;
 pub mod plan;
+pub mod provision;
 pub mod store;
 pub mod units;
 

@@ -1,0 +1,166 @@
+//! Garage: a bucket and an access key allowed on it alone, through
+//! `garage -c <config>`; the key is imported through the admin API
+//! (`POST /v2/ImportKey`, bearer `admin_token` of the same config file) so
+//! that its secret is never in argv (`garage key import` takes it there).
+//!
+//! Caveat: Garage refuses to delete a non-empty bucket; a deleted grant's
+//! bucket that still holds objects fails with Garage's reason.
+
+use std::path::Path;
+
+use mesh_protocol::{ResourceItem, Secret};
+
+use super::{DriverError, run, truncate_reason};
+
+const BUILT: &str = "/var/cache/mesh-ci/garage-2.5.0/bin/garage";
+
+fn config(item: &ResourceItem) -> Result<&str, DriverError> {
+    item.admin
+        .config
+        .as_deref()
+        .ok_or_else(|| DriverError::Refused("admin.config is required".into()))
+}
+
+fn program() -> String {
+    let on_path = std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join("garage"))
+            .find(|f| f.is_file())
+    });
+    match on_path {
+        Some(p) => p.to_string_lossy().into_owned(),
+        None if Path::new(BUILT).exists() => BUILT.to_owned(),
+        None => "garage".to_owned(),
+    }
+}
+
+/// Ok(stdout), or Err(stderr) classified: an error the server answered
+/// (`… returned <Code> (<status>)`) is refused, anything else unavailable.
+async fn garage(item: &ResourceItem, args: &[&str]) -> Result<Result<String, String>, DriverError> {
+    let mut cmd = tokio::process::Command::new(program());
+    cmd.arg("-c").arg(config(item)?).args(args);
+    let (code, stdout, stderr) = run(cmd, "").await?;
+    if code == Some(0) {
+        Ok(Ok(stdout))
+    } else if stderr.contains(" returned ") {
+        Ok(Err(stderr))
+    } else {
+        Err(DriverError::Unavailable(truncate_reason(&stderr)))
+    }
+}
+
+async fn must(item: &ResourceItem, args: &[&str]) -> Result<(), DriverError> {
+    garage(item, args)
+        .await?
+        .map(|_| ())
+        .map_err(|e| DriverError::Refused(truncate_reason(&e)))
+}
+
+async fn found(item: &ResourceItem, args: &[&str], missing: &str) -> Result<bool, DriverError> {
+    match garage(item, args).await? {
+        Ok(_) => Ok(true),
+        Err(e) if e.contains(missing) => Ok(false),
+        Err(e) => Err(DriverError::Refused(truncate_reason(&e))),
+    }
+}
+
+pub(super) async fn exists(item: &ResourceItem) -> Result<bool, DriverError> {
+    found(item, &["bucket", "info", &item.name], "NoSuchBucket").await
+}
+
+async fn key_exists(item: &ResourceItem) -> Result<bool, DriverError> {
+    found(item, &["key", "info", &item.user], "NoSuchAccessKey").await
+}
+
+async fn import_key(item: &ResourceItem, secret: &Secret<String>) -> Result<(), DriverError> {
+    let text = tokio::fs::read_to_string(config(item)?)
+        .await
+        .map_err(|e| DriverError::Unavailable(format!("garage config: {e}")))?;
+    let cfg: toml::Value =
+        toml::from_str(&text).map_err(|e| DriverError::Refused(format!("garage config: {e}")))?;
+    let admin = cfg.get("admin");
+    let addr = admin
+        .and_then(|a| a.get("api_bind_addr"))
+        .and_then(|v| v.as_str());
+    let token = admin
+        .and_then(|a| a.get("admin_token"))
+        .and_then(|v| v.as_str());
+    let (Some(addr), Some(token)) = (addr, token) else {
+        return Err(DriverError::Refused(
+            "garage config: [admin] api_bind_addr and admin_token are required".into(),
+        ));
+    };
+    let body = serde_json::json!({
+        "accessKeyId": item.user,
+        "secretAccessKey": secret.expose(),
+        "name": format!("grant-{}", item.grant),
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("http://{addr}/v2/ImportKey"))
+        .bearer_auth(token)
+        .timeout(super::COMMAND_TIMEOUT)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| DriverError::Unavailable(format!("garage admin API: {e}")))?;
+    if resp.status().is_success() {
+        return Ok(());
+    }
+    let status = resp.status();
+    let text = resp.text().await.unwrap_or_default();
+    Err(DriverError::Refused(truncate_reason(&format!(
+        "garage ImportKey: {status}: {text}"
+    ))))
+}
+
+pub(super) async fn ensure(
+    item: &ResourceItem,
+    secret: &Secret<String>,
+) -> Result<(), DriverError> {
+    let mut max_size = "none".to_owned();
+    for (k, v) in &item.options {
+        match k.as_str() {
+            "max_size" => max_size = v.clone(),
+            other => {
+                return Err(DriverError::Refused(format!(
+                    "unknown option `{other}` for an s3.bucket"
+                )));
+            }
+        }
+    }
+    if !exists(item).await? {
+        must(item, &["bucket", "create", &item.name]).await?;
+    }
+    // Caveat: an existing key keeps its secret (Garage cannot change a
+    // key's secret); a rotated credential needs the key deleted first.
+    if !key_exists(item).await? {
+        import_key(item, secret).await?;
+    }
+    must(
+        item,
+        &[
+            "bucket", "allow", "--read", "--write", &item.name, "--key", &item.user,
+        ],
+    )
+    .await?;
+    must(
+        item,
+        &["bucket", "set-quotas", "--max-size", &max_size, &item.name],
+    )
+    .await
+}
+
+pub(super) async fn revoke(item: &ResourceItem) -> Result<(), DriverError> {
+    if key_exists(item).await? {
+        must(item, &["key", "delete", "--yes", &item.user]).await?;
+    }
+    Ok(())
+}
+
+pub(super) async fn delete(item: &ResourceItem) -> Result<(), DriverError> {
+    revoke(item).await?;
+    if exists(item).await? {
+        must(item, &["bucket", "delete", "--yes", &item.name]).await?;
+    }
+    Ok(())
+}

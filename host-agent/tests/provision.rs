@@ -1,0 +1,765 @@
+//! The provisioning drivers against real servers started from
+//! `e2e/providers/*.sh` on free ports in temporary directories.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use mesh_host_agent::provision::{self, CredentialFile, Provisioner};
+use mesh_protocol::{
+    AdminAccess, AdminServer, ResourceItem, ResourceKind, ResourceState, ResourceStatusState,
+};
+use uuid::Uuid;
+
+fn providers() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../e2e/providers")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A server process, stopped (SIGTERM, then SIGKILL) on drop.
+struct Server {
+    child: Option<Child>,
+    _dir: tempfile::TempDir,
+    base: PathBuf,
+    port: u16,
+}
+
+impl Server {
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(child.id().to_string())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn wait_until(what: &str, deadline: Duration, mut ready: impl FnMut() -> bool) {
+    let end = Instant::now() + deadline;
+    while Instant::now() < end {
+        if ready() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("{what} not ready within {deadline:?}");
+}
+
+fn start_postgres() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    // The server runs as the postgres user: it must reach its data dir.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let base = dir.path().join("pg");
+    let port = free_port();
+    let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
+    let child = Command::new("bash")
+        .arg(providers().join("postgres.sh"))
+        .arg(&base)
+        .arg(port.to_string())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let server = Server {
+        child: Some(child),
+        _dir: dir,
+        base,
+        port,
+    };
+    wait_until("postgres", Duration::from_secs(60), || {
+        Command::new("pg_isready")
+            .arg("-h")
+            .arg(server.base.join("sock"))
+            .arg("-p")
+            .arg(port.to_string())
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    server
+}
+
+fn pg_item(server: &Server, name: &str, state: ResourceState, version: i64) -> ResourceItem {
+    ResourceItem {
+        grant: Uuid::from_u128(
+            name.bytes()
+                .fold(0u128, |h, b| h.wrapping_mul(131) ^ u128::from(b)),
+        ),
+        kind: ResourceKind::PostgresDatabase,
+        name: name.to_owned(),
+        user: format!("{name}-user"),
+        options: BTreeMap::new(),
+        state,
+        port: server.port,
+        admin: AdminAccess {
+            server: AdminServer::Postgres,
+            socket_dir: Some(server.base.join("sock").to_string_lossy().into_owned()),
+            user: None,
+            node: None,
+            home: None,
+            config: None,
+        },
+        credential: Some(format!("/creds/{name}.env")),
+        credential_version: version,
+    }
+}
+
+fn cred_text(kind: ResourceKind, version: i64, password: &str) -> String {
+    format!(
+        "{}={password}\nMESH_CREDENTIAL_VERSION={version}\n",
+        kind.password_key()
+    )
+}
+
+/// `psql` over TCP with the grant's password: Ok(stdout) or Err(stderr).
+fn tcp_query(
+    server: &Server,
+    user: &str,
+    password: &str,
+    db: &str,
+    sql: &str,
+) -> Result<String, String> {
+    let out = Command::new("psql")
+        .args(["-X", "-A", "-t", "-h", "127.0.0.1", "-p"])
+        .arg(server.port.to_string())
+        .args(["-U", user, "-d", db, "-c", sql])
+        .env("PGPASSWORD", password)
+        .env("PGCONNECT_TIMEOUT", "5")
+        .output()
+        .unwrap();
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn admin_query(server: &Server, sql: &str) -> String {
+    let out = Command::new("psql")
+        .args(["-X", "-A", "-t", "-h"])
+        .arg(server.base.join("sock"))
+        .arg("-p")
+        .arg(server.port.to_string())
+        .args(["-U", "postgres", "-d", "postgres", "-c", sql])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+const PW_A: &str = "pw-a-0123456789abcdef0123456789abcdef";
+const PW_B: &str = "pw-b-fedcba9876543210fedcba9876543210";
+
+#[tokio::test]
+async fn postgres_grant_lifecycle() {
+    let mut server = start_postgres();
+    let kind = ResourceKind::PostgresDatabase;
+    let a = pg_item(&server, "app-a", ResourceState::Present, 1);
+    let b = pg_item(&server, "app-b", ResourceState::Present, 1);
+    let creds = |path: &str| -> Option<String> {
+        match path {
+            "/creds/app-a.env" => Some(cred_text(kind, 1, PW_A)),
+            "/creds/app-b.env" => Some(cred_text(kind, 1, PW_B)),
+            _ => None,
+        }
+    };
+
+    // No credential of the declared version yet: waiting.
+    let waiting = provision::reconcile(&a, None).await;
+    assert_eq!(waiting.state, ResourceStatusState::Waiting);
+    let old = CredentialFile::parse(kind, &cred_text(kind, 0, PW_A)).unwrap();
+    let waiting = provision::reconcile(&a, Some(&old)).await;
+    assert_eq!(waiting.state, ResourceStatusState::Waiting);
+    assert_eq!(
+        waiting.reason.as_deref(),
+        Some("credential version 1 not yet delivered")
+    );
+
+    // Present creates.
+    let mut p = Provisioner::new();
+    let items = vec![a.clone(), b.clone()];
+    let st = p.pass(&items, creds).await;
+    for s in &st {
+        assert_eq!(s.state, ResourceStatusState::Ready, "{s:?}");
+        assert_eq!(s.credential_version, Some(1));
+        assert!(!s.recreated);
+    }
+    assert!(provision::exists(&a).await.unwrap());
+
+    // The credential opens its database over TCP, and not the other one.
+    tcp_query(
+        &server,
+        "app-a-user",
+        PW_A,
+        "app-a",
+        "CREATE TABLE t (x int); INSERT INTO t VALUES (7)",
+    )
+    .unwrap();
+    let refused = tcp_query(&server, "app-a-user", PW_A, "app-b", "SELECT 1").unwrap_err();
+    assert!(refused.contains("permission denied"), "{refused}");
+    let refused = tcp_query(&server, "app-a-user", "wrong", "app-a", "SELECT 1").unwrap_err();
+    assert!(
+        refused.contains("password authentication failed"),
+        "{refused}"
+    );
+
+    // A second pass changes nothing.
+    let before = admin_query(
+        &server,
+        "SELECT rolname, rolpassword FROM pg_authid WHERE rolname LIKE 'app-%' ORDER BY 1",
+    );
+    let dbs_before = admin_query(
+        &server,
+        "SELECT datname, datdba FROM pg_database ORDER BY 1",
+    );
+    let st2 = p.pass(&items, creds).await;
+    assert_eq!(st, st2);
+    // (A SCRAM verifier is salted afresh on each ALTER ROLE … PASSWORD, so
+    // compare logins rather than verifiers.)
+    assert_eq!(
+        before
+            .lines()
+            .map(|l| l.split('|').next().unwrap())
+            .collect::<Vec<_>>(),
+        vec!["app-a-user", "app-b-user"]
+    );
+    assert_eq!(
+        dbs_before,
+        admin_query(
+            &server,
+            "SELECT datname, datdba FROM pg_database ORDER BY 1"
+        )
+    );
+    assert_eq!(
+        tcp_query(&server, "app-a-user", PW_A, "app-a", "SELECT x FROM t")
+            .unwrap()
+            .trim(),
+        "7"
+    );
+
+    // Dropped externally: created again, and recreated until a newer credential.
+    admin_query(&server, "DROP DATABASE \"app-a\" WITH (FORCE)");
+    let st3 = p.pass(&items, creds).await;
+    assert_eq!(st3[0].state, ResourceStatusState::Ready);
+    assert!(st3[0].recreated, "{:?}", st3[0]);
+    assert!(!st3[1].recreated);
+    let st4 = p.pass(&items, creds).await;
+    assert!(
+        st4[0].recreated,
+        "still recreated until the credential rotates"
+    );
+    let a2 = pg_item(&server, "app-a", ResourceState::Present, 2);
+    let creds2 = |path: &str| -> Option<String> {
+        match path {
+            "/creds/app-a.env" => Some(cred_text(kind, 2, PW_A)),
+            other => creds(other),
+        }
+    };
+    let st5 = p.pass(&[a2.clone(), b.clone()], creds2).await;
+    assert_eq!(st5[0].state, ResourceStatusState::Ready);
+    assert_eq!(st5[0].credential_version, Some(2));
+    assert!(!st5[0].recreated);
+
+    // Revoked: login refused, data kept.
+    let ra = pg_item(&server, "app-a", ResourceState::Revoked, 2);
+    let st6 = p.pass(&[ra.clone(), b.clone()], creds2).await;
+    assert_eq!(st6[0].state, ResourceStatusState::Revoked, "{:?}", st6[0]);
+    let refused = tcp_query(&server, "app-a-user", PW_A, "app-a", "SELECT 1").unwrap_err();
+    assert!(refused.contains("not permitted to log in"), "{refused}");
+    assert!(provision::exists(&ra).await.unwrap());
+    // Idempotent, also for a role that is not there.
+    assert_eq!(
+        provision::reconcile(&ra, None).await.state,
+        ResourceStatusState::Revoked
+    );
+    let mut ghost = pg_item(&server, "ghost", ResourceState::Revoked, 1);
+    ghost.credential = None;
+    assert_eq!(
+        provision::reconcile(&ghost, None).await.state,
+        ResourceStatusState::Revoked
+    );
+
+    // Deleted: gone.
+    let da = pg_item(&server, "app-a", ResourceState::Deleted, 2);
+    let st7 = p.pass(&[da.clone(), b.clone()], creds2).await;
+    assert_eq!(st7[0].state, ResourceStatusState::Deleted, "{:?}", st7[0]);
+    assert!(!provision::exists(&da).await.unwrap());
+    assert_eq!(
+        admin_query(
+            &server,
+            "SELECT count(*) FROM pg_roles WHERE rolname = 'app-a-user'"
+        ),
+        "0"
+    );
+    assert_eq!(
+        provision::reconcile(&da, None).await.state,
+        ResourceStatusState::Deleted
+    );
+
+    // A value the server refuses: failed, in PostgreSQL's words, without the password.
+    let mut bad = pg_item(&server, "app-c", ResourceState::Present, 1);
+    bad.options.insert("encoding".into(), "BOGUS".into());
+    let cred_c = CredentialFile::parse(kind, &cred_text(kind, 1, PW_A)).unwrap();
+    let failed = provision::reconcile(&bad, Some(&cred_c)).await;
+    assert_eq!(failed.state, ResourceStatusState::Failed);
+    let reason = failed.reason.clone().unwrap();
+    assert!(
+        reason.contains("BOGUS is not a valid encoding name"),
+        "{reason}"
+    );
+    // A statement that fails on the very line holding the password.
+    let mut bad_limit = pg_item(&server, "app-d", ResourceState::Present, 1);
+    bad_limit
+        .options
+        .insert("connection_limit".into(), "-5".into());
+    let failed_limit = provision::reconcile(&bad_limit, Some(&cred_c)).await;
+    assert_eq!(failed_limit.state, ResourceStatusState::Failed);
+    let reason_limit = failed_limit.reason.clone().unwrap();
+    assert!(
+        reason_limit.contains("invalid connection limit"),
+        "{reason_limit}"
+    );
+    // The Provisioner does not retry a failed item until it changes.
+    let creds_c = |_: &str| Some(cred_text(kind, 1, PW_A));
+    let f1 = p.pass(std::slice::from_ref(&bad), creds_c).await;
+    assert_eq!(f1[0].state, ResourceStatusState::Failed);
+    admin_query(&server, "CREATE DATABASE \"app-c\"");
+    let f2 = p.pass(std::slice::from_ref(&bad), creds_c).await;
+    assert_eq!(f2, f1, "not retried while unchanged");
+    bad.options.insert("encoding".into(), "UTF8".into());
+    let f3 = p.pass(std::slice::from_ref(&bad), creds_c).await;
+    assert_eq!(f3[0].state, ResourceStatusState::Ready, "{:?}", f3[0]);
+
+    // Server stopped: waiting.
+    server.stop();
+    let w = provision::reconcile(&b, Some(&cred_c)).await;
+    assert_eq!(w.state, ResourceStatusState::Waiting, "{w:?}");
+    assert!(provision::exists(&b).await.is_err());
+
+    // No reason ever holds a password.
+    let log = std::fs::read_to_string(server._dir.path().join("server.log")).unwrap();
+    for s in st
+        .iter()
+        .chain(&st3)
+        .chain(&st6)
+        .chain(&st7)
+        .chain([&failed, &failed_limit, &w])
+        .chain(&f1)
+    {
+        let r = s.reason.clone().unwrap_or_default();
+        assert!(!r.contains(PW_A) && !r.contains(PW_B), "{r}");
+    }
+    assert!(
+        !log.contains(PW_A) && !log.contains(PW_B),
+        "the server log holds a password"
+    );
+}
+
+const RABBITMQCTL: &str = "/usr/lib/rabbitmq/bin/rabbitmqctl";
+
+fn start_rabbitmq() -> (Server, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("rmq");
+    let port = free_port();
+    let node = format!("mesh-prov-{port}@localhost");
+    let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
+    let child = Command::new("bash")
+        .arg(providers().join("rabbitmq.sh"))
+        .arg(&base)
+        .arg(port.to_string())
+        .arg(&node)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let server = Server {
+        child: Some(child),
+        _dir: dir,
+        base,
+        port,
+    };
+    wait_until("rabbitmq", Duration::from_secs(90), || {
+        Command::new(RABBITMQCTL)
+            .env("HOME", &server.base)
+            .args(["-n", &node, "-q", "await_startup", "--timeout", "5"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    (server, node)
+}
+
+fn amqp_item(server: &Server, node: &str, name: &str, state: ResourceState) -> ResourceItem {
+    ResourceItem {
+        grant: Uuid::from_u128(
+            name.bytes()
+                .fold(7u128, |h, b| h.wrapping_mul(131) ^ u128::from(b)),
+        ),
+        kind: ResourceKind::AmqpVhost,
+        name: name.to_owned(),
+        user: format!("{name}-user"),
+        options: BTreeMap::new(),
+        state,
+        port: server.port,
+        admin: AdminAccess {
+            server: AdminServer::Rabbitmq,
+            socket_dir: None,
+            user: None,
+            node: Some(node.to_owned()),
+            home: Some(server.base.to_string_lossy().into_owned()),
+            config: None,
+        },
+        credential: Some(format!("/creds/{name}.env")),
+        credential_version: 1,
+    }
+}
+
+/// Connect as `user` to `vhost`, declare a queue, publish to it and get the
+/// message back.
+async fn amqp_roundtrip(port: u16, user: &str, password: &str, vhost: &str) -> Result<(), String> {
+    use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
+    let url = format!("amqp://{user}:{password}@127.0.0.1:{port}/{vhost}");
+    let conn = tokio::time::timeout(
+        Duration::from_secs(10),
+        Connection::connect(&url, ConnectionProperties::default()),
+    )
+    .await
+    .map_err(|_| "connect timed out".to_string())?
+    .map_err(|e| format!("connect: {e}"))?;
+    let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+    ch.queue_declare(
+        "q".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    ch.basic_publish(
+        "".into(),
+        "q".into(),
+        BasicPublishOptions::default(),
+        b"hello",
+        BasicProperties::default(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = ch
+            .basic_get("q".into(), BasicGetOptions { no_ack: true })
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(m) = got {
+            assert_eq!(m.delivery.data, b"hello");
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err("message not delivered".into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn rabbitmq_grant_lifecycle() {
+    let (mut server, node) = start_rabbitmq();
+    let kind = ResourceKind::AmqpVhost;
+    let a = amqp_item(&server, &node, "app-a", ResourceState::Present);
+    let b = amqp_item(&server, &node, "app-b", ResourceState::Present);
+    let creds = |path: &str| -> Option<String> {
+        match path {
+            "/creds/app-a.env" => Some(cred_text(kind, 1, PW_A)),
+            "/creds/app-b.env" => Some(cred_text(kind, 1, PW_B)),
+            _ => None,
+        }
+    };
+    let mut p = Provisioner::new();
+    let items = vec![a.clone(), b.clone()];
+    let st = p.pass(&items, creds).await;
+    for s in &st {
+        assert_eq!(s.state, ResourceStatusState::Ready, "{s:?}");
+    }
+    assert!(provision::exists(&a).await.unwrap());
+    amqp_roundtrip(server.port, "app-a-user", PW_A, "app-a")
+        .await
+        .unwrap();
+    let refused = amqp_roundtrip(server.port, "app-a-user", PW_A, "app-b").await;
+    assert!(refused.is_err(), "another vhost must be refused");
+    // A second pass changes nothing and the password still works.
+    assert_eq!(p.pass(&items, creds).await, st);
+    amqp_roundtrip(server.port, "app-a-user", PW_A, "app-a")
+        .await
+        .unwrap();
+
+    // A refused option value: failed, in rabbitmqctl's words.
+    let mut bad = amqp_item(&server, &node, "app-c", ResourceState::Present);
+    bad.options.insert("max_queues".into(), "many".into());
+    let c = CredentialFile::parse(kind, &cred_text(kind, 1, PW_A)).unwrap();
+    assert_eq!(
+        provision::reconcile(&bad, Some(&c)).await.state,
+        ResourceStatusState::Failed
+    );
+
+    // Revoked: refused, vhost kept; idempotent.
+    let ra = amqp_item(&server, &node, "app-a", ResourceState::Revoked);
+    let st2 = p.pass(&[ra.clone(), b.clone()], creds).await;
+    assert_eq!(st2[0].state, ResourceStatusState::Revoked, "{:?}", st2[0]);
+    assert!(
+        amqp_roundtrip(server.port, "app-a-user", PW_A, "app-a")
+            .await
+            .is_err()
+    );
+    assert!(provision::exists(&ra).await.unwrap());
+    assert_eq!(
+        provision::reconcile(&ra, None).await.state,
+        ResourceStatusState::Revoked
+    );
+
+    // Deleted: gone.
+    let da = amqp_item(&server, &node, "app-a", ResourceState::Deleted);
+    assert_eq!(
+        provision::reconcile(&da, None).await.state,
+        ResourceStatusState::Deleted
+    );
+    assert!(!provision::exists(&da).await.unwrap());
+
+    // Stopped: waiting.
+    server.stop();
+    let w = provision::reconcile(&b, Some(&c)).await;
+    assert_eq!(w.state, ResourceStatusState::Waiting, "{w:?}");
+    for s in st.iter().chain(&st2).chain([&w]) {
+        let r = s.reason.clone().unwrap_or_default();
+        assert!(!r.contains(PW_A) && !r.contains(PW_B), "{r}");
+    }
+}
+
+fn start_garage() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("garage");
+    let port = free_port();
+    let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
+    let child = Command::new("bash")
+        .arg(providers().join("garage.sh"))
+        .arg(&base)
+        .arg(port.to_string())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let server = Server {
+        child: Some(child),
+        _dir: dir,
+        base,
+        port,
+    };
+    let garage = if Command::new("garage").arg("--version").output().is_ok() {
+        "garage".to_owned()
+    } else {
+        "/var/cache/mesh-ci/garage-2.5.0/bin/garage".to_owned()
+    };
+    wait_until("garage", Duration::from_secs(60), || {
+        Command::new(&garage)
+            .arg("-c")
+            .arg(server.base.join("garage.toml"))
+            .args(["layout", "show"])
+            .output()
+            .is_ok_and(|o| {
+                String::from_utf8_lossy(&o.stdout).contains("Current cluster layout version: 1")
+            })
+    });
+    server
+}
+
+fn s3_item(server: &Server, name: &str, key: &str, state: ResourceState) -> ResourceItem {
+    ResourceItem {
+        grant: Uuid::from_u128(
+            name.bytes()
+                .fold(11u128, |h, b| h.wrapping_mul(131) ^ u128::from(b)),
+        ),
+        kind: ResourceKind::S3Bucket,
+        name: name.to_owned(),
+        user: key.to_owned(),
+        options: BTreeMap::new(),
+        state,
+        port: server.port,
+        admin: AdminAccess {
+            server: AdminServer::Garage,
+            socket_dir: None,
+            user: None,
+            node: None,
+            home: None,
+            config: Some(
+                server
+                    .base
+                    .join("garage.toml")
+                    .to_string_lossy()
+                    .into_owned(),
+            ),
+        },
+        credential: Some(format!("/creds/{name}.env")),
+        credential_version: 1,
+    }
+}
+
+fn hmac(key: &[u8], msg: &[u8]) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut k = [0u8; 64];
+    if key.len() > 64 {
+        k[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        k[..key.len()].copy_from_slice(key);
+    }
+    let ipad: Vec<u8> = k.iter().map(|b| b ^ 0x36).collect();
+    let opad: Vec<u8> = k.iter().map(|b| b ^ 0x5c).collect();
+    let inner = Sha256::new()
+        .chain_update(&ipad)
+        .chain_update(msg)
+        .finalize();
+    Sha256::new()
+        .chain_update(&opad)
+        .chain_update(inner)
+        .finalize()
+        .to_vec()
+}
+
+/// One path-style S3 request signed with SigV4 (region `garage`): the
+/// status and body.
+async fn s3(
+    port: u16,
+    key: &str,
+    secret: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> (u16, String) {
+    use sha2::{Digest, Sha256};
+    let now = chrono::Utc::now();
+    let amz_date = now.format("%Y%m%dT%H%M%SZ").to_string();
+    let day = now.format("%Y%m%d").to_string();
+    let host = format!("127.0.0.1:{port}");
+    let payload = hex::encode(Sha256::digest(body));
+    let canonical = format!(
+        "{method}\n{path}\n\nhost:{host}\nx-amz-content-sha256:{payload}\nx-amz-date:{amz_date}\n\nhost;x-amz-content-sha256;x-amz-date\n{payload}"
+    );
+    let scope = format!("{day}/garage/s3/aws4_request");
+    let to_sign = format!(
+        "AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{}",
+        hex::encode(Sha256::digest(canonical.as_bytes()))
+    );
+    let k = hmac(format!("AWS4{secret}").as_bytes(), day.as_bytes());
+    let k = hmac(&k, b"garage");
+    let k = hmac(&k, b"s3");
+    let k = hmac(&k, b"aws4_request");
+    let sig = hex::encode(hmac(&k, to_sign.as_bytes()));
+    let auth = format!(
+        "AWS4-HMAC-SHA256 Credential={key}/{scope}, SignedHeaders=host;x-amz-content-sha256;x-amz-date, Signature={sig}"
+    );
+    let resp = reqwest::Client::new()
+        .request(method.parse().unwrap(), format!("http://{host}{path}"))
+        .header("x-amz-date", &amz_date)
+        .header("x-amz-content-sha256", &payload)
+        .header("authorization", auth)
+        .body(body.to_vec())
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.text().await.unwrap_or_default())
+}
+
+const KEY_A: &str = "GK0123456789abcdef01234567";
+const KEY_B: &str = "GK76543210fedcba9876543210";
+const S3_A: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+const S3_B: &str = "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
+
+#[tokio::test]
+async fn garage_grant_lifecycle() {
+    let mut server = start_garage();
+    let kind = ResourceKind::S3Bucket;
+    let a = s3_item(&server, "bucket-a", KEY_A, ResourceState::Present);
+    let b = s3_item(&server, "bucket-b", KEY_B, ResourceState::Present);
+    let creds = |path: &str| -> Option<String> {
+        match path {
+            "/creds/bucket-a.env" => Some(cred_text(kind, 1, S3_A)),
+            "/creds/bucket-b.env" => Some(cred_text(kind, 1, S3_B)),
+            _ => None,
+        }
+    };
+    let mut p = Provisioner::new();
+    let items = vec![a.clone(), b.clone()];
+    let st = p.pass(&items, creds).await;
+    for s in &st {
+        assert_eq!(s.state, ResourceStatusState::Ready, "{s:?}");
+    }
+    assert!(provision::exists(&a).await.unwrap());
+    let (put, text) = s3(server.port, KEY_A, S3_A, "PUT", "/bucket-a/obj", b"hello").await;
+    assert_eq!(put, 200, "{text}");
+    let (get, text) = s3(server.port, KEY_A, S3_A, "GET", "/bucket-a/obj", b"").await;
+    assert_eq!((get, text.as_str()), (200, "hello"));
+    let (other, _) = s3(server.port, KEY_A, S3_A, "PUT", "/bucket-b/obj", b"x").await;
+    assert_eq!(other, 403);
+    assert_eq!(p.pass(&items, creds).await, st);
+
+    // Revoked: refused, bucket kept.
+    let ra = s3_item(&server, "bucket-a", KEY_A, ResourceState::Revoked);
+    assert_eq!(
+        provision::reconcile(&ra, None).await.state,
+        ResourceStatusState::Revoked
+    );
+    let (get, _) = s3(server.port, KEY_A, S3_A, "GET", "/bucket-a/obj", b"").await;
+    assert_eq!(get, 403);
+    assert!(provision::exists(&ra).await.unwrap());
+    assert_eq!(
+        provision::reconcile(&ra, None).await.state,
+        ResourceStatusState::Revoked
+    );
+
+    // Deleted (the empty bucket b): gone.
+    let db = s3_item(&server, "bucket-b", KEY_B, ResourceState::Deleted);
+    let d = provision::reconcile(&db, None).await;
+    assert_eq!(d.state, ResourceStatusState::Deleted, "{d:?}");
+    assert!(!provision::exists(&db).await.unwrap());
+
+    server.stop();
+    let c = CredentialFile::parse(kind, &cred_text(kind, 1, S3_A)).unwrap();
+    let w = provision::reconcile(&a, Some(&c)).await;
+    assert_eq!(w.state, ResourceStatusState::Waiting, "{w:?}");
+    for s in st.iter().chain([&w, &d]) {
+        let r = s.reason.clone().unwrap_or_default();
+        assert!(!r.contains(S3_A) && !r.contains(S3_B), "{r}");
+    }
+}
