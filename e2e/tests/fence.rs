@@ -493,8 +493,9 @@ async fn report_queues_of_an_older_controller_are_upgraded_without_losing_a_repo
 -> anyhow::Result<()> {
     let mut mesh = Mesh::prepare().await?;
     // The topology an older controller left (report queues only; it declared
-    // the rest as today's does). It predates logs answers (decision 0033):
-    // `reports.logs` is new, never upgraded.
+    // the rest as today's does). It predates logs answers (decision 0033)
+    // and resource grants (decision 0039): `reports.logs` and
+    // `reports.resources` are new, never upgraded.
     {
         let conn =
             lapin::Connection::connect(&mesh.env.admin_amqp_url(), Default::default()).await?;
@@ -511,7 +512,7 @@ async fn report_queues_of_an_older_controller_are_upgraded_without_losing_a_repo
         .await?;
         for kind in ReportKind::ALL
             .into_iter()
-            .filter(|k| *k != ReportKind::Logs)
+            .filter(|k| !matches!(k, ReportKind::Logs | ReportKind::Resources))
         {
             let q = report_queue(kind);
             ch.queue_declare(
