@@ -100,6 +100,12 @@ impl Contexts {
                 Delivery::SCHEMA,
                 mesh_delivery::migrate(creds.database(Delivery::SCHEMA)?.expose()).await?,
             ),
+            // Its history only, so far: the context is not built yet (decision 0039).
+            (
+                mesh_provisioning::SCHEMA,
+                mesh_provisioning::migrate(creds.database(mesh_provisioning::SCHEMA)?.expose())
+                    .await?,
+            ),
         ])
     }
 
