@@ -46,23 +46,7 @@ impl Section {
 /// A section's name as it may appear on the wire, known or not: 1 to 32 of
 /// `[a-z0-9_]`, starting with a letter.
 pub fn validate_section_name(field: &str, name: &str) -> Result<(), DecodeError> {
-    let ok = !name.is_empty()
-        && name.len() <= 32
-        && name.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-    if ok {
-        Ok(())
-    } else {
-        Err(DecodeError::invalid(
-            field,
-            format!(
-                "`{}`: 1 to 32 characters of a-z 0-9 _ starting with a letter",
-                name.chars().take(64).collect::<String>()
-            ),
-        ))
-    }
+    crate::names::check(field, name, &crate::names::SECTION)
 }
 
 impl fmt::Display for Section {

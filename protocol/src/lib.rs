@@ -20,6 +20,7 @@ mod error;
 mod health;
 mod logs;
 mod module;
+mod names;
 mod node;
 mod provisioning;
 mod record;

@@ -103,26 +103,7 @@ pub fn validate_settings_files(field: &str, files: &[SettingsFile]) -> Result<()
 /// `[a-z0-9-]`, starting with a letter or digit. The one rule every context
 /// that names modules applies (inventory adds its own on top).
 pub fn validate_module_name(field: &str, module: &str) -> Result<(), DecodeError> {
-    let ok = !module.is_empty()
-        && module.len() <= 48
-        && module
-            .bytes()
-            .next()
-            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-        && module
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    if ok {
-        Ok(())
-    } else {
-        Err(DecodeError::invalid(
-            field,
-            format!(
-                "`{}`: 1 to 48 characters of a-z 0-9 -, starting with a letter or digit",
-                module.chars().take(80).collect::<String>()
-            ),
-        ))
-    }
+    crate::names::check(field, module, &crate::names::MODULE)
 }
 
 /// Body of `inventory.module.placed`: the nodes a module has assignments on

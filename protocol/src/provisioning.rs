@@ -97,23 +97,7 @@ pub const CREDENTIAL_VERSION_KEY: &str = "MESH_CREDENTIAL_VERSION";
 
 /// Requirement names: 1 to 32 of `[a-z0-9-]`, starting with a letter.
 pub fn validate_requirement_name(field: &str, name: &str) -> Result<(), DecodeError> {
-    let ok = !name.is_empty()
-        && name.len() <= 32
-        && name.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    if ok {
-        Ok(())
-    } else {
-        Err(DecodeError::invalid(
-            field,
-            format!(
-                "`{}`: 1 to 32 characters of a-z 0-9 -, starting with a letter",
-                name.chars().take(64).collect::<String>()
-            ),
-        ))
-    }
+    crate::names::check(field, name, &crate::names::REQUIREMENT)
 }
 
 /// What a module asks for (`requires` of its spec).
@@ -275,20 +259,58 @@ impl Provides {
                     ),
                 )
             })?;
-        if self.port == 0 {
-            return Err(DecodeError::invalid(
-                format!("{field}.port"),
-                "must be 1 to 65535",
-            ));
-        }
-        if self.admin.kind() != self.kind {
-            return Err(DecodeError::invalid(
-                format!("{field}.admin"),
-                format!("does not administer a {} server", self.kind),
-            ));
-        }
-        self.admin.validate(&format!("{field}.admin"))
+        check_server(field, self.kind, self.port, &self.admin)
     }
+}
+
+/// A server's port, and an `admin` that administers a server of `kind`.
+fn check_server(
+    field: &str,
+    kind: ResourceKind,
+    port: u16,
+    admin: &AdminAccess,
+) -> Result<(), DecodeError> {
+    if port == 0 {
+        return Err(DecodeError::invalid(
+            format!("{field}.port"),
+            "must be 1 to 65535",
+        ));
+    }
+    if admin.kind() != kind {
+        return Err(DecodeError::invalid(
+            format!("{field}.admin"),
+            format!("does not administer a {kind} server"),
+        ));
+    }
+    admin.validate(&format!("{field}.admin"))
+}
+
+/// Options of `kind` only ([`ResourceKind::options`]), each value 1 to 255
+/// characters without control characters.
+fn check_options(
+    field: &str,
+    kind: ResourceKind,
+    options: &BTreeMap<String, String>,
+) -> Result<(), DecodeError> {
+    for (k, v) in options {
+        let at = format!("{field}.options.{}", k.chars().take(64).collect::<String>());
+        if !kind.options().contains(&k.as_str()) {
+            return Err(DecodeError::invalid(
+                at,
+                format!(
+                    "not an option of {kind} (known: {})",
+                    kind.options().join(", ")
+                ),
+            ));
+        }
+        if v.is_empty() || v.len() > 255 || v.chars().any(char::is_control) {
+            return Err(DecodeError::invalid(
+                at,
+                "must be 1 to 255 characters without control characters",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Check a module's `requires` and `provides` (bounds, names, options,
@@ -319,24 +341,7 @@ pub fn validate_resources(
                 format!("`{}` is required twice", r.name),
             ));
         }
-        for (k, v) in &r.options {
-            if !r.kind.options().contains(&k.as_str()) {
-                return Err(DecodeError::invalid(
-                    format!("{field}.options.{}", k.chars().take(64).collect::<String>()),
-                    format!(
-                        "not an option of {} (known: {})",
-                        r.kind,
-                        r.kind.options().join(", ")
-                    ),
-                ));
-            }
-            if v.is_empty() || v.len() > 255 || v.chars().any(char::is_control) {
-                return Err(DecodeError::invalid(
-                    format!("{field}.options.{k}"),
-                    "must be 1 to 255 characters without control characters",
-                ));
-            }
-        }
+        check_options(&field, r.kind, &r.options)?;
         if let Some(p) = &r.provider {
             validate_module_name(&format!("{field}.provider"), p)?;
         }
@@ -399,25 +404,7 @@ pub struct ResourceItem {
 /// (the bucket rules; safe unquoted in rabbitmqctl and quoted in SQL), or a
 /// Garage key id (`GK` and 24 hex digits).
 pub fn validate_resource_name(field: &str, name: &str) -> Result<(), DecodeError> {
-    let ok = (3..=63).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && name
-            .bytes()
-            .next()
-            .is_some_and(|b| b.is_ascii_alphanumeric());
-    if ok {
-        Ok(())
-    } else {
-        Err(DecodeError::invalid(
-            field,
-            format!(
-                "`{}`: 3 to 63 characters of a-z 0-9 -, starting with a letter or digit",
-                name.chars().take(80).collect::<String>()
-            ),
-        ))
-    }
+    crate::names::check(field, name, &crate::names::RESOURCE)
 }
 
 /// A Garage access key id: `GK` and 24 lowercase hex digits.
@@ -442,31 +429,8 @@ impl ResourceItem {
         } else {
             validate_resource_name(&format!("{field}.user"), &self.user)?;
         }
-        for k in self.options.keys() {
-            if !self.kind.options().contains(&k.as_str()) {
-                return Err(DecodeError::invalid(
-                    format!("{field}.options"),
-                    format!(
-                        "`{}` is not an option of {}",
-                        k.chars().take(64).collect::<String>(),
-                        self.kind
-                    ),
-                ));
-            }
-        }
-        if self.port == 0 {
-            return Err(DecodeError::invalid(
-                format!("{field}.port"),
-                "must be 1 to 65535",
-            ));
-        }
-        if self.admin.kind() != self.kind {
-            return Err(DecodeError::invalid(
-                format!("{field}.admin"),
-                format!("does not administer a {} server", self.kind),
-            ));
-        }
-        self.admin.validate(&format!("{field}.admin"))?;
+        check_options(field, self.kind, &self.options)?;
+        check_server(field, self.kind, self.port, &self.admin)?;
         match (&self.credential, self.state) {
             (Some(p), ResourceState::Present) => {
                 validate_path(&format!("{field}.credential"), p)?;
