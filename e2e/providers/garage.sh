@@ -40,18 +40,24 @@ fi
 server=$!
 trap 'kill -TERM "$server" 2>/dev/null || true' TERM INT
 
+# Apply the one-node layout, bounded (600 × 0.2 s): keep asking until the
+# server answers with a layout, then assign and apply version 1 if it still
+# has version 0. A first `layout show` that answers neither (the server still
+# starting) is asked again, never taken as done.
 (
-    for _ in $(seq 1 300); do
-        if id=$("$garage" -c "$config" node id -q 2>/dev/null); then
-            if "$garage" -c "$config" layout show 2>/dev/null | grep -q "Current cluster layout version: 0"; then
-                "$garage" -c "$config" layout assign -z dc1 -c 1G "${id%%@*}" >/dev/null
-                "$garage" -c "$config" layout apply --version 1 >/dev/null
+    for _ in $(seq 1 600); do
+        if id=$("$garage" -c "$config" node id -q 2>/dev/null) &&
+            layout=$("$garage" -c "$config" layout show 2>/dev/null); then
+            if grep -q "Current cluster layout version: 0" <<<"$layout"; then
+                "$garage" -c "$config" layout assign -z dc1 -c 1G "${id%%@*}" >/dev/null 2>&1 || true
+                "$garage" -c "$config" layout apply --version 1 >/dev/null 2>&1 || true
+            elif grep -q "Current cluster layout version: [1-9]" <<<"$layout"; then
+                exit 0
             fi
-            exit 0
         fi
         sleep 0.2
     done
-    echo "garage did not answer" >&2
+    echo "garage did not take its layout within 120 s" >&2
 ) &
 
 wait "$server"
