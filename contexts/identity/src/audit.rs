@@ -80,14 +80,19 @@ pub struct AuditPage {
 }
 
 impl Identity {
-    /// The audit log, oldest first, filtered and paged.
+    /// The audit log, oldest first, filtered and paged. Tolerates lag: served
+    /// by the replica when one is usable ([`Identity::reads`]); a page ends
+    /// where the replica is, and its `next` goes on from there.
     pub async fn audit(&self, f: &AuditFilter) -> Result<AuditPage, Error> {
         let limit = f.limit.unwrap_or(self.settings.max_page);
         if limit < 1 {
             return Err(Error::invalid("limit", "must be at least 1"));
         }
         let limit = limit.min(self.settings.max_page);
-        let entries: Vec<AuditRow> = sqlx::query_as(
+        let entries: Vec<AuditRow> = self
+            .reads
+            .lag_tolerant(|pool| async move {
+                sqlx::query_as(
             "SELECT seq, context, principal_id, principal, role, action, target, request_id, at, \
              outcome, status FROM identity.audit \
              WHERE ($1::text IS NULL OR principal = $1) \
@@ -107,8 +112,10 @@ impl Identity {
         .bind(f.until)
         .bind(f.after)
         .bind(limit)
-        .fetch_all(&self.pool)
-        .await?;
+        .fetch_all(&pool)
+        .await
+            })
+            .await?;
         let next = if i64::try_from(entries.len()).unwrap_or(i64::MAX) >= limit {
             entries.last().map(|e| e.seq)
         } else {

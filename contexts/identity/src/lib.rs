@@ -23,6 +23,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mesh_plumbing::reads::Reads;
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report};
 use sqlx::{PgConnection, PgPool};
@@ -115,6 +116,9 @@ impl IdentitySettings {
 /// The identity context, shared by the controller's router, auth layer and API.
 pub struct Identity {
     pool: PgPool,
+    /// The reads that tolerate lag (`GET /v1/audit`): the replica when the
+    /// controller gave one and it is usable, else `pool` (decision 0041).
+    reads: Reads,
     signal: OutboxSignal,
     settings: IdentitySettings,
     accounts: Arc<dyn BrokerAccounts>,
@@ -129,6 +133,7 @@ impl Identity {
         accounts: Arc<dyn BrokerAccounts>,
     ) -> Self {
         Identity {
+            reads: Reads::new(pool.clone()),
             pool,
             signal,
             settings,
@@ -138,6 +143,18 @@ impl Identity {
 
     pub fn settings(&self) -> &IdentitySettings {
         &self.settings
+    }
+
+    /// Serve the reads that tolerate lag through `reads` (its primary must be
+    /// this context's pool; the controller adds the replica).
+    pub fn with_reads(mut self, reads: Reads) -> Self {
+        self.reads = reads;
+        self
+    }
+
+    /// The reads that tolerate lag, and where they go.
+    pub fn reads(&self) -> &Reads {
+        &self.reads
     }
 
     /// The API routes this context serves: `POST /v1/join`,

@@ -50,6 +50,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use mesh_plumbing::reads::Reads;
 use mesh_plumbing::section::{Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
@@ -140,6 +141,9 @@ impl Default for InventorySettings {
 /// The inventory context, shared by the controller's report router and its API.
 pub struct Inventory {
     pool: PgPool,
+    /// The reads that tolerate lag (`GET /v1/nodes`): the replica when the
+    /// controller gave one and it is usable, else `pool` (decision 0041).
+    reads: Reads,
     signal: OutboxSignal,
     settings: InventorySettings,
     /// Since when the controller has been consuming reports without a break
@@ -154,6 +158,7 @@ impl Inventory {
     /// relay after an API request wrote an event.
     pub fn new(pool: PgPool, signal: OutboxSignal, settings: InventorySettings) -> Self {
         Inventory {
+            reads: Reads::new(pool.clone()),
             pool,
             signal,
             liveness: liveness::Liveness::new(settings.heartbeat_floor),
@@ -202,6 +207,18 @@ impl Inventory {
 
     pub fn settings(&self) -> &InventorySettings {
         &self.settings
+    }
+
+    /// Serve the reads that tolerate lag through `reads` (its primary must be
+    /// this context's pool; the controller adds the replica).
+    pub fn with_reads(mut self, reads: Reads) -> Self {
+        self.reads = reads;
+        self
+    }
+
+    /// The reads that tolerate lag, and where they go.
+    pub fn reads(&self) -> &Reads {
+        &self.reads
     }
 
     /// The API routes this context serves: `GET /v1/nodes`,

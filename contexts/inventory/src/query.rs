@@ -225,7 +225,8 @@ impl Inventory {
     /// Nodes ordered by id, those after `after`, at most `limit` (capped by
     /// [`crate::InventorySettings::max_page`]).
     /// With `selector`, only those whose effective labels (reported,
-    /// overridden by operator) hold every pair.
+    /// overridden by operator) hold every pair. Tolerates lag: served by the
+    /// replica when one is usable ([`Inventory::reads`]).
     pub async fn nodes(
         &self,
         after: Option<&str>,
@@ -242,7 +243,7 @@ impl Inventory {
             DateTime<Utc>,
             Option<i64>,
         );
-        let rows: Vec<Row> = sqlx::query_as(
+        let rows: Vec<Row> = self.reads.lag_tolerant(|pool| async move { sqlx::query_as(
             "SELECT id, hostname, reported_labels, operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, last_seen, beat_ms FROM inventory.nodes \
              WHERE ($1::text IS NULL OR id > $1) \
              AND ($3::jsonb IS NULL OR (reported_labels || operator_labels) @> $3) ORDER BY id LIMIT $2",
@@ -250,8 +251,8 @@ impl Inventory {
         .bind(after)
         .bind(limit)
         .bind(selector.map(Json))
-        .fetch_all(&self.pool)
-        .await?;
+        .fetch_all(&pool)
+        .await }).await?;
         Ok(rows
             .into_iter()
             .map(

@@ -5,7 +5,8 @@
 //! catch up on hello and heartbeat, resync, and its table's one definition),
 //! the migrations runner, problem+json API errors and their OpenAPI responses,
 //! ETags and preconditions (`etag`), and the audit entry every
-//! operator mutation writes in its own transaction (`audit`).
+//! operator mutation writes in its own transaction (`audit`), and the reads
+//! that tolerate lag, served by a streaming replica when it is usable (`reads`).
 //!
 //! This crate knows PostgreSQL and axum, never AMQP: publishing what the outbox
 //! holds is the controller's relay. It knows no particular context.
@@ -20,6 +21,7 @@ pub mod inbox;
 mod migrate;
 pub mod openapi;
 pub mod outbox;
+pub mod reads;
 pub mod section;
 
 pub use context::{Context, HandlerError, OutboxSignal, reachable};
