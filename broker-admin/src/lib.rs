@@ -205,6 +205,19 @@ impl Management {
         Ok(())
     }
 
+    /// POST a JSON body (e.g. `definitions`: an import of users, vhosts,
+    /// permissions, queues, exchanges, bindings and policies).
+    pub async fn post(&self, path: &str, body: &serde_json::Value) -> Result<()> {
+        let what = format!("POST /api/{path}");
+        let resp = self
+            .send(&what, self.http.post(self.url(path)).json(body))
+            .await?;
+        if !resp.status().is_success() {
+            return Err(Self::fail(&what, resp).await);
+        }
+        Ok(())
+    }
+
     /// DELETE; `Ok(false)` when it did not exist.
     pub async fn delete(&self, path: &str) -> Result<bool> {
         self.delete_within(path, None).await

@@ -11,7 +11,11 @@
 //! [`carry`] packs the foundation's Debian packages and the mesh's own into one
 //! archive and verifies it, so `bundle/up --from` raises the foundation with no
 //! network.
+//!
+//! [`backup`] writes one consistent, sealed archive of a mesh's schemas, keys
+//! and broker definitions, and restores it on a new host.
 
+pub mod backup;
 pub mod carry;
 pub mod probe;
 pub mod provision;

@@ -10,7 +10,11 @@
 //! - `mesh-bundle pack`: one archive of the mesh's packages and every Debian
 //!   package the foundation needs (`bundle/up --from` installs from it);
 //! - `mesh-bundle verify`: an extracted archive against its manifest and this
-//!   host, before anything is installed from it.
+//!   host, before anything is installed from it;
+//! - `mesh-bundle recovery-key`, `backup`, `restore`: a fresh recovery key;
+//!   one consistent archive of every context schema, the keys and the broker's
+//!   definitions, sealed under it; that archive verified and installed on a
+//!   new host (decision 0040).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -127,6 +131,202 @@ enum Command {
         #[arg(long, default_value_t = 5671)]
         amqps_port: u16,
     },
+    /// Write a fresh recovery key (mode 0600; an existing file is never
+    /// replaced). Keep it off the controller's host.
+    RecoveryKey {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// One consistent archive (mode 0600) of every context schema (one
+    /// pg_dump, one snapshot), the controller's credentials and keys, the
+    /// mesh CA and the broker's definitions, sealed under the recovery key.
+    Backup(BackupArgs),
+    /// Verify a backup (everything, before anything is installed), then
+    /// restore it: key files, controller credentials, roles, schemas (each as
+    /// its own role), the broker's definitions.
+    Restore(RestoreArgs),
+}
+
+#[derive(clap::Args)]
+struct BackupArgs {
+    /// The archive to write (a tar; replaced atomically).
+    #[arg(long)]
+    out: PathBuf,
+    /// The recovery key file (`mesh-bundle recovery-key`).
+    #[arg(long)]
+    recovery_key: PathBuf,
+    /// Directory of the credential files (default /etc/mesh).
+    #[arg(long, env = "MESH_ETC")]
+    etc: Option<PathBuf>,
+    /// The controller's credentials (default <etc>/controller-credentials.toml).
+    #[arg(long)]
+    controller_credentials: Option<PathBuf>,
+    /// The administrator's credentials (default <etc>/admin-credentials.toml).
+    #[arg(long)]
+    admin_credentials: Option<PathBuf>,
+    /// Directory of pg_dump (default: PATH).
+    #[arg(long)]
+    pg_bin: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct RestoreArgs {
+    /// The archive `mesh-bundle backup` wrote.
+    #[arg(long)]
+    archive: PathBuf,
+    /// The recovery key it was sealed under.
+    #[arg(long)]
+    recovery_key: PathBuf,
+    /// Where the key files and the controller's credentials go (default /etc/mesh).
+    #[arg(long, env = "MESH_ETC")]
+    etc: Option<PathBuf>,
+    /// This host's administrator credentials (default <etc>/admin-credentials.toml;
+    /// with MESH_ADMIN_PG_PASSWORD and MESH_ADMIN_RABBITMQ_PASSWORD, as bundle/up
+    /// passes them, they are made from those and written there).
+    #[arg(long)]
+    admin_credentials: Option<PathBuf>,
+    #[command(flatten)]
+    endpoints: Endpoints,
+    /// Only verify the archive with the key; install nothing.
+    #[arg(long)]
+    check: bool,
+    /// Replace what the target holds (context schemas, the vhost, other key files).
+    #[arg(long)]
+    force: bool,
+    /// Leave the broker alone (it kept its state): database and keys only.
+    #[arg(long)]
+    no_broker: bool,
+    /// Directory of pg_restore (default: PATH).
+    #[arg(long)]
+    pg_bin: Option<PathBuf>,
+}
+
+fn recovery_key(out: &std::path::Path) -> anyhow::Result<()> {
+    let key = mesh_bundle::backup::RecoveryKey::generate();
+    key.write_new(out)?;
+    println!(
+        "  changed  recovery key {} written to {} (0600): keep it off this host, apart from the backups",
+        key.id(),
+        out.display()
+    );
+    Ok(())
+}
+
+async fn backup(args: BackupArgs) -> anyhow::Result<()> {
+    use mesh_bundle::backup;
+    let started = std::time::Instant::now();
+    let etc = args.etc.unwrap_or_else(etc_dir);
+    let key = backup::RecoveryKey::read(&args.recovery_key)?;
+    let admin_path = args
+        .admin_credentials
+        .unwrap_or_else(|| etc.join(AdminCredentials::FILE));
+    let admin = AdminCredentials::load(&admin_path)?;
+    let src = backup::BackupSource {
+        controller_file: args
+            .controller_credentials
+            .unwrap_or_else(|| etc.join(ControllerCredentials::FILE)),
+        admin,
+        admin_token_file: Some(etc.join(ADMIN_TOKEN_FILE)),
+        pg_bin: args.pg_bin,
+    };
+    let done = backup::backup(&src, &key, &args.out).await?;
+    let m = &done.manifest;
+    for s in &m.schemas {
+        println!(
+            "  ok       schema {} ({}): {} migration(s), newest {}",
+            s.name,
+            s.role,
+            s.migrations.len(),
+            s.migrations
+                .last()
+                .map(|x| format!("V{}__{}", x.version, x.name))
+                .unwrap_or_else(|| "none".into())
+        );
+    }
+    println!(
+        "  ok       broker vhost {}: {} user(s), {} queue(s), {} exchange(s), {} polic(ies)",
+        m.broker.vhost,
+        m.broker.users.len(),
+        m.broker.queues,
+        m.broker.exchanges,
+        m.broker.policies
+    );
+    println!(
+        "  ok       {}: {} files, {} bytes, snapshot {} at {}, sealed under recovery key {}",
+        args.out.display(),
+        m.files.len() + 1,
+        done.bytes,
+        m.postgres.snapshot,
+        m.created_at,
+        m.recovery_key_id
+    );
+    println!("  ok       manifest sha256 {}", done.manifest_sha256);
+    println!(
+        "mesh-bundle backup: done in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
+    use mesh_bundle::backup;
+    let started = std::time::Instant::now();
+    let etc = args.etc.unwrap_or_else(etc_dir);
+    let key = backup::RecoveryKey::read(&args.recovery_key)?;
+    let opened = backup::verify(&args.archive, &key)
+        .map_err(|e| anyhow::anyhow!("REFUSED: {e}; nothing was installed"))?;
+    let m = &opened.manifest;
+    println!(
+        "  ok       {} verified: {} files match the manifest and open with recovery key {}",
+        args.archive.display(),
+        m.files.len(),
+        m.recovery_key_id
+    );
+    println!(
+        "  ok       backup {} of database {} (PostgreSQL {}), vhost {} (RabbitMQ {}), taken {} by mesh {}",
+        m.backup_id,
+        m.postgres.database,
+        m.postgres.server_version,
+        m.broker.vhost,
+        m.broker.rabbitmq_version,
+        m.created_at,
+        m.mesh_version
+    );
+    if args.check {
+        println!("mesh-bundle restore --check: nothing installed");
+        return Ok(());
+    }
+    let pg_pw = std::env::var("MESH_ADMIN_PG_PASSWORD").ok();
+    let mq_pw = std::env::var("MESH_ADMIN_RABBITMQ_PASSWORD").ok();
+    let admin_path = args
+        .admin_credentials
+        .unwrap_or_else(|| etc.join(AdminCredentials::FILE));
+    let admin = match (pg_pw, mq_pw) {
+        (Some(pg), Some(mq)) => {
+            let admin = admin_for(&args.endpoints, "mesh_admin", &pg, "mesh-admin", &mq);
+            if admin.write(&admin_path)? {
+                println!("  changed  {} written", admin_path.display());
+            }
+            admin
+        }
+        _ => AdminCredentials::load(&admin_path)?,
+    };
+    let opts = backup::RestoreOptions {
+        etc,
+        admin,
+        force: args.force,
+        broker: !args.no_broker,
+        pg_bin: args.pg_bin,
+    };
+    for line in backup::restore(&opened, &opts).await? {
+        println!("  {line}");
+    }
+    println!(
+        "mesh-bundle restore: done in {:.1} s; start the controller with {}",
+        started.elapsed().as_secs_f64(),
+        opts.etc.join(ControllerCredentials::FILE).display()
+    );
+    Ok(())
 }
 
 /// `mesh-bundle tls`: the CA and the broker's certificate. Prints what it did;
@@ -479,6 +679,27 @@ async fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("mesh-bundle up failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::RecoveryKey { out } => match recovery_key(&out) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mesh-bundle recovery-key failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Backup(args) => match backup(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mesh-bundle backup failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Restore(args) => match restore(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mesh-bundle restore: {e:#}");
                 ExitCode::FAILURE
             }
         },
