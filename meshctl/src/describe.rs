@@ -1,13 +1,14 @@
-//! `meshctl describe node|module|run` (one screen per resource: what it is,
-//! what was declared and applied, its units or replicas with their health,
-//! its recent events or receipts) and `meshctl status` (the fleet on a few
-//! lines).
+//! `meshctl describe node|module|run|grant` (one screen per resource: what it
+//! is, what was declared and applied, its units or replicas with their
+//! health, its recent events or receipts; a grant's provider nodes and
+//! retention) and `meshctl status` (the fleet on a few lines).
 
 use crate::client::{Api, urlencode};
 use crate::events::{self, Filters};
 use crate::output::{self, Format, age, labels, s};
 use crate::resources::{self, Kind};
-use chrono::Utc;
+use anyhow::bail;
+use chrono::{DateTime, Utc};
 use clap::ValueEnum;
 use reqwest::Method;
 use serde_json::{Value, json};
@@ -23,6 +24,8 @@ pub enum DescribeKind {
     Module,
     #[value(alias = "runs")]
     Run,
+    #[value(alias = "grants")]
+    Grant,
 }
 
 /// How many recent events `describe` shows.
@@ -85,6 +88,14 @@ pub async fn describe(
                 json!({ "run": run, "receipts": receipts["receipts"] }),
                 text,
             )
+        }
+        DescribeKind::Grant => {
+            let id = resolve_grant(api, name).await?;
+            let grant = api
+                .call(Method::GET, &format!("/v1/grants/{}", urlencode(&id)), None)
+                .await?;
+            let text = grant_text(&grant, Utc::now());
+            (json!({ "grant": grant }), text)
         }
     };
     match format {
@@ -384,6 +395,313 @@ pub fn run_text(r: &Value, receipts: &Value) -> anyhow::Result<String> {
     Ok(out)
 }
 
+/// How `describe grant` names a grant.
+#[derive(Debug, PartialEq, Eq)]
+pub enum GrantRef {
+    /// A whole id: asked for directly.
+    Id(String),
+    /// The start of an id (lower case): it must be the start of exactly one.
+    Prefix(String),
+    /// `consumer/requirement`.
+    Pair {
+        consumer: String,
+        requirement: String,
+    },
+}
+
+/// Whether `s` is a whole UUID (8-4-4-4-12 hex digits).
+fn is_uuid(s: &str) -> bool {
+    let groups: Vec<&str> = s.split('-').collect();
+    groups.len() == 5
+        && groups
+            .iter()
+            .zip([8, 4, 4, 4, 12])
+            .all(|(g, n)| g.len() == n && g.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Reads `describe grant`'s argument.
+pub fn grant_ref(arg: &str) -> anyhow::Result<GrantRef> {
+    if let Some((consumer, requirement)) = arg.split_once('/') {
+        if consumer.is_empty() || requirement.is_empty() || requirement.contains('/') {
+            bail!(
+                "grant `{arg}`: consumer/requirement is a module's name and one of its requirements, e.g. app/db"
+            );
+        }
+        return Ok(GrantRef::Pair {
+            consumer: consumer.to_owned(),
+            requirement: requirement.to_owned(),
+        });
+    }
+    let lower = arg.to_ascii_lowercase();
+    if lower.is_empty() || !lower.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
+        bail!(
+            "grant `{arg}`: give a grant's id (or the start of one) or consumer/requirement (`meshctl get grants -o wide` shows both)"
+        );
+    }
+    Ok(if is_uuid(&lower) {
+        GrantRef::Id(lower)
+    } else {
+        GrantRef::Prefix(lower)
+    })
+}
+
+/// How many candidates an ambiguity names before `and N more`.
+const CANDIDATES_SHOWN: usize = 10;
+
+/// `id  consumer/requirement  state` of each candidate, indented.
+fn candidates(grants: &[&Value]) -> String {
+    let mut out = String::new();
+    for g in grants.iter().take(CANDIDATES_SHOWN) {
+        let _ = write!(
+            out,
+            "\n  {}   {}/{}   {}",
+            s(g, "id"),
+            s(g, "consumer"),
+            s(g, "requirement"),
+            s(g, "state")
+        );
+    }
+    if grants.len() > CANDIDATES_SHOWN {
+        let _ = write!(out, "\n  and {} more", grants.len() - CANDIDATES_SHOWN);
+    }
+    out
+}
+
+/// The id of the one grant among `grants` that `r` names (a [`GrantRef::Id`]
+/// is its own answer); none or several is an error that says which.
+pub fn pick_grant(r: &GrantRef, grants: &[Value]) -> anyhow::Result<String> {
+    match r {
+        GrantRef::Id(id) => Ok(id.clone()),
+        GrantRef::Prefix(prefix) => {
+            let found: Vec<&Value> = grants
+                .iter()
+                .filter(|g| {
+                    g.get("id")
+                        .and_then(Value::as_str)
+                        .is_some_and(|id| id.to_ascii_lowercase().starts_with(prefix.as_str()))
+                })
+                .collect();
+            match found.as_slice() {
+                [] => bail!(
+                    "no grant's id starts with `{prefix}` (`meshctl get grants -o wide` lists them)"
+                ),
+                [one] => Ok(s(one, "id")),
+                many => bail!(
+                    "`{prefix}` starts the ids of {} grants; give more of the id:{}",
+                    many.len(),
+                    candidates(many)
+                ),
+            }
+        }
+        GrantRef::Pair {
+            consumer,
+            requirement,
+        } => {
+            let found: Vec<&Value> = grants
+                .iter()
+                .filter(|g| {
+                    g.get("consumer").and_then(Value::as_str) == Some(consumer.as_str())
+                        && g.get("requirement").and_then(Value::as_str)
+                            == Some(requirement.as_str())
+                })
+                .collect();
+            // A requirement removed and declared again leaves its revoked
+            // grant beside the live one: the live one is meant.
+            let live: Vec<&Value> = found
+                .iter()
+                .copied()
+                .filter(|g| g.get("state").and_then(Value::as_str) != Some("revoked"))
+                .collect();
+            match (found.as_slice(), live.as_slice()) {
+                ([], _) => bail!(
+                    "no grant for module `{consumer}`'s requirement `{requirement}` (`meshctl get grants --module {consumer}` lists its grants)"
+                ),
+                ([one], _) | (_, [one]) => Ok(s(one, "id")),
+                (many, _) => bail!(
+                    "{} grants for `{consumer}/{requirement}`; give the id of one:{}",
+                    many.len(),
+                    candidates(many)
+                ),
+            }
+        }
+    }
+}
+
+/// The id of the grant `arg` names: a whole id as it is, otherwise read
+/// from the list (a consumer's grants, or every grant for an id's start).
+async fn resolve_grant(api: &Api, arg: &str) -> anyhow::Result<String> {
+    let r = grant_ref(arg)?;
+    let query = match &r {
+        GrantRef::Id(id) => return Ok(id.clone()),
+        GrantRef::Prefix(_) => vec!["limit=500".to_owned()],
+        GrantRef::Pair { consumer, .. } => {
+            vec![
+                format!("module={}", urlencode(consumer)),
+                "limit=500".to_owned(),
+            ]
+        }
+    };
+    let (grants, _) = resources::list(api, Kind::Grants, &query).await?;
+    pick_grant(&r, &grants)
+}
+
+/// When `at` (RFC 3339) is, from `now`: `in 3d`, or `2h ago`.
+fn when(at: &str, now: DateTime<Utc>) -> String {
+    match DateTime::parse_from_rfc3339(at) {
+        Ok(t) => {
+            let secs = (t.with_timezone(&Utc) - now).num_seconds();
+            if secs >= 0 {
+                format!("in {}", output::duration(secs))
+            } else {
+                format!("{} ago", output::duration(-secs))
+            }
+        }
+        Err(_) => "unreadable time".to_owned(),
+    }
+}
+
+/// A time field with how far it is from now, `-` when absent.
+fn at(v: &Value, key: &str, now: DateTime<Utc>) -> Option<String> {
+    match v.get(key)? {
+        Value::Null => None,
+        Value::String(t) => Some(format!("{t} ({})", when(t, now))),
+        other => Some(other.to_string()),
+    }
+}
+
+/// A grant's options as `k=v, k=v` (`-` when none).
+fn options(v: Option<&Value>) -> String {
+    match v {
+        Some(Value::Object(m)) if !m.is_empty() => m
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => format!("{k}={s}"),
+                other => format!("{k}={other}"),
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+        None | Some(Value::Null) | Some(Value::Object(_)) => "-".to_owned(),
+        Some(other) => other.to_string(),
+    }
+}
+
+/// One grant on one screen. Read leniently: a field this meshctl does not
+/// know is not shown (`-o json` shows everything), a missing one is `-`.
+pub fn grant_text(g: &Value, now: DateTime<Utc>) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "Grant:          {}", s(g, "id"));
+    let _ = writeln!(
+        out,
+        "Consumer:       {} (requirement {})",
+        s(g, "consumer"),
+        s(g, "requirement")
+    );
+    let _ = writeln!(out, "Kind:           {}", s(g, "kind"));
+    let provider = match g.get("provider") {
+        None | Some(Value::Null) => "none chosen yet".to_owned(),
+        Some(_) => s(g, "provider"),
+    };
+    let _ = writeln!(out, "Provider:       {provider}");
+    let _ = writeln!(out, "Resource:       {}", s(g, "resource"));
+    let user = match g.get("user") {
+        None | Some(Value::Null) => "none issued yet".to_owned(),
+        Some(_) => s(g, "user"),
+    };
+    let _ = writeln!(out, "User:           {user}");
+    let _ = writeln!(out, "Options:        {}", options(g.get("options")));
+    let _ = writeln!(out, "State:          {}", s(g, "state"));
+    if let Some(reason) = g.get("reason").filter(|r| !r.is_null()) {
+        let reason = match reason {
+            Value::String(r) => r.clone(),
+            other => other.to_string(),
+        };
+        let _ = writeln!(out, "Reason:         {reason}");
+    }
+    let version = g.get("credential_version").and_then(Value::as_i64);
+    let credential = match version {
+        Some(0) => "none issued yet".to_owned(),
+        Some(v) => format!("version {v}"),
+        None => s(g, "credential_version"),
+    };
+    let _ = writeln!(out, "Credential:     {credential}");
+    let _ = writeln!(
+        out,
+        "  file:         {} (on the consumer's nodes)",
+        s(g, "credential_file")
+    );
+    let names = |key: &str| -> String {
+        g.get(key)
+            .and_then(Value::as_array)
+            .filter(|a| !a.is_empty())
+            .map_or("-".to_owned(), |a| {
+                a.iter()
+                    .map(|n| match n {
+                        Value::String(n) => n.clone(),
+                        other => other.to_string(),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+    };
+    let _ = writeln!(out, "Consumer nodes: {}", names("consumer_nodes"));
+    out.push_str("Provider nodes:\n");
+    let rows: Vec<Vec<String>> = g
+        .get("provider_nodes")
+        .and_then(Value::as_array)
+        .map(|nodes| {
+            nodes
+                .iter()
+                .map(|n| {
+                    let mut v = s(n, "credential_version");
+                    if let (Some(theirs), Some(current)) =
+                        (n.get("credential_version").and_then(Value::as_i64), version)
+                        && theirs < current
+                    {
+                        let _ = write!(v, " (behind {current})");
+                    }
+                    vec![
+                        s(n, "node"),
+                        s(n, "state"),
+                        v,
+                        age(n.get("reported_at").and_then(Value::as_str), now),
+                        resources::one_line(&s(n, "reason")),
+                    ]
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if rows.is_empty() {
+        out.push_str("  (none reported)\n");
+    } else {
+        out.push_str(&indent(&output::table(
+            &["NODE", "STATE", "VERSION", "REPORTED", "REASON"],
+            &rows,
+        )));
+    }
+    for (label, key) in [
+        ("Created:        ", "created_at"),
+        ("Updated:        ", "updated_at"),
+        ("Revoked:        ", "revoked_at"),
+    ] {
+        if let Some(t) = at(g, key, now) {
+            let _ = writeln!(out, "{label}{t}");
+        } else if key != "revoked_at" {
+            let _ = writeln!(out, "{label}-");
+        }
+    }
+    let delete = g.get("delete").and_then(Value::as_bool);
+    let retention = match (at(g, "retain_until", now), delete) {
+        (Some(t), _) => format!("the data is kept until {t}"),
+        (None, Some(true)) => "delete: true, the data is deleted when the grant is revoked".into(),
+        (None, _) if g.get("revoked_at").is_some_and(|r| !r.is_null()) => {
+            "the data is kept (no deletion time given)".into()
+        }
+        (None, _) => "the data is kept for the retention once the grant is revoked".into(),
+    };
+    let _ = writeln!(out, "Retention:      {retention}");
+    out
+}
+
 /// The fleet in numbers, from several lists.
 pub async fn status(api: &Api, format: Option<Format>) -> anyhow::Result<()> {
     let (nodes, first) = resources::list(api, Kind::Nodes, &[]).await?;
@@ -546,6 +864,277 @@ mod tests {
              Alerts:     1 open (1 critical)\n\
              Rollouts:   1 in progress\n  r1 web running (1/3 nodes)\n\
              Detection:  a node is judged unreachable within 4s (heartbeat every 1s, grace 3s)\n"
+        );
+    }
+
+    fn now() -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339("2026-12-04T05:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    const ID1: &str = "0193a1b2-0000-7000-8000-000000000001";
+
+    #[test]
+    fn a_grant_on_one_screen() {
+        let g = json!({
+            "id": ID1, "consumer": "app", "requirement": "db", "kind": "postgres.database",
+            "provider": "pg", "resource": "app-db", "user": "app-db",
+            "options": {"encoding": "UTF8", "extensions": ["pgcrypto"]}, "delete": false,
+            "state": "provisioning", "reason": null, "credential_version": 2,
+            "credential_file": "/modules/app/secrets/grant-db.env",
+            "consumer_nodes": ["node-a", "node-c"],
+            "provider_nodes": [
+                {"node": "node-b", "state": "ready", "credential_version": 2, "reason": null,
+                 "reported_at": "2026-12-04T04:58:00Z"},
+                {"node": "node-d", "state": "failed", "credential_version": 1,
+                 "reason": "permission denied\nto create database", "reported_at": "2026-12-04T04:00:00Z",
+                 "a_later_field": true}],
+            "created_at": "2026-12-04T04:00:00Z", "updated_at": "2026-12-04T04:58:00Z",
+            "revoked_at": null, "retain_until": null, "a_later_field": [1, 2]});
+        let t = grant_text(&g, now());
+        assert_eq!(
+            t,
+            format!(
+                "Grant:          {ID1}\n\
+                 Consumer:       app (requirement db)\n\
+                 Kind:           postgres.database\n\
+                 Provider:       pg\n\
+                 Resource:       app-db\n\
+                 User:           app-db\n\
+                 Options:        encoding=UTF8, extensions=[\"pgcrypto\"]\n\
+                 State:          provisioning\n\
+                 Credential:     version 2\n  \
+                 file:         /modules/app/secrets/grant-db.env (on the consumer's nodes)\n\
+                 Consumer nodes: node-a, node-c\n\
+                 Provider nodes:\n  \
+                 NODE     STATE    VERSION        REPORTED   REASON\n  \
+                 node-b   ready    2              2m         -\n  \
+                 node-d   failed   1 (behind 2)   60m        permission denied to create database\n\
+                 Created:        2026-12-04T04:00:00Z (60m ago)\n\
+                 Updated:        2026-12-04T04:58:00Z (2m ago)\n\
+                 Retention:      the data is kept for the retention once the grant is revoked\n"
+            )
+        );
+    }
+
+    #[test]
+    fn a_revoked_grant_says_how_long_its_data_is_kept() {
+        let g = json!({"id": ID1, "consumer": "app", "requirement": "db", "kind": "s3.bucket",
+            "provider": "s3", "state": "revoked", "reason": "the requirement is gone",
+            "credential_version": 1, "delete": false,
+            "revoked_at": "2026-12-04T04:00:00Z", "retain_until": "2026-12-11T04:00:00Z"});
+        let t = grant_text(&g, now());
+        assert!(
+            t.contains("State:          revoked\nReason:         the requirement is gone\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("Revoked:        2026-12-04T04:00:00Z (60m ago)\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("Retention:      the data is kept until 2026-12-11T04:00:00Z (in 6d)\n"),
+            "{t}"
+        );
+        let past = json!({"state": "revoked", "revoked_at": "2026-11-01T00:00:00Z",
+            "retain_until": "2026-12-01T00:00:00Z"});
+        assert!(
+            grant_text(&past, now()).contains("kept until 2026-12-01T00:00:00Z (3d ago)"),
+            "the retention has passed"
+        );
+        let deleted =
+            json!({"state": "revoked", "delete": true, "revoked_at": "2026-12-04T04:00:00Z"});
+        assert!(grant_text(&deleted, now()).contains(
+            "Retention:      delete: true, the data is deleted when the grant is revoked\n"
+        ));
+    }
+
+    #[test]
+    fn a_grant_with_only_some_fields_still_reads() {
+        // What an older or newer API may send: fields missing, some unknown,
+        // some of another type than expected. Nothing panics, absent is `-`.
+        let g = json!({"id": ID1, "consumer": "app", "requirement": "db", "state": "requested",
+            "reason": "no module provides postgres.database", "provider": null, "user": null,
+            "credential_version": 0, "brand_new": {"nested": true}, "consumer_nodes": "node-a"});
+        let t = grant_text(&g, now());
+        for line in [
+            "Provider:       none chosen yet\n",
+            "User:           none issued yet\n",
+            "Kind:           -\n",
+            "Options:        -\n",
+            "Reason:         no module provides postgres.database\n",
+            "Credential:     none issued yet\n",
+            "  file:         - (on the consumer's nodes)\n",
+            "Consumer nodes: -\n",
+            "Provider nodes:\n  (none reported)\n",
+            "Created:        -\n",
+        ] {
+            assert!(t.contains(line), "`{line}` in\n{t}");
+        }
+        assert!(!t.contains("brand_new") && !t.contains("Revoked"), "{t}");
+        let t = grant_text(&json!({}), now());
+        assert!(t.starts_with("Grant:          -\n"), "{t}");
+        assert!(t.contains("Credential:     -\n"), "{t}");
+        let t = grant_text(
+            &json!({"created_at": "yesterday", "provider_nodes": [{}]}),
+            now(),
+        );
+        assert!(
+            t.contains("Created:        yesterday (unreadable time)\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("  -      -       -         -          -\n"),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn a_grant_is_named_by_id_by_the_start_of_one_or_by_consumer_and_requirement() {
+        assert_eq!(grant_ref(ID1).unwrap(), GrantRef::Id(ID1.into()));
+        assert_eq!(
+            grant_ref(&ID1.to_uppercase()).unwrap(),
+            GrantRef::Id(ID1.into())
+        );
+        assert_eq!(
+            grant_ref("0193A1").unwrap(),
+            GrantRef::Prefix("0193a1".into())
+        );
+        assert_eq!(
+            grant_ref("0193a1b2-0000").unwrap(),
+            GrantRef::Prefix("0193a1b2-0000".into())
+        );
+        assert_eq!(
+            grant_ref("app/db").unwrap(),
+            GrantRef::Pair {
+                consumer: "app".into(),
+                requirement: "db".into()
+            }
+        );
+        for bad in ["", "app", "/db", "app/", "a/b/c", "0193-xyz"] {
+            let e = grant_ref(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{bad}`")), "{bad}: {e}");
+        }
+    }
+
+    fn grant(id: &str, consumer: &str, requirement: &str, state: &str) -> Value {
+        json!({"id": id, "consumer": consumer, "requirement": requirement, "state": state})
+    }
+
+    #[test]
+    fn an_id_prefix_names_one_grant_or_says_which() {
+        let grants = vec![
+            grant("0193aa00-0000-7000-8000-000000000001", "app", "db", "ready"),
+            grant(
+                "0193aa00-0000-7000-8000-000000000002",
+                "app",
+                "queue",
+                "ready",
+            ),
+            grant(
+                "0193bb00-0000-7000-8000-000000000003",
+                "web",
+                "db",
+                "failed",
+            ),
+            json!({"consumer": "no id at all"}),
+        ];
+        let pick = |p: &str| pick_grant(&grant_ref(p).unwrap(), &grants);
+        assert_eq!(
+            pick("0193b").unwrap(),
+            "0193bb00-0000-7000-8000-000000000003"
+        );
+        assert_eq!(
+            pick("0193AA00-0000-7000-8000-00000000000")
+                .unwrap_err()
+                .to_string(),
+            "`0193aa00-0000-7000-8000-00000000000` starts the ids of 2 grants; give more of the id:\n  \
+             0193aa00-0000-7000-8000-000000000001   app/db   ready\n  \
+             0193aa00-0000-7000-8000-000000000002   app/queue   ready"
+        );
+        assert_eq!(
+            pick("0193c").unwrap_err().to_string(),
+            "no grant's id starts with `0193c` (`meshctl get grants -o wide` lists them)"
+        );
+        // A whole id is asked for as it is (the API says 404 if unknown).
+        assert_eq!(pick(ID1).unwrap(), ID1);
+        // Many candidates: the first few, then how many more.
+        let many: Vec<Value> = (0..13)
+            .map(|i| {
+                grant(
+                    &format!("0193cc00-0000-7000-8000-{i:012}"),
+                    "app",
+                    &format!("r{i}"),
+                    "ready",
+                )
+            })
+            .collect();
+        let e = pick_grant(&GrantRef::Prefix("0193cc".into()), &many)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e.lines().count(), 1 + CANDIDATES_SHOWN + 1, "{e}");
+        assert!(e.starts_with("`0193cc` starts the ids of 13 grants"), "{e}");
+        assert!(e.ends_with("\n  and 3 more"), "{e}");
+    }
+
+    #[test]
+    fn consumer_and_requirement_name_the_live_grant() {
+        let grants = vec![
+            grant(
+                "0193aa00-0000-7000-8000-000000000001",
+                "app",
+                "db",
+                "revoked",
+            ),
+            grant("0193aa00-0000-7000-8000-000000000002", "app", "db", "ready"),
+            grant("0193aa00-0000-7000-8000-000000000003", "pg", "app", "ready"),
+            grant(
+                "0193aa00-0000-7000-8000-000000000004",
+                "app",
+                "bucket",
+                "revoked",
+            ),
+        ];
+        let pick = |p: &str| pick_grant(&grant_ref(p).unwrap(), &grants);
+        assert_eq!(
+            pick("app/db").unwrap(),
+            "0193aa00-0000-7000-8000-000000000002"
+        );
+        // A revoked grant alone is still the one named.
+        assert_eq!(
+            pick("app/bucket").unwrap(),
+            "0193aa00-0000-7000-8000-000000000004"
+        );
+        // The --module filter also returns a provider's grants: not these.
+        assert_eq!(
+            pick("app/app").unwrap_err().to_string(),
+            "no grant for module `app`'s requirement `app` (`meshctl get grants --module app` lists its grants)"
+        );
+        let two_revoked = vec![
+            grant(
+                "0193aa00-0000-7000-8000-000000000001",
+                "app",
+                "db",
+                "revoked",
+            ),
+            grant(
+                "0193aa00-0000-7000-8000-000000000002",
+                "app",
+                "db",
+                "revoked",
+            ),
+        ];
+        let e = pick_grant(&grant_ref("app/db").unwrap(), &two_revoked)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("2 grants for `app/db`; give the id of one:\n"),
+            "{e}"
+        );
+        assert!(
+            e.contains("0193aa00-0000-7000-8000-000000000002   app/db   revoked"),
+            "{e}"
         );
     }
 

@@ -121,12 +121,15 @@ enum Command {
         /// Alerts: resolved ones too (default: open ones).
         #[arg(long)]
         all: bool,
+        #[command(flatten)]
+        grants: resources::GrantFilters,
     },
-    /// Show one resource on one screen: node, module or run.
+    /// Show one resource on one screen: node, module, run or grant.
     Describe {
         #[arg(value_enum)]
         kind: describe::DescribeKind,
-        /// The node's id, the module's name or the run's id.
+        /// The node's id, the module's name, the run's id; a grant's id, the
+        /// start of one, or consumer/requirement (app/db).
         name: String,
         #[arg(short, long, value_enum)]
         output: Option<output::Format>,
@@ -338,6 +341,7 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
             output,
             watch,
             all,
+            grants,
         } => {
             if watch {
                 if kind != resources::Kind::Nodes {
@@ -345,7 +349,7 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
                 }
                 events::watch_nodes(&api, &selector, output).await?;
             } else {
-                resources::get(&api, kind, &selector, all, output).await?;
+                resources::get(&api, kind, &selector, all, &grants, output).await?;
             }
         }
         Command::Describe { kind, name, output } => {
@@ -860,8 +864,8 @@ mod tests {
     fn the_operator_commands_parse() {
         assert!(matches!(
             ok(&["get", "nodes", "-l", "role=web,zone=eu", "-l", "tier=1", "-o", "json"]),
-            Command::Get { kind: resources::Kind::Nodes, selector, output: Some(output::Format::Json), watch: false, all: false }
-                if selector == ["role=web,zone=eu", "tier=1"]
+            Command::Get { kind: resources::Kind::Nodes, selector, output: Some(output::Format::Json), watch: false, all: false, grants }
+                if selector == ["role=web,zone=eu", "tier=1"] && grants == resources::GrantFilters::default()
         ));
         assert!(matches!(
             ok(&["get", "no", "-w", "-o", "wide"]),
@@ -880,6 +884,8 @@ mod tests {
             ("alerts", resources::Kind::Alerts),
             ("run", resources::Kind::Runs),
             ("tokens", resources::Kind::Tokens),
+            ("grants", resources::Kind::Grants),
+            ("grant", resources::Kind::Grants),
         ] {
             assert!(
                 matches!(ok(&["get", word]), Command::Get { kind: k, .. } if k == kind),
@@ -893,6 +899,31 @@ mod tests {
             Command::Describe { kind: describe::DescribeKind::Node, name, output: Some(output::Format::Yaml) } if name == "web-1"
         ));
         assert!(parse(&["describe", "node"]).is_err(), "a name is needed");
+        assert!(matches!(
+            ok(&["describe", "grant", "app/db"]),
+            Command::Describe { kind: describe::DescribeKind::Grant, name, output: None } if name == "app/db"
+        ));
+        assert!(matches!(
+            ok(&["describe", "grants", "0193"]),
+            Command::Describe {
+                kind: describe::DescribeKind::Grant,
+                ..
+            }
+        ));
+        assert!(matches!(
+            ok(&["get", "grants", "--module", "app", "--resource", "app-db", "--kind", "postgres.database", "--state", "ready", "-o", "wide"]),
+            Command::Get { kind: resources::Kind::Grants, output: Some(output::Format::Wide), grants, .. }
+                if grants == resources::GrantFilters {
+                    module: Some("app".into()),
+                    resource: Some("app-db".into()),
+                    kind: Some("postgres.database".into()),
+                    state: Some("ready".into()),
+                }
+        ));
+        assert!(
+            parse(&["get", "grants", "--module"]).is_err(),
+            "a value is needed"
+        );
         assert!(matches!(ok(&["status"]), Command::Status { output: None }));
         assert!(matches!(
             ok(&["label", "web-1", "role=web", "zone-"]),

@@ -1,5 +1,6 @@
 //! `meshctl get <kind>`: every page of a list endpoint, as a table or as the
 //! API's objects; `-l` label selectors where the kind has labels (nodes);
+//! the filters of grants (`--module`, `--resource`, `--kind`, `--state`);
 //! `label`, `drain` and `undrain` of a node.
 
 use crate::client::{Api, Body, urlencode};
@@ -30,6 +31,8 @@ pub enum Kind {
     Runs,
     #[value(alias = "token")]
     Tokens,
+    #[value(alias = "grant")]
+    Grants,
 }
 
 impl Kind {
@@ -43,6 +46,7 @@ impl Kind {
             Kind::Alerts => "alerts",
             Kind::Runs => "runs",
             Kind::Tokens => "tokens",
+            Kind::Grants => "grants",
         }
     }
 
@@ -57,6 +61,7 @@ impl Kind {
             Kind::Alerts => ("/v1/alerts", "alerts"),
             Kind::Runs => ("/v1/runs", "runs"),
             Kind::Tokens => ("/v1/tokens", "tokens"),
+            Kind::Grants => ("/v1/grants", "grants"),
         }
     }
 
@@ -98,6 +103,17 @@ impl Kind {
             Kind::Tokens => (
                 &["ID", "NAME", "ROLE", "CREATED", "REVOKED"],
                 &["CREATED BY"],
+            ),
+            Kind::Grants => (
+                &[
+                    "CONSUMER",
+                    "REQUIREMENT",
+                    "KIND",
+                    "PROVIDER",
+                    "STATE",
+                    "AGE",
+                ],
+                &["RESOURCE", "USER", "VERSION", "ID", "REASON"],
             ),
         };
         let mut h = base.to_vec();
@@ -229,12 +245,34 @@ impl Kind {
                 ],
                 vec![s(v, "created_by")],
             ),
+            Kind::Grants => (
+                vec![
+                    s(v, "consumer"),
+                    s(v, "requirement"),
+                    s(v, "kind"),
+                    s(v, "provider"),
+                    s(v, "state"),
+                    at("created_at"),
+                ],
+                vec![
+                    s(v, "resource"),
+                    s(v, "user"),
+                    s(v, "credential_version"),
+                    s(v, "id"),
+                    one_line(&s(v, "reason")),
+                ],
+            ),
         };
         if wide {
             base.extend(more);
         }
         base
     }
+}
+
+/// Free text (a server's refusal, say) on one line, for a table cell.
+pub fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 /// A module's placement in a few words.
@@ -335,14 +373,54 @@ pub async fn list(api: &Api, kind: Kind, query: &[String]) -> anyhow::Result<(Ve
     bail!("GET {path}: more than 100000 pages")
 }
 
-/// `meshctl get`.
-pub async fn get(
-    api: &Api,
+/// `get grants`' filters, sent as the API's query parameters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct GrantFilters {
+    /// Grants: only those whose consumer or provider is this module.
+    #[arg(long, help_heading = "Grant filters")]
+    pub module: Option<String>,
+    /// Grants: only those of this resource (its name on the provider's
+    /// server, e.g. app-db).
+    #[arg(long, help_heading = "Grant filters")]
+    pub resource: Option<String>,
+    /// Grants: only those of this kind (postgres.database, amqp.vhost,
+    /// s3.bucket).
+    #[arg(
+        long = "kind",
+        id = "grant_kind",
+        value_name = "KIND",
+        help_heading = "Grant filters"
+    )]
+    pub kind: Option<String>,
+    /// Grants: only those in this state (requested, provisioning, ready,
+    /// failed, revoked).
+    #[arg(long, help_heading = "Grant filters")]
+    pub state: Option<String>,
+}
+
+impl GrantFilters {
+    /// The filters given, as (flag, API parameter, value).
+    fn given(&self) -> Vec<(&'static str, &'static str, &str)> {
+        [
+            ("--module", "module", &self.module),
+            ("--resource", "resource", &self.resource),
+            ("--kind", "kind", &self.kind),
+            ("--state", "state", &self.state),
+        ]
+        .into_iter()
+        .filter_map(|(flag, param, v)| v.as_deref().map(|v| (flag, param, v)))
+        .collect()
+    }
+}
+
+/// The query parameters (`k=v`, encoded) of `meshctl get <kind>` with these
+/// flags; a flag the kind has no use for is refused, naming it.
+pub fn get_query(
     kind: Kind,
     selector: &[String],
     all: bool,
-    format: Option<Format>,
-) -> anyhow::Result<()> {
+    filters: &GrantFilters,
+) -> anyhow::Result<Vec<String>> {
     let mut query = Vec::new();
     if !selector.is_empty() {
         if !kind.has_labels() {
@@ -362,6 +440,31 @@ pub async fn get(
             _ => bail!("--all: only alerts have a state to widen (open by default)"),
         }
     }
+    for (flag, param, value) in filters.given() {
+        if kind != Kind::Grants {
+            bail!(
+                "{flag}: only grants are filtered by {param} (not {})",
+                kind.name()
+            );
+        }
+        if value.is_empty() {
+            bail!("{flag}: the value is empty");
+        }
+        query.push(format!("{param}={}", urlencode(value)));
+    }
+    Ok(query)
+}
+
+/// `meshctl get`.
+pub async fn get(
+    api: &Api,
+    kind: Kind,
+    selector: &[String],
+    all: bool,
+    filters: &GrantFilters,
+    format: Option<Format>,
+) -> anyhow::Result<()> {
+    let query = get_query(kind, selector, all, filters)?;
     let (items, _) = list(api, kind, &query).await?;
     print!("{}", render(kind, &items, format)?);
     Ok(())
@@ -492,6 +595,159 @@ mod tests {
         for bad in [&["role"][..], &["-"], &["=v"], &["a=1", "a-"]] {
             assert!(parse_label_changes(&args(bad)).is_err(), "{bad:?}");
         }
+    }
+
+    fn filters(module: &str, resource: &str, kind: &str, state: &str) -> GrantFilters {
+        let o = |v: &str| (!v.is_empty()).then(|| v.to_owned());
+        GrantFilters {
+            module: o(module),
+            resource: o(resource),
+            kind: o(kind),
+            state: o(state),
+        }
+    }
+
+    #[test]
+    fn grant_filters_are_the_apis_query_parameters() {
+        let none = GrantFilters::default();
+        assert!(
+            get_query(Kind::Grants, &[], false, &none)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(
+            get_query(
+                Kind::Grants,
+                &[],
+                false,
+                &filters("app", "app-db", "postgres.database", "ready")
+            )
+            .unwrap(),
+            [
+                "module=app",
+                "resource=app-db",
+                "kind=postgres.database",
+                "state=ready"
+            ]
+        );
+        // Encoded: a value cannot add a parameter of its own.
+        assert_eq!(
+            get_query(Kind::Grants, &[], false, &filters("a&b=c d", "", "", "")).unwrap(),
+            ["module=a%26b%3Dc%20d"]
+        );
+        assert_eq!(
+            get_query(Kind::Grants, &[], false, &filters("", "", "", "failed")).unwrap(),
+            ["state=failed"]
+        );
+        let empty = GrantFilters {
+            state: Some(String::new()),
+            ..GrantFilters::default()
+        };
+        let e = get_query(Kind::Grants, &[], false, &empty).unwrap_err();
+        assert_eq!(e.to_string(), "--state: the value is empty");
+        // Other kinds have no such filters: refused naming the flag.
+        for (f, flag) in [
+            (filters("web", "", "", ""), "--module"),
+            (filters("", "x", "", ""), "--resource"),
+            (filters("", "", "amqp.vhost", ""), "--kind"),
+            (filters("", "", "", "ready"), "--state"),
+        ] {
+            let e = get_query(Kind::Runs, &[], false, &f)
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with(flag) && e.contains("runs"), "{e}");
+        }
+    }
+
+    #[test]
+    fn label_selectors_are_refused_for_grants_as_for_every_kind_but_nodes() {
+        let sel = args(&["role=web"]);
+        let e = get_query(Kind::Grants, &sel, false, &GrantFilters::default())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "-l: grants have no labels to select on (label selectors apply to nodes)"
+        );
+        for kind in Kind::value_variants() {
+            let got = get_query(*kind, &sel, false, &GrantFilters::default());
+            assert_eq!(got.is_ok(), kind.has_labels(), "{kind:?}");
+        }
+        assert_eq!(
+            get_query(Kind::Nodes, &sel, false, &GrantFilters::default()).unwrap(),
+            ["selector=role%3Dweb"]
+        );
+        assert!(get_query(Kind::Grants, &[], true, &GrantFilters::default()).is_err());
+        assert_eq!(
+            get_query(Kind::Alerts, &[], true, &GrantFilters::default()).unwrap(),
+            ["state=all"]
+        );
+    }
+
+    #[test]
+    fn the_grants_table() {
+        let ready = json!({
+            "id": "0193a1b2-0000-7000-8000-000000000001", "consumer": "app", "requirement": "db",
+            "kind": "postgres.database", "provider": "pg", "resource": "app-db", "user": "app-db",
+            "options": {"encoding": "UTF8"}, "delete": false, "state": "ready", "reason": null,
+            "credential_version": 1, "credential_file": "/modules/app/secrets/grant-db.env",
+            "consumer_nodes": ["node-a"], "provider_nodes": [], "created_at": "2000-01-01T00:00:00Z",
+            "updated_at": "2000-01-01T00:00:00Z", "revoked_at": null, "retain_until": null,
+            "a_field_of_a_later_version": {"x": 1}});
+        // Only what an older API sends: missing optional fields are `-`.
+        let waiting = json!({"id": "0193a1b2-0000-7000-8000-000000000002", "consumer": "web",
+            "requirement": "queue", "kind": "amqp.vhost", "state": "requested",
+            "reason": "no module provides\namqp.vhost"});
+        let items = vec![ready.clone(), waiting];
+        let t = render(Kind::Grants, &items, None).unwrap();
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "CONSUMER   REQUIREMENT   KIND                PROVIDER   STATE       AGE"
+        );
+        assert!(
+            lines[1].starts_with(
+                "app        db            postgres.database   pg         ready       "
+            ),
+            "{t}"
+        );
+        assert!(lines[1].ends_with('d'), "an age in days: {t}");
+        assert_eq!(
+            lines[2],
+            "web        queue         amqp.vhost          -          requested   -"
+        );
+        let w = render(Kind::Grants, &items, Some(Format::Wide)).unwrap();
+        let lines: Vec<&str> = w.lines().collect();
+        assert!(
+            lines[0].ends_with(
+                "   RESOURCE   USER     VERSION   ID                                     REASON"
+            ),
+            "{w}"
+        );
+        assert!(
+            lines[1].ends_with(
+                "app-db     app-db   1         0193a1b2-0000-7000-8000-000000000001   -"
+            ),
+            "{w}"
+        );
+        assert!(
+            lines[2].ends_with("-          -        -         0193a1b2-0000-7000-8000-000000000002   no module provides amqp.vhost"),
+            "the reason on one line: {w}"
+        );
+        // The machine formats are the API's objects, unknown fields kept.
+        let j = render(Kind::Grants, &items, Some(Format::Json)).unwrap();
+        let back: Value = serde_json::from_str(&j).unwrap();
+        assert_eq!(back, Value::Array(items.clone()));
+        assert_eq!(back[0]["a_field_of_a_later_version"]["x"], 1);
+        let y = render(Kind::Grants, &items, Some(Format::Yaml)).unwrap();
+        assert_eq!(
+            serde_norway::from_str::<Value>(&y).unwrap(),
+            Value::Array(items)
+        );
+        assert_eq!(
+            render(Kind::Grants, &[], Some(Format::Json)).unwrap(),
+            "[]\n"
+        );
     }
 
     #[test]
