@@ -135,6 +135,7 @@ impl Items {
         items.units.sort_by(|a, b| a.name.cmp(&b.name));
         items.secrets.sort_by(|a, b| a.path.cmp(&b.path));
         items.artifacts.sort_by(|a, b| a.digest.cmp(&b.digest));
+        items.resources.sort_by_key(|r| r.grant);
         let json = serde_json::to_string(&items).map_err(|e| SectionError::Items(e.to_string()))?;
         let too_large = if items.files.len() > MAX_ITEMS {
             Some(format!("{} files, limit {MAX_ITEMS}", items.files.len()))
@@ -142,6 +143,12 @@ impl Items {
             Some(format!(
                 "{} secrets, limit {MAX_ITEMS}",
                 items.secrets.len()
+            ))
+        } else if items.resources.len() > mesh_protocol::MAX_RESOURCES {
+            Some(format!(
+                "{} resources, limit {}",
+                items.resources.len(),
+                mesh_protocol::MAX_RESOURCES
             ))
         } else if items.units.len() > MAX_ITEMS {
             Some(format!("{} units, limit {MAX_ITEMS}", items.units.len()))
@@ -171,7 +178,7 @@ impl Items {
     }
 
     /// No files, no secrets, no units, no heartbeat plan, no overlay, no
-    /// packet filter, no certificates and no artifacts.
+    /// packet filter, no certificates, no artifacts and no resources.
     pub fn is_empty(&self) -> bool {
         self.items.files.is_empty()
             && self.items.secrets.is_empty()
@@ -181,6 +188,7 @@ impl Items {
             && self.items.firewall.is_none()
             && self.items.certificates.is_empty()
             && self.items.artifacts.is_empty()
+            && self.items.resources.is_empty()
     }
 
     /// Why an agent would refuse these items (too many, too large); none: it
