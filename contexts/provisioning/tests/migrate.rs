@@ -9,7 +9,7 @@ async fn migrations_make_plumbings_tables_once_and_the_role_stays_in_its_schema(
     let env = TestEnv::new().await.unwrap();
     let url = env.database_url("provisioning");
     let applied = mesh_provisioning::migrate(&url).await.unwrap();
-    assert_eq!(applied, ["V1__plumbing", "V2__sections"]);
+    assert_eq!(applied, ["V1__plumbing", "V2__sections", "V3__grants"]);
     assert!(mesh_provisioning::migrate(&url).await.unwrap().is_empty());
 
     let pool = PgPoolOptions::new()
@@ -25,7 +25,18 @@ async fn migrations_make_plumbings_tables_once_and_the_role_stays_in_its_schema(
     .await
     .unwrap();
     tables.sort();
-    assert_eq!(tables, ["inbox", "outbox", "sections"]);
+    assert_eq!(
+        tables,
+        [
+            "conditions",
+            "grants",
+            "inbox",
+            "modules",
+            "outbox",
+            "sections",
+            "statuses"
+        ]
+    );
     // What plumbing reads of every context reads here too.
     let generations = mesh_provisioning::SECTIONS
         .generations(&pool)
