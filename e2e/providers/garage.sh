@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A Garage (S3) provider for tests: garage.sh <base_dir> <s3_port>
+# A Garage (S3) provider for tests: garage.sh <base_dir> <s3_port> [s3_listen_addr]
 # Writes <base_dir>/garage.toml (single node, sqlite; RPC on s3_port+1,
-# admin API on s3_port+2 with a generated admin_token), starts the server
+# admin API on s3_port+2 with a generated admin_token, both on loopback;
+# the S3 API on s3_listen_addr, default 127.0.0.1), starts the server
 # and, once it answers, assigns and applies a single-node layout. The
 # server stays in the foreground (SIGTERM stops it).
 # Administer it with `garage -c <base_dir>/garage.toml ...`.
@@ -9,6 +10,7 @@ set -euo pipefail
 
 base=$1
 port=$2
+listen=${3:-127.0.0.1}
 
 garage=$(command -v garage || true)
 [ -n "$garage" ] || garage=/var/cache/mesh-ci/garage-2.5.0/bin/garage
@@ -28,7 +30,7 @@ rpc_secret = "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 
 [s3_api]
 s3_region = "garage"
-api_bind_addr = "127.0.0.1:$port"
+api_bind_addr = "$listen:$port"
 
 [admin]
 api_bind_addr = "127.0.0.1:$((port + 2))"

@@ -20,6 +20,8 @@
 //! `/etc/mesh/admin-credentials.toml` (written by `bundle/up`), else from this
 //! machine's defaults (see [`local_admin_credentials`]).
 
+pub mod s3;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
