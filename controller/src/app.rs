@@ -316,6 +316,14 @@ async fn run_fenced(
         .await;
         ("stats", Ok(()))
     });
+    let replica_shutdown = shutdown.clone();
+    let replica_metrics = metrics.clone();
+    let replica_every = Duration::from_millis(settings.replica_check_ms);
+    let replicas = contexts.replicas.clone();
+    tasks.spawn(async move {
+        crate::replica::run(replicas, replica_metrics, replica_every, replica_shutdown).await;
+        ("replica", Ok(()))
+    });
     let housekeeping_shutdown = shutdown.clone();
     let housekeeping_contexts = contexts.clone();
     tasks.spawn(async move {

@@ -211,6 +211,32 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
+    /// The host (a name, an IP address, or a socket directory) of a
+    /// PostgreSQL streaming replica of the mesh database (`bundle/replica`):
+    /// the reads that tolerate lag (`GET /v1/nodes`, `GET /v1/audit`) are
+    /// served there while it is usable (docs/decisions/0041). Each context
+    /// connects with its own role, password and database, those of its URL in
+    /// the credentials file, on this host and `replica_port`: the replica
+    /// needs no credential of its own. Writes never go there. Default none
+    /// (every read on the primary).
+    pub replica_host: Option<String>,
+    /// The replica's port. Default 5432.
+    pub replica_port: u16,
+    /// How often the replica is asked whether it is in recovery and how far
+    /// behind the primary it is, in milliseconds (what decides where the
+    /// reads go, and the `mesh_controller_replica_*` gauges). Default 1000;
+    /// at least 100.
+    pub replica_check_ms: u64,
+    /// The lag bound, in milliseconds: a replica further behind than this
+    /// (or whose lag is unknown, or that is not in recovery, or that does
+    /// not answer) serves nothing, and its reads go to the primary. A list
+    /// served by the replica is at most this old, plus one `replica_check_ms`.
+    /// Default 5000; at least 1.
+    pub replica_max_lag_ms: u64,
+    /// Longest a read (or a check) may take on the replica, in milliseconds,
+    /// connecting included; past it the read runs on the primary and the
+    /// replica serves nothing until its next check. Default 2000; at least 100.
+    pub replica_timeout_ms: u64,
             credentials: PathBuf::from("/etc/mesh/controller-credentials.toml"),
             api_listen: SocketAddr::from(([127, 0, 0, 1], 7700)),
             api_listen_tls: None,
@@ -263,6 +289,11 @@ impl Default for Settings {
 
 impl Settings {
     /// Read `path` if given (a missing file is an error), then apply environment
+            replica_host: None,
+            replica_port: 5432,
+            replica_check_ms: 1000,
+            replica_max_lag_ms: 5000,
+            replica_timeout_ms: 2000,
     /// overrides `MESH_CONTROLLER_CREDENTIALS` and `MESH_CONTROLLER_API_LISTEN`.
     pub fn load(path: Option<&Path>) -> Result<Settings, ConfigError> {
         let mut settings = match path {
@@ -428,6 +459,7 @@ impl Settings {
             });
         }
         Ok(())
+        self.validate_replica()?;
     }
 
     /// The overlay settings of the connectivity context, checked.
@@ -437,6 +469,37 @@ impl Settings {
                 field,
                 message: match e {
                     mesh_connectivity::Error::Invalid { reason, .. } => reason,
+    /// The read replica's settings (decision 0041).
+    fn validate_replica(&self) -> Result<(), ConfigError> {
+        if let Some(host) = &self.replica_host
+            && (host.is_empty() || host.contains(|c: char| c.is_whitespace() || c == '@'))
+        {
+            return Err(ConfigError::Invalid {
+                field: "replica_host",
+                message: "must be a host name, an IP address or a socket directory (no credentials: each context's role and password come from its database URL)".into(),
+            });
+        }
+        if self.replica_port == 0 {
+            return Err(ConfigError::Invalid {
+                field: "replica_port",
+                message: "must be 1 to 65535".into(),
+            });
+        }
+        for (field, value, least) in [
+            ("replica_check_ms", self.replica_check_ms, 100),
+            ("replica_max_lag_ms", self.replica_max_lag_ms, 1),
+            ("replica_timeout_ms", self.replica_timeout_ms, 100),
+        ] {
+            if value < least {
+                return Err(ConfigError::Invalid {
+                    field,
+                    message: format!("must be at least {least}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
                     other => other.to_string(),
                 },
             }
@@ -675,6 +738,33 @@ mod tests {
     }
 
     #[test]
+    #[test]
+    fn replica_settings_are_checked_and_named() {
+        let defaults = Settings::default();
+        assert_eq!(defaults.replica_host, None);
+        assert_eq!(defaults.replica_port, 5432);
+        assert_eq!(defaults.replica_check_ms, 1000);
+        assert_eq!(defaults.replica_max_lag_ms, 5000);
+        toml::from_str::<Settings>("replica_host = \"127.0.0.1\"\nreplica_port = 5433")
+            .unwrap()
+            .validate()
+            .unwrap();
+        for (text, field) in [
+            ("replica_host = \"\"", "replica_host"),
+            ("replica_host = \"u:pw@db\"", "replica_host"),
+            ("replica_port = 0", "replica_port"),
+            ("replica_check_ms = 10", "replica_check_ms"),
+            ("replica_max_lag_ms = 0", "replica_max_lag_ms"),
+            ("replica_timeout_ms = 0", "replica_timeout_ms"),
+        ] {
+            let settings: Settings = toml::from_str(text).unwrap();
+            match settings.validate() {
+                Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field, "{text}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
     fn connectivity_settings_are_checked_and_named() {
         let plan = Settings::default().connectivity_plan().unwrap();
         assert_eq!(plan.cidr.to_string(), "10.88.0.0/16");

@@ -52,6 +52,9 @@ pub struct Contexts {
     pub in_step: Arc<InStep>,
     /// How long each context's transaction takes per batch, by context and
     /// kind: `mesh_controller_handler_duration_seconds` once `app::run` put
+    /// The read replica and the contexts' reads that tolerate lag (decision
+    /// 0041): what the replica clock (`replica::run`) checks.
+    pub replicas: Arc<crate::replica::Replicas>,
     /// the registered family here (`Metrics::handler_seconds`).
     pub handler_seconds: Histograms<HandlerLabels>,
 }
@@ -115,6 +118,7 @@ impl Contexts {
         signal: OutboxSignal,
     ) -> Result<Contexts, ContextsError> {
         let inventory = Inventory::new(
+        let replicas = Arc::new(crate::replica::Replicas::new(settings));
             pool(creds, Inventory::SCHEMA, settings.pool_size).await?,
             signal.clone(),
             mesh_inventory::InventorySettings {
@@ -138,6 +142,8 @@ impl Contexts {
             },
         );
         let config_settings = mesh_config::ConfigSettings {
+        let reads = replicas.reads_for(creds, Inventory::SCHEMA, inventory.pool())?;
+        let inventory = inventory.with_reads(reads);
             resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
         };
         // The secrets master keyring: without one the controller runs and
@@ -250,7 +256,10 @@ impl Contexts {
         })
     }
 
+        let reads = replicas.reads_for(creds, Identity::SCHEMA, identity.pool())?;
+        let identity = identity.with_reads(reads);
     /// Fill the in-step index from every context's section table (before
+            replicas,
     /// consuming reports; the relay raises it from then on).
     pub async fn load_in_step(&self) -> Result<usize, section::SectionError> {
         use mesh_plumbing::section::SectionOwner;

@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod pipeline;
 pub mod relay;
+pub mod replica;
 pub mod rollout_clock;
 pub mod router;
 pub mod tls;

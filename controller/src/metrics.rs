@@ -80,6 +80,12 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// Where a lag-tolerant read was served: `replica` or `primary`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TargetLabels {
+    pub target: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
     pub state: String,
@@ -196,6 +202,16 @@ pub struct Metrics {
     pub logs_answers: Family<OutcomeLabels, Counter>,
     /// Nodes asked for logs that did not answer within `logs_wait_ms`.
     pub logs_timeouts: Counter,
+    /// The read replica's lag at its last check, in seconds (the largest of
+    /// the contexts' checks; 0 with no replica; NaN while unknown: it does
+    /// not answer, or replayed nothing yet). Decision 0041.
+    pub replica_lag_seconds: SecondsGauge,
+    /// 1 while lag-tolerant reads go to the replica (every context's check
+    /// found it in recovery and within `replica_max_lag_ms`), else 0.
+    pub replica_usable: Gauge,
+    /// Lag-tolerant reads served, by target (`replica`, `primary`), as of
+    /// the replica clock's last tick.
+    pub replica_reads: Family<TargetLabels, Counter>,
     /// Every family registered, as a scrape names it (see [`Metrics::families`]).
     families: Arc<[String]>,
 }
@@ -246,6 +262,9 @@ impl Metrics {
             logs_requests: Family::default(),
             logs_answers: Family::default(),
             logs_timeouts: Counter::default(),
+            replica_lag_seconds: SecondsGauge::default(),
+            replica_usable: Gauge::default(),
+            replica_reads: Family::default(),
             families: Arc::from(Vec::new()),
         };
         m.build_info
@@ -271,10 +290,30 @@ impl Metrics {
                 });
             }
         }
+        for target in mesh_plumbing::reads::Target::ALL {
+            let _ = m.replica_reads.get_or_create(&TargetLabels {
+                target: target.as_str().to_owned(),
+            });
+        }
         let mut r = Registrar {
             registry,
             names: Vec::new(),
         };
+        r.add(
+            "mesh_controller_replica_lag_seconds",
+            "The read replica's lag at its last check (0: no replica; NaN: unknown)",
+            m.replica_lag_seconds.clone(),
+        );
+        r.add(
+            "mesh_controller_replica_usable",
+            "1 while lag-tolerant reads go to the read replica, else 0",
+            m.replica_usable.clone(),
+        );
+        r.add(
+            "mesh_controller_replica_reads",
+            "Lag-tolerant reads served, by target (replica, primary)",
+            m.replica_reads.clone(),
+        );
         r.add(
             "mesh_controller_build_info",
             "The controller's build: always 1, labelled with its version",
