@@ -128,6 +128,11 @@ fn routes(state: ApiState) -> OpenApiRouter {
             mesh_delivery::SCHEMA,
             c.delivery.pool(),
         ))
+        .merge(guarded(
+            c.provisioning.clone().routes(),
+            mesh_provisioning::SCHEMA,
+            c.provisioning.pool(),
+        ))
         // A module's unit output: served by the controller (it needs the
         // broker), audited as inventory's (the module's owner).
         .merge(guarded(

@@ -286,6 +286,8 @@ mod tests {
             (Method::GET, "/v1/audit", R(Role::Admin)),
             (Method::GET, "/v1/overlay", R(Role::Viewer)),
             (Method::GET, "/v1/certificates", R(Role::Viewer)),
+            (Method::GET, "/v1/grants", R(Role::Viewer)),
+            (Method::GET, "/v1/grants/{id}", R(Role::Viewer)),
             (Method::GET, "/v1/events", R(Role::Viewer)),
             (Method::GET, "/v1/modules/{name}/logs", R(Role::Operator)),
             (Method::GET, "/v1/modules/{name}", R(Role::Viewer)),

@@ -183,6 +183,11 @@ pub struct Settings {
     pub probe_retention_secs: u64,
     /// How long a resolved alert is kept, in seconds. Default 604800 (7 days).
     pub alert_retention_secs: u64,
+    /// How long a revoked resource grant's data (its database, vhost or
+    /// bucket) is kept on the provider's server before it is deleted, in
+    /// seconds; a requirement asked again within it takes the grant and its
+    /// data up again (decision 0039). Default 604800 (7 days); at least 1.
+    pub grant_retention_secs: u64,
     /// Restarts of one unit within `crash_window_secs` that raise
     /// `unit_crash_looping`. Default 3; at least 1.
     pub crash_restarts: u32,
@@ -277,6 +282,7 @@ impl Default for Settings {
             artifact_max_bytes: 256 * 1024 * 1024,
             probe_retention_secs: 7 * 24 * 3600,
             alert_retention_secs: 7 * 24 * 3600,
+            grant_retention_secs: mesh_provisioning::DEFAULT_GRANT_RETENTION.as_secs(),
             crash_restarts: 3,
             crash_window_secs: 600,
             certificate_alert_secs: 14 * 24 * 3600,
@@ -435,6 +441,7 @@ impl Settings {
         for (field, value) in [
             ("probe_retention_secs", self.probe_retention_secs),
             ("alert_retention_secs", self.alert_retention_secs),
+            ("grant_retention_secs", self.grant_retention_secs),
             ("crash_restarts", u64::from(self.crash_restarts)),
             ("crash_window_secs", self.crash_window_secs),
             ("outage_alert_secs", self.outage_alert_secs),
@@ -729,6 +736,16 @@ mod tests {
             Some("0.0.0.0:7443".parse().unwrap())
         );
         assert_eq!(a.api_host().as_deref(), Some("192.0.2.2"));
+    }
+
+    #[test]
+    fn grant_retention_defaults_to_a_week_and_is_checked() {
+        assert_eq!(Settings::default().grant_retention_secs, 604_800);
+        let settings: Settings = toml::from_str("grant_retention_secs = 0").unwrap();
+        match settings.validate() {
+            Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "grant_retention_secs"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -14,6 +14,7 @@ use mesh_inventory::Inventory;
 use mesh_observability::Observability;
 use mesh_plumbing::section::{self, Declared};
 use mesh_plumbing::{Context, InStep, OutboxSignal};
+use mesh_provisioning::Provisioning;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -47,6 +48,7 @@ pub struct Contexts {
     pub connectivity: Arc<Connectivity>,
     pub observability: Arc<Observability>,
     pub delivery: Arc<Delivery>,
+    pub provisioning: Arc<Provisioning>,
     /// What was declared to each node: heartbeats in step with it stay in
     /// memory (filled by [`Contexts::load_in_step`], raised by the relay).
     pub in_step: Arc<InStep>,
@@ -103,7 +105,6 @@ impl Contexts {
                 Delivery::SCHEMA,
                 mesh_delivery::migrate(creds.database(Delivery::SCHEMA)?.expose()).await?,
             ),
-            // Its history only, so far: the context is not built yet (decision 0039).
             (
                 mesh_provisioning::SCHEMA,
                 mesh_provisioning::migrate(creds.database(mesh_provisioning::SCHEMA)?.expose())
@@ -235,6 +236,17 @@ impl Contexts {
             },
             Arc::new(store),
         );
+        // Resource grants (decision 0039): credentials are sealed under the
+        // secrets master keyring (config's file, read at each issue).
+        let provisioning = Provisioning::new(
+            pool(creds, mesh_provisioning::SCHEMA, settings.pool_size).await?,
+            signal.clone(),
+            mesh_provisioning::Settings {
+                retention: std::time::Duration::from_secs(settings.grant_retention_secs),
+                resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
+                master_keys_file: creds.master_keys_file.clone(),
+            },
+        );
         let identity = Identity::new(
             pool(creds, Identity::SCHEMA, settings.pool_size).await?,
             signal,
@@ -251,6 +263,7 @@ impl Contexts {
             connectivity: Arc::new(connectivity),
             observability: Arc::new(observability),
             delivery: Arc::new(delivery),
+            provisioning: Arc::new(provisioning),
             in_step: Arc::new(InStep::new()),
             handler_seconds: Histograms::new_with_constructor(crate::metrics::batch_buckets),
         })
@@ -284,6 +297,12 @@ impl Contexts {
                 Delivery::SECTIONS.section,
                 Delivery::SECTIONS.generations(self.delivery.pool()).await?,
             ),
+            (
+                Provisioning::SECTIONS.section,
+                Provisioning::SECTIONS
+                    .generations(self.provisioning.pool())
+                    .await?,
+            ),
         ] {
             self.in_step.load(section, rows);
         }
@@ -299,6 +318,7 @@ impl Contexts {
             (Connectivity::SCHEMA, self.connectivity.pool()),
             (Observability::SCHEMA, self.observability.pool()),
             (Delivery::SCHEMA, self.delivery.pool()),
+            (Provisioning::SCHEMA, self.provisioning.pool()),
         ]
     }
 
@@ -320,6 +340,7 @@ impl Contexts {
             (Connectivity::SCHEMA, self.connectivity.subscriptions()),
             (Observability::SCHEMA, self.observability.subscriptions()),
             (Delivery::SCHEMA, self.delivery.subscriptions()),
+            (Provisioning::SCHEMA, self.provisioning.subscriptions()),
         ]
     }
 
@@ -352,6 +373,11 @@ impl Contexts {
                 section::resync(&*self.delivery)
                     .await
                     .map_err(|e| e.to_string()),
+            ),
+            // Its pass also ages revoked grants out of their retention.
+            (
+                Provisioning::SCHEMA,
+                self.provisioning.resync().await.map_err(|e| e.to_string()),
             ),
         ]
     }

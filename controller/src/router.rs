@@ -10,6 +10,7 @@ use mesh_inventory::Inventory;
 use mesh_observability::Observability;
 use mesh_plumbing::{Context, HandlerError, inbox};
 use mesh_protocol::{Envelope, RecordEvent, Report, ReportKind};
+use mesh_provisioning::Provisioning;
 use std::time::Instant;
 
 use crate::metrics::{HandlerLabels, Histograms};
@@ -30,9 +31,9 @@ impl Contexts {
             // overlay facts (connectivity); every context catches the node up on
             // its section (mesh_plumbing::section).
             // observability reads the outage the agent lived through;
-            // delivery catches the node up on its section.
+            // delivery and provisioning catch the node up on their sections.
             ReportKind::Hello => {
-                let (a, b, c) = tokio::join!(
+                let (a, b, c, d) = tokio::join!(
                     all(
                         run(&self.handler_seconds, kind, &*self.inventory, batch, true),
                         run(&self.handler_seconds, kind, &*self.config, batch, true),
@@ -52,8 +53,15 @@ impl Contexts {
                         true
                     ),
                     run(&self.handler_seconds, kind, &*self.delivery, batch, true),
+                    run(
+                        &self.handler_seconds,
+                        kind,
+                        &*self.provisioning,
+                        batch,
+                        true
+                    ),
                 );
-                a.and(b).and(c)
+                a.and(b).and(c).and(d)
             }
             // heartbeat: liveness, in memory (inventory, written in batches);
             // only a heartbeat out of step with what was declared to its node,
@@ -108,9 +116,16 @@ impl Contexts {
             )),
             // resources: what provider nodes found of their grants'
             // resources (provisioning; decision 0039).
-            ReportKind::Resources => Err(HandlerError::Permanent(
-                "resources reports have no context yet".into(),
-            )),
+            ReportKind::Resources => {
+                run(
+                    &self.handler_seconds,
+                    kind,
+                    &*self.provisioning,
+                    batch,
+                    true,
+                )
+                .await
+            }
             // health: probe results (observability owns health and alerts).
             ReportKind::Health => {
                 run(
@@ -162,14 +177,23 @@ impl Contexts {
             ),
         )
         .await?;
-        run(
-            &self.handler_seconds,
-            ReportKind::Heartbeat,
-            &*self.delivery,
-            &durable,
-            false,
-        )
-        .await?;
+        let (a, b) = tokio::join!(
+            run(
+                &self.handler_seconds,
+                ReportKind::Heartbeat,
+                &*self.delivery,
+                &durable,
+                false,
+            ),
+            run(
+                &self.handler_seconds,
+                ReportKind::Heartbeat,
+                &*self.provisioning,
+                &durable,
+                false,
+            ),
+        );
+        a.and(b)?;
         self.inventory.written_alive(&durable);
         Ok(durable.len())
     }
@@ -198,6 +222,9 @@ impl Contexts {
             }
             c if c == Delivery::SCHEMA => {
                 run_events(&self.handler_seconds, &*self.delivery, events).await
+            }
+            c if c == Provisioning::SCHEMA => {
+                run_events(&self.handler_seconds, &*self.provisioning, events).await
             }
             other => Err(HandlerError::Permanent(format!(
                 "no context named `{other}`"
