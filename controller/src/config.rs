@@ -211,11 +211,6 @@ pub struct Settings {
     /// state and the age of each context's oldest unsent outbox row. Default
     /// 10 (minimum 1).
     pub broker_stats_secs: u64,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
     /// The host (a name, an IP address, or a socket directory) of a
     /// PostgreSQL streaming replica of the mesh database (`bundle/replica`):
     /// the reads that tolerate lag (`GET /v1/nodes`, `GET /v1/audit`) are
@@ -242,6 +237,11 @@ impl Default for Settings {
     /// connecting included; past it the read runs on the primary and the
     /// replica serves nothing until its next check. Default 2000; at least 100.
     pub replica_timeout_ms: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
             credentials: PathBuf::from("/etc/mesh/controller-credentials.toml"),
             api_listen: SocketAddr::from(([127, 0, 0, 1], 7700)),
             api_listen_tls: None,
@@ -289,17 +289,17 @@ impl Default for Settings {
             behind_alert_secs: 300,
             outage_alert_secs: 900,
             broker_stats_secs: 10,
+            replica_host: None,
+            replica_port: 5432,
+            replica_check_ms: 1000,
+            replica_max_lag_ms: 5000,
+            replica_timeout_ms: 2000,
         }
     }
 }
 
 impl Settings {
     /// Read `path` if given (a missing file is an error), then apply environment
-            replica_host: None,
-            replica_port: 5432,
-            replica_check_ms: 1000,
-            replica_max_lag_ms: 5000,
-            replica_timeout_ms: 2000,
     /// overrides `MESH_CONTROLLER_CREDENTIALS` and `MESH_CONTROLLER_API_LISTEN`.
     pub fn load(path: Option<&Path>) -> Result<Settings, ConfigError> {
         let mut settings = match path {
@@ -459,6 +459,7 @@ impl Settings {
                 message: "must be 300 (5 minutes) to 2592000 (30 days)".into(),
             });
         }
+        self.validate_replica()?;
         if self.heartbeat_interval_ms == 0 || self.grace_intervals == 0 {
             return Err(ConfigError::Invalid {
                 field: "grace_intervals",
@@ -466,16 +467,8 @@ impl Settings {
             });
         }
         Ok(())
-        self.validate_replica()?;
     }
 
-    /// The overlay settings of the connectivity context, checked.
-    pub fn connectivity_plan(&self) -> Result<mesh_connectivity::PlanSettings, ConfigError> {
-        let invalid = |field: &'static str| {
-            move |e: mesh_connectivity::Error| ConfigError::Invalid {
-                field,
-                message: match e {
-                    mesh_connectivity::Error::Invalid { reason, .. } => reason,
     /// The read replica's settings (decision 0041).
     fn validate_replica(&self) -> Result<(), ConfigError> {
         if let Some(host) = &self.replica_host
@@ -507,6 +500,13 @@ impl Settings {
         Ok(())
     }
 
+    /// The overlay settings of the connectivity context, checked.
+    pub fn connectivity_plan(&self) -> Result<mesh_connectivity::PlanSettings, ConfigError> {
+        let invalid = |field: &'static str| {
+            move |e: mesh_connectivity::Error| ConfigError::Invalid {
+                field,
+                message: match e {
+                    mesh_connectivity::Error::Invalid { reason, .. } => reason,
                     other => other.to_string(),
                 },
             }
@@ -739,23 +739,6 @@ mod tests {
     }
 
     #[test]
-    fn grant_retention_defaults_to_a_week_and_is_checked() {
-        assert_eq!(Settings::default().grant_retention_secs, 604_800);
-        let settings: Settings = toml::from_str("grant_retention_secs = 0").unwrap();
-        match settings.validate() {
-            Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "grant_retention_secs"),
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn unknown_setting_is_named() {
-        let err = toml::from_str::<Settings>("prefetch = 10\nbogus = 1\n").unwrap_err();
-        assert!(err.to_string().contains("bogus"), "{err}");
-    }
-
-    #[test]
-    #[test]
     fn replica_settings_are_checked_and_named() {
         let defaults = Settings::default();
         assert_eq!(defaults.replica_host, None);
@@ -782,6 +765,23 @@ mod tests {
         }
     }
 
+    #[test]
+    fn grant_retention_defaults_to_a_week_and_is_checked() {
+        assert_eq!(Settings::default().grant_retention_secs, 604_800);
+        let settings: Settings = toml::from_str("grant_retention_secs = 0").unwrap();
+        match settings.validate() {
+            Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "grant_retention_secs"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_setting_is_named() {
+        let err = toml::from_str::<Settings>("prefetch = 10\nbogus = 1\n").unwrap_err();
+        assert!(err.to_string().contains("bogus"), "{err}");
+    }
+
+    #[test]
     fn connectivity_settings_are_checked_and_named() {
         let plan = Settings::default().connectivity_plan().unwrap();
         assert_eq!(plan.cidr.to_string(), "10.88.0.0/16");

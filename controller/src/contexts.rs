@@ -52,11 +52,11 @@ pub struct Contexts {
     /// What was declared to each node: heartbeats in step with it stay in
     /// memory (filled by [`Contexts::load_in_step`], raised by the relay).
     pub in_step: Arc<InStep>,
-    /// How long each context's transaction takes per batch, by context and
-    /// kind: `mesh_controller_handler_duration_seconds` once `app::run` put
     /// The read replica and the contexts' reads that tolerate lag (decision
     /// 0041): what the replica clock (`replica::run`) checks.
     pub replicas: Arc<crate::replica::Replicas>,
+    /// How long each context's transaction takes per batch, by context and
+    /// kind: `mesh_controller_handler_duration_seconds` once `app::run` put
     /// the registered family here (`Metrics::handler_seconds`).
     pub handler_seconds: Histograms<HandlerLabels>,
 }
@@ -118,8 +118,8 @@ impl Contexts {
         settings: &Settings,
         signal: OutboxSignal,
     ) -> Result<Contexts, ContextsError> {
-        let inventory = Inventory::new(
         let replicas = Arc::new(crate::replica::Replicas::new(settings));
+        let inventory = Inventory::new(
             pool(creds, Inventory::SCHEMA, settings.pool_size).await?,
             signal.clone(),
             mesh_inventory::InventorySettings {
@@ -142,9 +142,9 @@ impl Contexts {
                 ..mesh_inventory::InventorySettings::default()
             },
         );
-        let config_settings = mesh_config::ConfigSettings {
         let reads = replicas.reads_for(creds, Inventory::SCHEMA, inventory.pool())?;
         let inventory = inventory.with_reads(reads);
+        let config_settings = mesh_config::ConfigSettings {
             resend_after: std::time::Duration::from_secs(settings.resend_after_secs),
         };
         // The secrets master keyring: without one the controller runs and
@@ -256,7 +256,10 @@ impl Contexts {
                 node_broker.as_deref(),
             )?),
         );
+        let reads = replicas.reads_for(creds, Identity::SCHEMA, identity.pool())?;
+        let identity = identity.with_reads(reads);
         Ok(Contexts {
+            replicas,
             inventory: Arc::new(inventory),
             config: Arc::new(config),
             identity: Arc::new(identity),
@@ -269,10 +272,7 @@ impl Contexts {
         })
     }
 
-        let reads = replicas.reads_for(creds, Identity::SCHEMA, identity.pool())?;
-        let identity = identity.with_reads(reads);
     /// Fill the in-step index from every context's section table (before
-            replicas,
     /// consuming reports; the relay raises it from then on).
     pub async fn load_in_step(&self) -> Result<usize, section::SectionError> {
         use mesh_plumbing::section::SectionOwner;
