@@ -1,0 +1,701 @@
+//! The restore drill (issue 17, decision 0040), real controller, real agents:
+//! a running mesh is backed up with `mesh-bundle backup`; its controller is
+//! stopped, its database dropped, its key files removed and its broker state
+//! (vhost, node users, the controller's users) deleted; `mesh-bundle restore`
+//! puts it into a fresh PostgreSQL cluster of this test's own (initdb, another
+//! port) and back onto the broker; the controller starts there. Every node,
+//! module, file, secret, certificate and audit entry is back, the secret still
+//! opens, no unit restarted, no node was judged unreachable, and a file
+//! declared afterwards reaches both nodes. Each step's time is printed.
+//!
+//! A second test backs up while files keep being declared and heartbeats
+//! stream: the restored database is one moment (every file a config section
+//! declares is in the files table with that content).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use mesh_bundle::provision::{self, Rabbit};
+use mesh_credentials::AdminCredentials;
+use mesh_e2e::sim::{SimNode, confirmed};
+use mesh_e2e::{GRACE, Mesh, bin, output, wait_for};
+use mesh_protocol::{CertificateRequest, Certificates, Envelope, Report};
+use serde_json::{Value, json};
+
+const WITHIN: Duration = Duration::from_secs(60);
+const PLAIN: &str = "dr1ll-secret-value-never-in-clear";
+
+/// A throwaway PostgreSQL cluster (initdb, pg_ctl, as user postgres, in a
+/// temporary directory, on a free port): the "new host"'s database server.
+/// Stopped and removed when dropped.
+struct Cluster {
+    bin: PathBuf,
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+fn run_as_postgres(program: &Path, args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("runuser")
+        .args(["-u", "postgres", "--"])
+        .arg(program)
+        .args(args)
+        .current_dir("/tmp")
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{program:?} {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+impl Cluster {
+    fn start() -> anyhow::Result<Cluster> {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")?
+            .filter_map(|e| Some(e.ok()?.path().join("bin")))
+            .filter(|b| b.join("initdb").exists())
+            .max_by_key(|b| {
+                b.parent()
+                    .and_then(|v| v.file_name()?.to_str()?.parse::<u32>().ok())
+                    .unwrap_or(0)
+            })
+            .ok_or_else(|| anyhow::anyhow!("no initdb under /usr/lib/postgresql/*/bin"))?;
+        let dir = tempfile::Builder::new()
+            .prefix("mesh-restore-pg-")
+            .tempdir()?;
+        let chown = Command::new("chown")
+            .arg("postgres:postgres")
+            .arg(dir.path())
+            .status()?;
+        anyhow::ensure!(chown.success(), "chown of {:?}", dir.path());
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let data = dir.path().join("data");
+        let data = data.to_string_lossy().into_owned();
+        run_as_postgres(
+            &bin.join("initdb"),
+            &["-D", &data, "-U", "postgres", "-A", "trust", "--no-sync"],
+        )?;
+        let options = format!(
+            "-c port={port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} \
+             -c fsync=off -c shared_buffers=32MB -c max_connections=60",
+            dir.path().display()
+        );
+        let log = dir.path().join("log");
+        let cluster = Cluster { bin, dir, port };
+        run_as_postgres(
+            &cluster.bin.join("pg_ctl"),
+            &[
+                "-D",
+                &data,
+                "-o",
+                &options,
+                "-l",
+                &log.to_string_lossy(),
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+        )?;
+        Ok(cluster)
+    }
+
+    /// This host's administrator: the cluster's superuser, the same broker.
+    fn admin(&self, broker: &AdminCredentials) -> AdminCredentials {
+        let mut a = broker.clone();
+        a.postgres_url = mesh_credentials::Secret::new(format!(
+            "postgres://postgres@127.0.0.1:{}/postgres",
+            self.port
+        ));
+        a
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let data = self.dir.path().join("data");
+        let _ = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-m", "immediate", "-w", "stop"])
+            .current_dir("/tmp")
+            .output();
+    }
+}
+
+/// `mesh-bundle args`: its stdout; fails with its output when it fails.
+fn mesh_bundle(args: &[&str]) -> anyhow::Result<String> {
+    let (code, out, err) = output(
+        Command::new(bin("mesh-bundle")?)
+            .args(args)
+            .env_remove("MESH_ETC")
+            .env_remove("MESH_ADMIN_PG_PASSWORD")
+            .env_remove("MESH_ADMIN_RABBITMQ_PASSWORD"),
+    )?;
+    anyhow::ensure!(code == 0, "mesh-bundle {args:?}: exit {code}\n{out}\n{err}");
+    Ok(out)
+}
+
+fn s(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// The pid of the one process whose command line is exactly `argv`.
+fn pid_of(argv: &[&str]) -> Option<u32> {
+    let want: Vec<u8> = argv
+        .iter()
+        .flat_map(|a| [a.as_bytes(), b"\0"].concat())
+        .collect();
+    std::fs::read_dir("/proc").ok()?.find_map(|e| {
+        let e = e.ok()?;
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        (cmd == want).then_some(pid)
+    })
+}
+
+async fn listing(mesh: &Mesh, path: &str, key: &str) -> anyhow::Result<Vec<Value>> {
+    let (status, body) = mesh.get(path).await?;
+    anyhow::ensure!(status == 200, "GET {path}: {status} {body}");
+    Ok(body[key].as_array().cloned().unwrap_or_default())
+}
+
+/// What must come back, by name, with the fields that do not move.
+async fn inventory_of(mesh: &Mesh) -> anyhow::Result<Value> {
+    let pick = |v: &[Value], fields: &[&str]| -> Vec<Value> {
+        let mut out: Vec<Value> = v
+            .iter()
+            .map(|x| {
+                Value::Object(
+                    fields
+                        .iter()
+                        .map(|f| (f.to_string(), x[*f].clone()))
+                        .collect(),
+                )
+            })
+            .collect();
+        out.sort_by_key(|x| x.to_string());
+        out
+    };
+    Ok(json!({
+        "nodes": pick(&listing(mesh, "/v1/nodes", "nodes").await?, &["id", "labels"]),
+        "modules": pick(&listing(mesh, "/v1/modules", "modules").await?, &["name", "spec", "revision"]),
+        "files": pick(&listing(mesh, "/v1/files", "files").await?, &["name", "path", "content"]),
+        "secrets": pick(&listing(mesh, "/v1/secrets", "secrets").await?, &["name", "version"]),
+        "certificates": pick(
+            &listing(mesh, "/v1/certificates", "certificates").await?,
+            &["node", "name", "serial", "subject", "not_after"],
+        ),
+    }))
+}
+
+/// Every audit entry, as listed.
+async fn audit(mesh: &Mesh) -> anyhow::Result<BTreeSet<String>> {
+    let (status, body) = mesh.get("/v1/audit?limit=100").await?;
+    anyhow::ensure!(status == 200, "GET /v1/audit: {status} {body}");
+    anyhow::ensure!(body["next"].is_null(), "more than a page of audit entries");
+    Ok(body["entries"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(Value::to_string)
+        .collect())
+}
+
+async fn put(mesh: &Mesh, path: &str, body: Value) -> anyhow::Result<()> {
+    let (status, answer) = mesh.put(path, &body).await?;
+    anyhow::ensure!(status < 300, "PUT {path}: {status} {answer}");
+    Ok(())
+}
+
+fn has(bytes: &[u8], needle: &str) -> bool {
+    bytes.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_nothing_lost()
+-> anyhow::Result<()> {
+    let mut mesh = Mesh::prepare().await?;
+    // Agents come back quickly once the broker knows their users again.
+    mesh.agent_toml = Some("reconnect_max = \"1s\"\n".into());
+    mesh.start_controller(&[]).await?;
+    let a = mesh.add_agent("a", &[("role", "app")]).await?;
+    let b = mesh.add_agent("b", &[("role", "app")]).await?;
+    wait_for("both nodes alive", WITHIN, || async {
+        let n = listing(&mesh, "/v1/nodes", "nodes").await?;
+        Ok((n.len() == 2 && n.iter().all(|n| n["state"] == "alive")).then_some(()))
+    })
+    .await?;
+
+    // A module with a unit, a file, a secret granted to the module, a certificate.
+    let unique = format!("{}", 100_000 + rand::random::<u32>() % 800_000);
+    let unit_argv = ["sleep", unique.as_str()];
+    put(
+        &mesh,
+        "/v1/files/motd",
+        json!({"path": "/etc/motd", "content": "before\n", "mode": "0644", "selector": {}}),
+    )
+    .await?;
+    put(
+        &mesh,
+        "/v1/modules/app",
+        json!({"unit": {"command": "sleep", "args": [unique]}, "placement": {"exact_node": {"node": a}}}),
+    )
+    .await?;
+    put(&mesh, "/v1/secrets/db-pw", json!({"value": PLAIN})).await?;
+    put(&mesh, "/v1/modules/app/grants/db-pw", json!({})).await?;
+    let secret_file = mesh.agent(&a).file("/modules/app/secrets/db-pw");
+    let motd = [
+        mesh.agent(&a).file("/etc/motd"),
+        mesh.agent(&b).file("/etc/motd"),
+    ];
+    let pid = wait_for("the file, the secret and the unit", WITHIN, || async {
+        let files = motd
+            .iter()
+            .all(|p| std::fs::read_to_string(p).ok().as_deref() == Some("before\n"));
+        let secret = std::fs::read_to_string(&secret_file).ok().as_deref() == Some(PLAIN);
+        Ok(pid_of(&unit_argv).filter(|_| files && secret))
+    })
+    .await?;
+    let key_pem = mesh_credentials::pki::new_key()?;
+    let csr = mesh_credentials::pki::csr(key_pem.expose(), &a, std::slice::from_ref(&a))?;
+    let sim = SimNode::connect(mesh.agent(&a).creds.clone()).await?;
+    let report = Envelope::new(
+        sim.node().clone(),
+        1_000_000,
+        Report::Certificates(Certificates {
+            requests: vec![CertificateRequest {
+                name: "node".into(),
+                csr,
+            }],
+            held: vec![],
+        }),
+    );
+    confirmed(vec![sim.send(&report).await?]).await?;
+    sim.close().await;
+    wait_for("the node's certificate signed", WITHIN, || async {
+        Ok((!listing(&mesh, "/v1/certificates", "certificates")
+            .await?
+            .is_empty())
+        .then_some(()))
+    })
+    .await?;
+    let before = inventory_of(&mesh).await?;
+    let audit_before = audit(&mesh).await?;
+    assert!(!audit_before.is_empty(), "no audit entry to restore");
+    let unit_dir = mesh.dir.path().join("drill");
+    std::fs::create_dir_all(&unit_dir)?;
+
+    // ------------------------------------------------------------ backup
+    let admin_file = unit_dir.join("admin-credentials.toml");
+    mesh.env.admin_credentials().write(&admin_file)?;
+    let key = unit_dir.join("recovery.key");
+    let archive = unit_dir.join("mesh.backup.tar");
+    let etc_old = unit_dir.join("etc-old");
+    std::fs::create_dir_all(&etc_old)?;
+    mesh_bundle(&["recovery-key", "--out", &s(&key)])?;
+    let t = Instant::now();
+    let out = mesh_bundle(&[
+        "backup",
+        "--out",
+        &s(&archive),
+        "--recovery-key",
+        &s(&key),
+        "--etc",
+        &s(&etc_old),
+        "--controller-credentials",
+        &s(&mesh.dir.path().join("credentials.toml")),
+        "--admin-credentials",
+        &s(&admin_file),
+    ])?;
+    let t_backup = t.elapsed();
+    eprintln!("{out}");
+    use std::os::unix::fs::PermissionsExt as _;
+    assert_eq!(
+        std::fs::metadata(&archive)?.permissions().mode() & 0o777,
+        0o600
+    );
+    // No secret in clear: the secret's value, a context role's password, a
+    // node's broker password, the master key.
+    let bytes = std::fs::read(&archive)?;
+    assert!(has(&bytes, "manifest.json"));
+    let role_pw = mesh_credentials::password_of(&mesh.env.database_url("config"))
+        .ok_or_else(|| anyhow::anyhow!("no password in the config role's URL"))?;
+    let master = std::fs::read_to_string(mesh.env.master_keys_path())?;
+    let master_hex = master
+        .lines()
+        .find_map(|l| l.strip_prefix("key = \""))
+        .map(|l| l.trim_end_matches('"').to_owned())
+        .ok_or_else(|| anyhow::anyhow!("no key in the master keyring"))?;
+    for (what, secret) in [
+        ("the secret's value", PLAIN),
+        ("the config role's password", role_pw.as_str()),
+        (
+            "node a's broker password",
+            mesh.agent(&a).creds.password.as_str(),
+        ),
+        ("the master key", master_hex.as_str()),
+    ] {
+        assert!(secret.len() >= 16, "{what} is a real secret");
+        assert!(!has(&bytes, secret), "{what} is in the archive in clear");
+    }
+
+    // ------------------------------------------------------------ the host is lost
+    mesh.kill_controller();
+    let admin = mesh.env.admin_credentials().clone();
+    provision::drop_database_and_roles(&admin, mesh.env.names()).await?;
+    let key_dir = mesh
+        .env
+        .signing_key_path()
+        .parent()
+        .map(Path::to_path_buf)
+        .ok_or_else(|| anyhow::anyhow!("the key dir"))?;
+    std::fs::remove_dir_all(&key_dir)?;
+    let rabbit = Rabbit::new(&admin);
+    rabbit.delete_vhost(mesh.env.vhost()).await?;
+    let names = mesh.env.names().clone();
+    for u in [
+        a.clone(),
+        b.clone(),
+        names.controller_user.clone(),
+        names.identity_user.clone(),
+    ] {
+        rabbit.delete_user(&u).await?;
+    }
+
+    // ------------------------------------------------------------ restore
+    let t = Instant::now();
+    let cluster = Cluster::start()?;
+    let t_cluster = t.elapsed();
+    let new_admin = unit_dir.join("new-admin-credentials.toml");
+    cluster.admin(&admin).write(&new_admin)?;
+    let etc = unit_dir.join("etc-new");
+    // A wrong key is refused before anything is installed.
+    let wrong = unit_dir.join("wrong.key");
+    mesh_bundle(&["recovery-key", "--out", &s(&wrong)])?;
+    let (code, _, err) = output(Command::new(bin("mesh-bundle")?).args([
+        "restore",
+        "--archive",
+        &s(&archive),
+        "--recovery-key",
+        &s(&wrong),
+        "--etc",
+        &s(&etc),
+        "--admin-credentials",
+        &s(&new_admin),
+    ]))?;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("REFUSED: wrong recovery key") && err.contains("nothing was installed"),
+        "{err}"
+    );
+    assert!(!etc.exists(), "a refused restore wrote {}", etc.display());
+    let t = Instant::now();
+    let out = mesh_bundle(&[
+        "restore",
+        "--archive",
+        &s(&archive),
+        "--recovery-key",
+        &s(&key),
+        "--etc",
+        &s(&etc),
+        "--admin-credentials",
+        &s(&new_admin),
+    ])?;
+    let t_restore = t.elapsed();
+    eprintln!("{out}");
+    // A second restore onto what is now a mesh is refused without --force.
+    let (code, _, err) = output(Command::new(bin("mesh-bundle")?).args([
+        "restore",
+        "--archive",
+        &s(&archive),
+        "--recovery-key",
+        &s(&key),
+        "--etc",
+        &s(&etc),
+        "--admin-credentials",
+        &s(&new_admin),
+    ]))?;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("refusing to restore over mesh data"), "{err}");
+
+    // ------------------------------------------------------------ the controller there
+    let toml_path = mesh.dir.path().join("controller.toml");
+    let toml = std::fs::read_to_string(&toml_path)?;
+    let toml = toml
+        .lines()
+        .map(|l| {
+            if l.starts_with("credentials = ") {
+                format!(
+                    "credentials = {:?}",
+                    s(&etc.join("controller-credentials.toml"))
+                )
+            } else {
+                l.to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&toml_path, format!("{toml}\n"))?;
+    let unreachable_before = mesh.controller_log().matches("node unreachable").count();
+    let t = Instant::now();
+    mesh.start_controller(&[]).await?;
+    let t_start = t.elapsed();
+    // Through the first grace (twice over): no node other than alive.
+    let watch_until = Instant::now() + 2 * GRACE;
+    let mut seen = BTreeSet::new();
+    while Instant::now() < watch_until {
+        for n in listing(&mesh, "/v1/nodes", "nodes").await? {
+            seen.insert(format!("{} {}", n["id"], n["state"]));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        seen.iter().all(|s| s.ends_with("\"alive\"")),
+        "a node was not alive in the restored controller's first grace: {seen:?}"
+    );
+    // Everything is back.
+    assert_eq!(inventory_of(&mesh).await?, before);
+    let audit_after = audit(&mesh).await?;
+    let lost: Vec<_> = audit_before.difference(&audit_after).collect();
+    assert!(lost.is_empty(), "audit entries lost: {lost:?}");
+    // The restored CA: the certificate issued before chains to it.
+    let ca_pem = std::fs::read_to_string(etc.join("ca.pem"))?;
+    let restored =
+        mesh_credentials::ControllerCredentials::load(&etc.join("controller-credentials.toml"))?;
+    let url = restored.databases["connectivity"].expose().clone();
+    assert!(
+        url.contains(&format!(":{}/", cluster.port)),
+        "restored onto the new cluster"
+    );
+    let pool = sqlx::PgPool::connect(&url).await?;
+    let pems: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT node, name, certificate FROM connectivity.certificates")
+            .fetch_all(&pool)
+            .await?;
+    pool.close().await;
+    assert!(
+        pems.iter().any(|(n, name, _)| *n == a && name == "node"),
+        "node a's certificate is not in the restored schema"
+    );
+    // Each schema as its own role, with its privileges: the audit log is
+    // still append-only to the identity role (decision 0018's REVOKE).
+    let identity = sqlx::PgPool::connect(restored.databases["identity"].expose()).await?;
+    let (owner, may_update): (String, bool) = sqlx::query_as(
+        "SELECT tableowner::text, has_table_privilege('identity.audit', 'UPDATE') \
+         FROM pg_tables WHERE schemaname = 'identity' AND tablename = 'audit'",
+    )
+    .fetch_one(&identity)
+    .await?;
+    identity.close().await;
+    assert_eq!(owner, names.role("identity"));
+    assert!(
+        !may_update,
+        "the restored identity role may UPDATE its audit log"
+    );
+    for (node, name, pem) in &pems {
+        mesh_credentials::pki::verify_chain(pem, &ca_pem)
+            .map_err(|e| anyhow::anyhow!("{node}/{name} does not chain to the restored CA: {e}"))?;
+    }
+    // The secret still opens: granted now to a module on b, the restored
+    // controller decrypts it with the restored keyring and seals it to b.
+    put(
+        &mesh,
+        "/v1/modules/app2",
+        json!({"unit": {"command": "sleep", "args": [format!("{unique}1")]}, "placement": {"exact_node": {"node": b}}}),
+    )
+    .await?;
+    put(&mesh, "/v1/modules/app2/grants/db-pw", json!({})).await?;
+    // A file declared after the restore reaches both nodes.
+    put(
+        &mesh,
+        "/v1/files/motd",
+        json!({"path": "/etc/motd", "content": "after\n", "mode": "0644", "selector": {}}),
+    )
+    .await?;
+    let b_secret = mesh.agent(&b).file("/modules/app2/secrets/db-pw");
+    wait_for(
+        "the new file on both nodes and the secret on b",
+        WITHIN,
+        || async {
+            let files = motd
+                .iter()
+                .all(|p| std::fs::read_to_string(p).ok().as_deref() == Some("after\n"));
+            let secret = std::fs::read_to_string(&b_secret).ok().as_deref() == Some(PLAIN);
+            Ok((files && secret).then_some(()))
+        },
+    )
+    .await?;
+    let t_converged = t.elapsed();
+    assert_eq!(std::fs::read_to_string(&secret_file)?, PLAIN, "a's secret");
+    assert_eq!(pid_of(&unit_argv), Some(pid), "the unit was restarted");
+    assert_eq!(
+        mesh.controller_log().matches("node unreachable").count(),
+        unreachable_before,
+        "the restored controller judged a node unreachable"
+    );
+    eprintln!(
+        "restore drill: backup {:.1} s, fresh PostgreSQL cluster {:.1} s, restore {:.1} s, \
+         controller start {:.1} s, converged {:.1} s after start; total {:.1} s",
+        t_backup.as_secs_f64(),
+        t_cluster.as_secs_f64(),
+        t_restore.as_secs_f64(),
+        t_start.as_secs_f64(),
+        t_converged.as_secs_f64(),
+        (t_backup + t_cluster + t_restore + t_converged).as_secs_f64()
+    );
+    mesh.kill_controller();
+    drop(cluster);
+    mesh.teardown().await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backup_taken_under_load_restores_to_one_moment() -> anyhow::Result<()> {
+    let mut mesh = Mesh::start().await?;
+    let a = mesh.add_agent("a", &[("role", "app")]).await?;
+    let b = mesh.add_agent("b", &[("role", "app")]).await?;
+    wait_for("both nodes alive", WITHIN, || async {
+        let n = listing(&mesh, "/v1/nodes", "nodes").await?;
+        Ok((n.len() == 2 && n.iter().all(|n| n["state"] == "alive")).then_some(()))
+    })
+    .await?;
+    let dir = mesh.dir.path().join("drill");
+    std::fs::create_dir_all(&dir)?;
+    let admin_file = dir.join("admin-credentials.toml");
+    mesh.env.admin_credentials().write(&admin_file)?;
+    let key = dir.join("recovery.key");
+    mesh_bundle(&["recovery-key", "--out", &s(&key)])?;
+
+    // Files keep being declared (one node each, alternately; some replaced)
+    // while the backup runs; the agents' heartbeats stream all along.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let declared = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let writer = {
+        let api = mesh.api.clone();
+        let token = mesh.admin_token().to_owned();
+        let stop = stop.clone();
+        let declared = declared.clone();
+        let nodes = [a.clone(), b.clone()];
+        tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let mut i = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let name = format!("f-{}", i % 40);
+                let body = json!({
+                    "path": format!("/drill/{name}"),
+                    "content": format!("content {i}\n"),
+                    "mode": "0644",
+                    "node": nodes[i % 2],
+                });
+                // The first 40 create, the others replace (If-Match: *).
+                let mut req = http
+                    .put(format!("{api}/v1/files/{name}"))
+                    .bearer_auth(&token)
+                    .json(&body);
+                if i >= 40 {
+                    req = req.header("if-match", "*");
+                }
+                let r = req.send().await;
+                if matches!(&r, Ok(r) if r.status().is_success()) {
+                    declared.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                i += 1;
+            }
+        })
+    };
+    wait_for("some files declared", WITHIN, || async {
+        Ok((declared.load(std::sync::atomic::Ordering::Relaxed) >= 20).then_some(()))
+    })
+    .await?;
+    let archive = dir.join("mesh.backup.tar");
+    let etc_old = dir.join("etc-old");
+    std::fs::create_dir_all(&etc_old)?;
+    mesh_bundle(&[
+        "backup",
+        "--out",
+        &s(&archive),
+        "--recovery-key",
+        &s(&key),
+        "--etc",
+        &s(&etc_old),
+        "--controller-credentials",
+        &s(&mesh.dir.path().join("credentials.toml")),
+        "--admin-credentials",
+        &s(&admin_file),
+    ])?;
+    let during = declared.load(std::sync::atomic::Ordering::Relaxed);
+    wait_for("more files declared after the backup", WITHIN, || async {
+        Ok((declared.load(std::sync::atomic::Ordering::Relaxed) > during + 5).then_some(()))
+    })
+    .await?;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.await?;
+
+    // Restored into a fresh cluster; the broker kept its state (--no-broker).
+    let cluster = Cluster::start()?;
+    let new_admin = dir.join("new-admin-credentials.toml");
+    cluster
+        .admin(mesh.env.admin_credentials())
+        .write(&new_admin)?;
+    let etc = dir.join("etc-new");
+    mesh_bundle(&[
+        "restore",
+        "--archive",
+        &s(&archive),
+        "--recovery-key",
+        &s(&key),
+        "--etc",
+        &s(&etc),
+        "--admin-credentials",
+        &s(&new_admin),
+        "--no-broker",
+    ])?;
+    let creds =
+        mesh_credentials::ControllerCredentials::load(&etc.join("controller-credentials.toml"))?;
+    let url = creds.databases["config"].expose().clone();
+    anyhow::ensure!(url.contains(&format!(":{}/", cluster.port)), "restored URL");
+    let pool = sqlx::PgPool::connect(&url).await?;
+    let files: Vec<(String, String)> =
+        sqlx::query_as("SELECT path, content FROM config.files WHERE path LIKE '/drill/%'")
+            .fetch_all(&pool)
+            .await?;
+    let files: std::collections::BTreeMap<String, String> = files.into_iter().collect();
+    let sections: Vec<(String, Value)> = sqlx::query_as("SELECT node, items FROM config.sections")
+        .fetch_all(&pool)
+        .await?;
+    pool.close().await;
+    assert!(!files.is_empty(), "the backup holds some of the files");
+    let mut checked = 0;
+    for (node, items) in &sections {
+        for f in items["files"].as_array().cloned().unwrap_or_default() {
+            let Some(path) = f["path"].as_str().filter(|p| p.starts_with("/drill/")) else {
+                continue;
+            };
+            assert_eq!(
+                files.get(path).map(String::as_str),
+                f["content"].as_str(),
+                "node {node}'s section declares {path} as the files table does not"
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked > 0,
+        "no section declared a drill file: {sections:?}"
+    );
+    eprintln!(
+        "consistent backup: {} files in the table, {checked} declared by {} sections, all equal",
+        files.len(),
+        sections.len()
+    );
+    drop(cluster);
+    mesh.teardown().await
+}
