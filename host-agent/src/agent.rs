@@ -26,7 +26,7 @@ use mesh_protocol::topology::{
 use mesh_protocol::{
     Applied, Declaration, DecodeError, Envelope, Health, Heartbeat, HeartbeatPlan, ItemOutcome,
     LogsRequest, MAX_REPORT_BYTES, NodeId, Outage, Outcome, ProtocolRange, Report, ReportKind,
-    Section, Units,
+    ResourceStatusState, Resources, Section, Units,
 };
 use rand::Rng;
 use tokio::time::{Instant, Interval, MissedTickBehavior, sleep_until};
@@ -39,6 +39,7 @@ use crate::config::Config;
 use crate::credentials::Credentials;
 use crate::facts;
 use crate::metrics::Metrics;
+use crate::provision::worker::{Declared, Worker};
 use crate::store::{PendingReport, Store};
 use crate::units::probes::HealthReporter;
 use crate::units::{Reporter, Supervisor};
@@ -125,6 +126,9 @@ pub(crate) struct Agent {
     certs: Option<crate::certs::Certs>,
     /// The artifact cache the delivery section fills (none: not set up).
     artifacts: Option<crate::artifacts::Artifacts>,
+    /// Reconciles the provisioning section's resources in the background;
+    /// its findings become `resources` reports.
+    resources: Worker,
 }
 
 impl Agent {
@@ -155,7 +159,24 @@ impl Agent {
         let reporter = units.reporter();
         let health = units.health_reporter();
         let plan = crate::plan::load(&config.state_dir);
+        // The resources as last declared, reconciled at once (rule 8): no
+        // broker, no controller needed.
+        let provisioning = store.section(Section::Provisioning);
+        let found = store.data().resources.as_ref();
+        if let Some(f) = found {
+            metrics.set_resources(&f.resources);
+        }
+        let resources = Worker::start(
+            applier.clone(),
+            config.provisioning.interval,
+            Declared {
+                generation: provisioning.generation,
+                resources: provisioning.resources,
+            },
+            found,
+        );
         Agent {
+            resources,
             plan,
             retime: false,
             connectivity: None,
@@ -206,6 +227,7 @@ impl Agent {
     /// agent (their shims keep their output; decision 0016).
     pub(crate) async fn run(mut self, shutdown: Shutdown<'_>) {
         self.serve(shutdown).await;
+        self.resources.stop();
         self.units.shutdown().await;
     }
 
@@ -240,6 +262,7 @@ impl Agent {
                         return;
                     }
                     _ = heartbeat.tick() => self.missed_heartbeat(),
+                    found = self.resources.found() => self.resources_found(found),
                     r = &mut connect => break r,
                 }
             };
@@ -320,6 +343,7 @@ impl Agent {
                     return false;
                 }
                 _ = heartbeat.tick() => self.missed_heartbeat(),
+                found = self.resources.found() => self.resources_found(found),
                 () = sleep_until(until) => return true,
             }
         }
@@ -338,6 +362,7 @@ impl Agent {
         self.buffer.reset_in_flight();
         self.push_hello();
         self.push_units();
+        self.push_resources();
         self.push_certificates(true);
         // Probe results, whole, after every connect (if there are any).
         if self.health.any() {
@@ -421,6 +446,7 @@ impl Agent {
                     }
                 }
                 () = self.reporter.due() => self.push_units(),
+                found = self.resources.found() => self.resources_found(found),
                 () = self.health.due() => self.push_health(false),
                 _ = summary.tick() => {
                     if self.health.any() {
@@ -978,8 +1004,19 @@ impl Agent {
         if let (Some(plan), Outcome::Applied, false) = (plan, report.outcome, report.stale) {
             self.set_plan(plan);
         }
+        // A config section may bring a grant's credential file.
+        if section == Section::Config && !report.stale && report.outcome == Outcome::Applied {
+            self.resources.kick();
+        }
         if let Some(state) = report.state {
             let units = (section == Section::Inventory).then(|| state.units.clone());
+            // Handed over, never waited on: the worker passes in the background.
+            if section == Section::Provisioning {
+                self.resources.declare(Declared {
+                    generation: state.generation,
+                    resources: state.resources.clone(),
+                });
+            }
             self.metrics
                 .set_applied_generation(section.as_str(), state.generation);
             if let Err(e) = self
@@ -1141,6 +1178,57 @@ impl Agent {
             (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO)
         });
         Instant::now() + wait.max(Duration::from_millis(50))
+    }
+
+    /// A provisioning pass is done: keep and state what it found, if that
+    /// differs from what was last stated (or it answers a newer generation).
+    fn resources_found(&mut self, found: Resources) {
+        let before = self.store.data().resources.clone();
+        if before.as_ref() == Some(&found) {
+            return;
+        }
+        for s in &found.resources {
+            let was = before
+                .as_ref()
+                .and_then(|b| b.resources.iter().find(|r| r.grant == s.grant));
+            if was == Some(s) {
+                continue;
+            }
+            // Reasons are the servers' words, never a credential.
+            let reason = s.reason.as_deref().unwrap_or("");
+            match s.state {
+                ResourceStatusState::Failed => {
+                    warn!(grant = %s.grant, state = s.state.as_str(), reason, "resource failed")
+                }
+                ResourceStatusState::Waiting => {
+                    info!(grant = %s.grant, state = s.state.as_str(), reason, "resource waiting")
+                }
+                _ => info!(
+                    grant = %s.grant,
+                    state = s.state.as_str(),
+                    credential_version = ?s.credential_version,
+                    recreated = s.recreated,
+                    "resource reconciled"
+                ),
+            }
+        }
+        self.metrics.set_resources(&found.resources);
+        if let Err(e) = self.store.set_resources(found) {
+            error!(error = %e, "cannot keep what the provisioning pass found; stated anyway");
+            // Stated from memory: the store keeps the older findings.
+        }
+        self.push_resources();
+    }
+
+    /// State what the last provisioning pass found (after a connect, and
+    /// when it changed). Nothing before the first pass.
+    fn push_resources(&mut self) {
+        let Some(found) = self.store.data().resources.clone() else {
+            return;
+        };
+        let found = fit_resources(found, &self.creds.node);
+        let out = self.envelope(Report::Resources(found));
+        self.push(out);
     }
 
     /// State every unit, now (after a connect, and when [`Reporter::due`]).
@@ -1319,6 +1407,40 @@ fn fit_units(mut u: Units, node: &NodeId) -> Units {
     u
 }
 
+/// Make a resources report fit [`MAX_REPORT_BYTES`]: first cut the reasons
+/// to 200 characters, then drop them, then (hundreds of grants on one node)
+/// cut the list, saying so in the log. Never refused: the controller learns
+/// what fits.
+fn fit_resources(mut r: Resources, node: &NodeId) -> Resources {
+    let fits = |r: &Resources| {
+        let probe = Envelope::new(node.clone(), u64::MAX, Report::Resources(r.clone()));
+        probe.encode().len() <= MAX_REPORT_BYTES
+    };
+    r.resources.truncate(mesh_protocol::MAX_RESOURCES);
+    if fits(&r) {
+        return r;
+    }
+    let total = r.resources.len();
+    for s in &mut r.resources {
+        s.reason = s.reason.as_deref().map(|t| truncate(t, 200));
+    }
+    if !fits(&r) {
+        for s in &mut r.resources {
+            s.reason = None;
+        }
+    }
+    while !fits(&r) && !r.resources.is_empty() {
+        let keep = r.resources.len() * 9 / 10;
+        r.resources.truncate(keep);
+    }
+    warn!(
+        total,
+        reported = r.resources.len(),
+        "the resources report is too large; reasons shortened or dropped, and the list cut where still needed"
+    );
+    r
+}
+
 /// Make a health report fit [`MAX_REPORT_BYTES`]: first drop the details,
 /// then (hundreds of probes, far beyond what a node runs) cut the list,
 /// saying so in the log.
@@ -1456,6 +1578,56 @@ mod tests {
             summary: true,
         };
         assert_eq!(fit_health(few.clone(), &node), few);
+    }
+
+    #[test]
+    fn oversized_resources_reports_are_cut_to_fit() {
+        let node = NodeId::parse(&"n".repeat(63)).unwrap();
+        let status = |i: u128, reason: Option<String>| mesh_protocol::ResourceStatus {
+            grant: Uuid::from_u128(i),
+            state: ResourceStatusState::Failed,
+            credential_version: Some(1),
+            reason,
+            recreated: false,
+        };
+        let size = |r: &Resources| {
+            Envelope::new(node.clone(), 1, Report::Resources(r.clone()))
+                .encode()
+                .len()
+        };
+        // Long reasons: shortened, every grant kept.
+        let long = Resources {
+            generation: 3,
+            resources: (0..100)
+                .map(|i| status(i, Some("r".repeat(mesh_protocol::MAX_REASON_CHARS))))
+                .collect(),
+        };
+        assert!(size(&long) > MAX_REPORT_BYTES);
+        let cut = fit_resources(long, &node);
+        assert!(size(&cut) <= MAX_REPORT_BYTES);
+        assert_eq!(cut.generation, 3);
+        assert_eq!(cut.resources.len(), 100);
+        assert!(cut.resources.iter().all(|s| {
+            let r = s.reason.as_deref().unwrap();
+            r.starts_with("rrr") && r.chars().count() <= 201
+        }));
+        // The most a section holds, each with a full reason: cut to what fits.
+        let many = Resources {
+            generation: 4,
+            resources: (0..mesh_protocol::MAX_RESOURCES as u128)
+                .map(|i| status(i, Some("x".repeat(mesh_protocol::MAX_REASON_CHARS))))
+                .collect(),
+        };
+        let cut = fit_resources(many, &node);
+        assert!(size(&cut) <= MAX_REPORT_BYTES);
+        assert!(!cut.resources.is_empty());
+        assert_eq!(cut.resources[0].grant, Uuid::from_u128(0));
+        // A report that fits is left as it is.
+        let small = Resources {
+            generation: 1,
+            resources: vec![status(1, Some("refused".into()))],
+        };
+        assert_eq!(fit_resources(small.clone(), &node), small);
     }
 
     #[test]

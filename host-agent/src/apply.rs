@@ -188,6 +188,14 @@ impl Applier {
                 ),
             );
         }
+        if section != Section::Provisioning && !decl.items.resources.is_empty() {
+            return rejected(
+                Vec::new(),
+                format!(
+                    "invalid field `body.items.resources`: resources are declared in the provisioning section only, not in `{section}`"
+                ),
+            );
+        }
         if section != Section::Delivery && !decl.items.artifacts.is_empty() {
             return rejected(
                 Vec::new(),
@@ -342,6 +350,9 @@ impl Applier {
             // Units are handed to the supervisor once recorded (the agent does it):
             // an applied unit is a declared one; how it runs is the units report's.
             state.units = decl.items.units.clone();
+            // Likewise resources go to the provisioning worker once recorded;
+            // what came of them is the `resources` report's.
+            state.resources = decl.items.resources.clone();
             items.extend(decl.items.units.iter().map(|u| ItemOutcome {
                 item: u.name.clone(),
                 ok: true,
@@ -733,6 +744,67 @@ mod tests {
         ok.items.artifacts = vec![artifact];
         let r = fx.applier.apply(&ok, &SectionState::default());
         assert_eq!(r.outcome, Outcome::Applied, "{r:?}");
+    }
+
+    #[test]
+    fn resources_are_declared_in_the_provisioning_section_only() {
+        let fx = fixture();
+        let resource = mesh_protocol::ResourceItem {
+            grant: uuid::Uuid::from_u128(7),
+            kind: mesh_protocol::ResourceKind::PostgresDatabase,
+            name: "app-main".into(),
+            user: "app-main".into(),
+            options: Default::default(),
+            state: mesh_protocol::ResourceState::Present,
+            port: 5433,
+            admin: mesh_protocol::AdminAccess {
+                server: mesh_protocol::AdminServer::Postgres,
+                socket_dir: Some("/run/pg".into()),
+                user: None,
+                node: None,
+                home: None,
+                config: None,
+            },
+            credential: Some("/modules/pg/secrets/grant-x.env".into()),
+            credential_version: 1,
+        };
+        // Anywhere else: rejected naming the field, nothing touched.
+        for section in [Section::Config, Section::Inventory, Section::Delivery] {
+            let mut bad = decl(1, vec![file("/etc/x", "x", 0o644)]);
+            bad.section = section;
+            bad.items.resources = vec![resource.clone()];
+            let r = fx.applier.apply(&bad, &SectionState::default());
+            assert_eq!(r.outcome, Outcome::Rejected, "{section}");
+            let error = r.error.unwrap();
+            assert!(
+                error.contains("body.items.resources") && error.contains("provisioning"),
+                "{error}"
+            );
+            assert!(!fx.root.join("etc/x").exists());
+            let state = r.state.unwrap();
+            assert_eq!(state.generation, 0);
+            assert!(state.resources.is_empty());
+        }
+
+        // In the provisioning section they are recorded (the worker takes them).
+        let mut ok = decl(1, vec![]);
+        ok.section = Section::Provisioning;
+        ok.items.resources = vec![resource.clone()];
+        let r = fx.applier.apply(&ok, &SectionState::default());
+        assert_eq!(r.outcome, Outcome::Applied, "{r:?}");
+        let s1 = r.state.unwrap();
+        assert_eq!(s1.resources, vec![resource]);
+        // A generation without them records none (the grants are gone).
+        let mut empty = decl(2, vec![]);
+        empty.section = Section::Provisioning;
+        assert!(
+            fx.applier
+                .apply(&empty, &s1)
+                .state
+                .unwrap()
+                .resources
+                .is_empty()
+        );
     }
 
     #[test]

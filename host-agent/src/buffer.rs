@@ -4,11 +4,13 @@
 //! returned as unroutable). When the buffer is full the oldest heartbeat goes
 //! first (a newer one supersedes it), then the oldest units report (a whole list,
 //! also superseded), then the oldest health report (likewise), then the oldest
-//! hello (one is sent on every connect); an `applied` report goes only when
-//! nothing else is left, and the next heartbeat still carries the applied
+//! resources report (likewise, and one is sent on every connect), then the
+//! oldest hello (one is sent on every connect); an `applied` report goes only
+//! when nothing else is left, and the next heartbeat still carries the applied
 //! generations. A new hello replaces older hellos that are still waiting, a new
-//! units report older units reports, a new health report older health reports
-//! (and certificates reports likewise).
+//! units report older units reports, a new health report older health reports,
+//! a new resources report older resources reports (and certificates reports
+//! likewise): never two of these kinds wait, besides one already in flight.
 
 use std::collections::VecDeque;
 
@@ -71,7 +73,11 @@ impl ReportBuffer {
         let mut dropped = Dropped::default();
         if matches!(
             report.kind,
-            ReportKind::Hello | ReportKind::Units | ReportKind::Certificates | ReportKind::Health
+            ReportKind::Hello
+                | ReportKind::Units
+                | ReportKind::Certificates
+                | ReportKind::Health
+                | ReportKind::Resources
         ) {
             let mut i = 0;
             while i < self.entries.len() {
@@ -89,6 +95,7 @@ impl ReportBuffer {
                 ReportKind::Heartbeat,
                 ReportKind::Units,
                 ReportKind::Health,
+                ReportKind::Resources,
                 ReportKind::Hello,
                 ReportKind::Applied,
             ]
@@ -222,6 +229,35 @@ mod tests {
             vec![3]
         );
         assert_eq!(seqs(&b), vec![2, 4, 5]);
+    }
+
+    #[test]
+    fn a_newer_resources_report_replaces_a_waiting_one() {
+        let mut b = ReportBuffer::new(4);
+        b.push(r(ReportKind::Resources, 1));
+        b.push(r(ReportKind::Applied, 2));
+        let dropped = b.push(r(ReportKind::Resources, 3));
+        assert_eq!(
+            dropped.superseded.iter().map(|d| d.seq).collect::<Vec<_>>(),
+            vec![1]
+        );
+        assert!(dropped.evicted.is_empty());
+        assert_eq!(seqs(&b), vec![2, 3]);
+        // Never two waiting: one in flight may stay (it may be confirmed).
+        assert_eq!(b.next_to_send().map(|o| o.seq), Some(2));
+        assert_eq!(b.next_to_send().map(|o| o.seq), Some(3));
+        b.push(r(ReportKind::Resources, 4));
+        b.push(r(ReportKind::Resources, 5));
+        assert_eq!(seqs(&b), vec![2, 3, 5]);
+        // Full: the resources report goes before the hello and the applied.
+        b.reset_in_flight();
+        b.push(r(ReportKind::Hello, 6));
+        let dropped = b.push(r(ReportKind::Applied, 7));
+        assert_eq!(
+            dropped.evicted.iter().map(|d| d.seq).collect::<Vec<_>>(),
+            vec![3]
+        );
+        assert_eq!(seqs(&b), vec![2, 5, 6, 7]);
     }
 
     #[test]

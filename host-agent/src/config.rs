@@ -115,6 +115,43 @@ pub struct Config {
     /// The artifact cache: the `[artifacts]` table (largest artifact, fetch
     /// timeout). Defaults in [`crate::artifacts::ArtifactsConfig`].
     pub artifacts: crate::artifacts::ArtifactsConfig,
+    /// The resources of resource grants this node's provider modules serve:
+    /// the `[provisioning]` table. Defaults in [`ProvisioningConfig`].
+    pub provisioning: ProvisioningConfig,
+}
+
+/// The `[provisioning]` table: how the agent reconciles the resources its
+/// provisioning section declares (decision 0039).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProvisioningConfig {
+    /// How often every declared resource is reconciled again (besides at
+    /// start, and after each provisioning or config section applied): a
+    /// resource found missing is created again, a server that came back is
+    /// set up. Each pass runs the servers' CLIs once per resource. Seconds or
+    /// a string such as `"30s"`; 1 s to 1 day. Default 30 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub interval: Duration,
+}
+
+impl Default for ProvisioningConfig {
+    fn default() -> Self {
+        ProvisioningConfig {
+            interval: Duration::from_secs(30),
+        }
+    }
+}
+
+impl ProvisioningConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !(Duration::from_secs(1)..=Duration::from_secs(86_400)).contains(&self.interval) {
+            return Err(ConfigError::invalid(
+                "provisioning.interval",
+                "must be 1s to 1 day",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The `[overlay]` table: how the node takes part in the WireGuard overlay
@@ -238,6 +275,7 @@ impl Default for Config {
             overlay: OverlayConfig::default(),
             firewall: FirewallConfig::default(),
             artifacts: crate::artifacts::ArtifactsConfig::default(),
+            provisioning: ProvisioningConfig::default(),
         }
     }
 }
@@ -317,6 +355,7 @@ impl Config {
             .validate()
             .map_err(|(field, reason)| ConfigError::invalid(field, reason))?;
         self.overlay.validate()?;
+        self.provisioning.validate()?;
         self.artifacts
             .validate()
             .map_err(|(field, reason)| ConfigError::invalid(field, reason))?;
@@ -443,6 +482,17 @@ mod tests {
             ("[overlay]\nendpoint = \"somewhere\"", "overlay.endpoint"),
             ("[overlay]\nlisten_port = 0", "overlay.listen_port"),
             ("[firewall]\nnft_path = \"x\"", "nft_path"),
+            ("[provisioning]\ninterval = 0", "provisioning.interval"),
+            (
+                "[provisioning]\ninterval = \"200ms\"",
+                "provisioning.interval",
+            ),
+            (
+                "[provisioning]\ninterval = \"25h\"",
+                "provisioning.interval",
+            ),
+            ("[provisioning]\ninterval = \"soon\"", "interval"),
+            ("[provisioning]\nintervall = 5", "intervall"),
         ] {
             let err = parse(text).unwrap_err().to_string();
             assert!(

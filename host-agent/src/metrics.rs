@@ -43,6 +43,7 @@ pub struct Metrics {
     probe_checks: Family<NameLabels, Counter>,
     artifacts_cached: Gauge,
     artifact_fetches: Family<Labels, Counter>,
+    resources: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -164,6 +165,15 @@ impl Metrics {
         for outcome in crate::artifacts::FETCH_OUTCOMES {
             let _ = artifact_fetches.get_or_create(&vec![("outcome", *outcome)]);
         }
+        let resources = Family::<Labels, Gauge>::default();
+        registry.register(
+            "resources",
+            "Resources of the provisioning section, by the state the agent last found them in (ready, waiting, failed, revoked, deleted)",
+            resources.clone(),
+        );
+        for state in RESOURCE_STATES {
+            let _ = resources.get_or_create(&vec![("state", state.as_str())]);
+        }
         // At 0 from the start where the label values are known (Prometheus'
         // advice: a series that first appears at 1 hides that increase from
         // rate(), and a family without series is absent from a scrape).
@@ -189,6 +199,17 @@ impl Metrics {
             probe_checks,
             artifacts_cached,
             artifact_fetches,
+            resources,
+        }
+    }
+
+    /// What the last provisioning pass found: resources per state.
+    pub fn set_resources(&self, found: &[mesh_protocol::ResourceStatus]) {
+        for state in RESOURCE_STATES {
+            let n = found.iter().filter(|r| r.state == state).count();
+            self.resources
+                .get_or_create(&vec![("state", state.as_str())])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 
@@ -342,6 +363,14 @@ impl Metrics {
     }
 }
 
+const RESOURCE_STATES: [mesh_protocol::ResourceStatusState; 5] = [
+    mesh_protocol::ResourceStatusState::Ready,
+    mesh_protocol::ResourceStatusState::Waiting,
+    mesh_protocol::ResourceStatusState::Failed,
+    mesh_protocol::ResourceStatusState::Revoked,
+    mesh_protocol::ResourceStatusState::Deleted,
+];
+
 fn probe_labels(unit: &str, probe: &str) -> NameLabels {
     vec![("unit", unit.to_owned()), ("probe", probe.to_owned())]
 }
@@ -379,6 +408,13 @@ mod tests {
         m.set_probe_state("web-0", "ready", mesh_protocol::ProbeState::Healthy);
         m.probe_checked("web-0", "ready", true);
         m.probe_checked("web-0", "ready", false);
+        m.set_resources(&[mesh_protocol::ResourceStatus {
+            grant: uuid::Uuid::nil(),
+            state: mesh_protocol::ResourceStatusState::Ready,
+            credential_version: Some(1),
+            reason: None,
+            recreated: false,
+        }]);
         let text = m.render();
         for needle in [
             &format!(
@@ -400,6 +436,8 @@ mod tests {
             "mesh_agent_probe_healthy{unit=\"web-0\",probe=\"ready\"} 1",
             "mesh_agent_probe_checks_total{unit=\"web-0\",probe=\"ready\",result=\"ok\"} 1",
             "mesh_agent_probe_checks_total{unit=\"web-0\",probe=\"ready\",result=\"fail\"} 1",
+            "mesh_agent_resources{state=\"ready\"} 1",
+            "mesh_agent_resources{state=\"waiting\"} 0",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }

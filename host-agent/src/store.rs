@@ -7,19 +7,25 @@
 //! and `applied` reports not yet confirmed by the broker, so a declaration can be
 //! acknowledged as soon as its report is here and a restart loses none of them.
 //! Since version 2 it also holds each section's declared units, so that a
-//! restarted agent runs them again before it hears from anyone.
+//! restarted agent runs them again before it hears from anyone. Since version 3
+//! it holds the provisioning section's declared resources and what the agent
+//! last found of them (the last `resources` report's body), so that a restarted
+//! agent reconciles them before it hears from anyone, creates nothing that
+//! exists, and states them again at once.
 //!
 //! The format is versioned: a store with a `version` this agent does not know is
 //! refused, never guessed at. Older versions are migrated when read (and written
 //! in the current version at the next save):
 //! - 1 → 2: sections gained `units` (absent in version 1: none).
+//! - 2 → 3: sections gained `resources` and the store `resources` (absent in
+//!   versions 1 and 2: none, nothing found yet).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
-use mesh_protocol::{AppliedGenerations, Outcome, Section, UnitItem};
+use mesh_protocol::{AppliedGenerations, Outcome, ResourceItem, Resources, Section, UnitItem};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -27,7 +33,7 @@ use uuid::Uuid;
 pub const STORE_FILE: &str = "store.json";
 
 /// The store format this agent reads and writes.
-pub const STORE_VERSION: u32 = 2;
+pub const STORE_VERSION: u32 = 3;
 
 /// Sequence numbers are reserved in blocks so that the store is not rewritten for
 /// every heartbeat; a restart skips the rest of the block (seq stays monotonic,
@@ -74,6 +80,11 @@ pub struct SectionState {
     /// version 1 stores and when there are none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub units: Vec<UnitItem>,
+    /// The resources of the generation applied last (the provisioning
+    /// section): what the agent reconciles, also right after a restart.
+    /// Absent in version 1 and 2 stores and when there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resources: Vec<ResourceItem>,
 }
 
 /// A report that was built but not yet confirmed by the broker. Only `applied`
@@ -100,6 +111,11 @@ pub struct StoreData {
     pub sections: BTreeMap<Section, SectionState>,
     #[serde(default)]
     pub pending_reports: Vec<PendingReport>,
+    /// What the agent last found of the provisioning section's resources:
+    /// the body of its last `resources` report (absent before the first
+    /// pass, and in version 1 and 2 stores). Never a credential.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<Resources>,
 }
 
 impl Default for StoreData {
@@ -109,6 +125,7 @@ impl Default for StoreData {
             seq_reserved: 0,
             sections: BTreeMap::new(),
             pending_reports: Vec::new(),
+            resources: None,
         }
     }
 }
@@ -217,6 +234,12 @@ impl Store {
         self.save()
     }
 
+    /// Keep what the agent found of the provisioning section's resources.
+    pub fn set_resources(&mut self, found: Resources) -> Result<(), StoreError> {
+        self.data.resources = Some(found);
+        self.save()
+    }
+
     /// Forget reports that were confirmed or dropped. Saves only if one was kept.
     pub fn remove_pending(&mut self, ids: &[Uuid]) -> Result<(), StoreError> {
         let before = self.data.pending_reports.len();
@@ -252,8 +275,9 @@ fn parse(bytes: &[u8], path: &Path) -> Result<StoreData, StoreError> {
         Some(v) if v == u64::from(STORE_VERSION) => {
             serde_json::from_value(value).map_err(malformed)
         }
-        // Version 1 is version 2 without units: read it as it is, then say 2.
-        Some(1) => {
+        // Version 1 is version 2 without units, version 2 is version 3
+        // without resources: read them as they are, then say 3.
+        Some(1 | 2) => {
             let mut data: StoreData = serde_json::from_value(value).map_err(malformed)?;
             data.version = STORE_VERSION;
             Ok(data)
@@ -337,6 +361,7 @@ mod tests {
                 desired: mesh_protocol::DesiredState::Running,
                 probes: Vec::new(),
             }],
+            resources: Vec::new(),
         };
         let report = PendingReport {
             id: Uuid::now_v7(),
@@ -416,8 +441,70 @@ mod tests {
         assert!(s.next_seq() > 2048);
         // The next save writes the current version.
         let text = std::fs::read_to_string(dir.path().join(STORE_FILE)).unwrap();
-        assert!(text.contains("\"version\": 2"), "{text}");
+        assert!(text.contains("\"version\": 3"), "{text}");
         assert_eq!(Store::open(dir.path()).unwrap().section(Section::Config), c);
+    }
+
+    #[test]
+    fn version_2_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        // Exactly what a version-2 agent wrote: sections with units.
+        let v2 = r#"{
+  "version": 2,
+  "seq_reserved": 1024,
+  "sections": {
+    "inventory": {
+      "generation": 7,
+      "digest": "d",
+      "paths": [],
+      "last_generation": 7,
+      "last_outcome": "applied",
+      "updated_at": "2025-01-01T00:00:00Z",
+      "units": [
+        {
+          "name": "web",
+          "module": "web",
+          "command": "/bin/sleep",
+          "args": ["1000"],
+          "restart": "always",
+          "desired": "running"
+        }
+      ]
+    }
+  },
+  "pending_reports": [
+    {"id": "0190b6f0-0000-7000-8000-000000000001", "kind": "applied", "seq": 9, "payload": "{}"}
+  ]
+}"#;
+        std::fs::write(dir.path().join(STORE_FILE), v2).unwrap();
+        let mut s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.data().version, STORE_VERSION);
+        let inv = s.section(Section::Inventory);
+        assert_eq!(inv.generation, 7);
+        assert_eq!(inv.units.len(), 1);
+        assert_eq!(inv.units[0].name, "web");
+        // Nothing provisioned, nothing found yet.
+        assert!(inv.resources.is_empty());
+        assert!(s.section(Section::Provisioning).resources.is_empty());
+        assert_eq!(s.data().resources, None);
+        assert_eq!(s.data().pending_reports.len(), 1);
+        // The next save writes version 3, which reads back the same.
+        let found = mesh_protocol::Resources {
+            generation: 2,
+            resources: vec![mesh_protocol::ResourceStatus {
+                grant: Uuid::nil(),
+                state: mesh_protocol::ResourceStatusState::Ready,
+                credential_version: Some(1),
+                reason: None,
+                recreated: false,
+            }],
+        };
+        s.set_resources(found.clone()).unwrap();
+        let text = std::fs::read_to_string(dir.path().join(STORE_FILE)).unwrap();
+        assert!(text.contains("\"version\": 3"), "{text}");
+        let again = Store::open(dir.path()).unwrap();
+        assert_eq!(again.section(Section::Inventory), inv);
+        assert_eq!(again.data().resources, Some(found));
     }
 
     #[test]

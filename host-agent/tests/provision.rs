@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
 use mesh_host_agent::provision::{self, CredentialFile, Provisioner};
 use mesh_protocol::{
     AdminAccess, AdminServer, ResourceItem, ResourceKind, ResourceState, ResourceStatusState,
@@ -144,9 +146,19 @@ fn tcp_query(
     db: &str,
     sql: &str,
 ) -> Result<String, String> {
+    tcp_query_at(server.port, user, password, db, sql)
+}
+
+fn tcp_query_at(
+    port: u16,
+    user: &str,
+    password: &str,
+    db: &str,
+    sql: &str,
+) -> Result<String, String> {
     let out = Command::new("psql")
         .args(["-X", "-A", "-t", "-h", "127.0.0.1", "-p"])
-        .arg(server.port.to_string())
+        .arg(port.to_string())
         .args(["-U", user, "-d", db, "-c", sql])
         .env("PGPASSWORD", password)
         .env("PGCONNECT_TIMEOUT", "5")
@@ -160,11 +172,15 @@ fn tcp_query(
 }
 
 fn admin_query(server: &Server, sql: &str) -> String {
+    admin_query_at(&server.base.join("sock"), server.port, sql)
+}
+
+fn admin_query_at(socket_dir: &Path, port: u16, sql: &str) -> String {
     let out = Command::new("psql")
         .args(["-X", "-A", "-t", "-h"])
-        .arg(server.base.join("sock"))
+        .arg(socket_dir)
         .arg("-p")
-        .arg(server.port.to_string())
+        .arg(port.to_string())
         .args(["-U", "postgres", "-d", "postgres", "-c", sql])
         .output()
         .unwrap();
@@ -762,4 +778,528 @@ async fn garage_grant_lifecycle() {
         let r = s.reason.clone().unwrap_or_default();
         assert!(!r.contains(S3_A) && !r.contains(S3_B), "{r}");
     }
+}
+
+// ---- the agent itself: a provisioning section over the real broker ----
+
+/// A real `mesh-agent` process (the binary), its output kept in a file;
+/// on drop it is killed and the units it left are drained, so that a failed
+/// test leaves no PostgreSQL behind.
+struct AgentProcess {
+    child: Option<tokio::process::Child>,
+    state: PathBuf,
+}
+
+impl AgentProcess {
+    fn start(config: &Path, state: &Path, log: &Path) -> AgentProcess {
+        let out = std::fs::File::create(log).unwrap();
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mesh-agent"))
+            .args(["--log-format", "json", "run", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "info,mesh_host_agent=debug")
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        AgentProcess {
+            child: Some(child),
+            state: state.to_owned(),
+        }
+    }
+
+    /// SIGTERM, and a clean exit (units are left running: decision 0016).
+    async fn stop(&mut self) {
+        let mut child = self.child.take().expect("running");
+        let pid = child.id().expect("a pid");
+        let status = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let exit = tokio::time::timeout(Duration::from_secs(30), child.wait())
+            .await
+            .expect("the agent exits on SIGTERM")
+            .unwrap();
+        assert!(exit.success(), "{exit}");
+    }
+
+    /// Stop every unit the agent left running (`mesh-agent drain-local`).
+    fn drain(&self) {
+        let _ = Command::new(env!("CARGO_BIN_EXE_mesh-agent"))
+            .arg("drain-local")
+            .arg("--state-dir")
+            .arg(&self.state)
+            .args(["--stop-timeout", "10s"])
+            .stdout(Stdio::null())
+            .status();
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            let end = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < end && !matches!(child.try_wait(), Ok(Some(_))) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        self.drain();
+    }
+}
+
+/// The next report matching `pred` (with its AMQP delivery mode), within
+/// the deadline.
+async fn next_report(
+    reports: &mut lapin::Consumer,
+    what: &str,
+    pred: impl Fn(&mesh_protocol::Envelope<mesh_protocol::Report>) -> bool,
+) -> (mesh_protocol::Envelope<mesh_protocol::Report>, Option<u8>) {
+    use futures_util::StreamExt;
+    let deadline = Duration::from_secs(120);
+    let until = tokio::time::Instant::now() + deadline;
+    loop {
+        let left = until.saturating_duration_since(tokio::time::Instant::now());
+        let d = match tokio::time::timeout(left, reports.next()).await {
+            Ok(Some(Ok(d))) => d,
+            Ok(other) => panic!("report consumer ended while waiting for {what}: {other:?}"),
+            Err(_) => panic!("no {what} within {deadline:?}"),
+        };
+        let env = mesh_protocol::Envelope::<mesh_protocol::Report>::decode(
+            &d.data,
+            mesh_protocol::MAX_REPORT_BYTES,
+        )
+        .expect("a report decodes");
+        if pred(&env) {
+            return (env, *d.properties.delivery_mode());
+        }
+    }
+}
+
+fn resources_of(
+    env: &mesh_protocol::Envelope<mesh_protocol::Report>,
+) -> Option<&mesh_protocol::Resources> {
+    match &env.body {
+        mesh_protocol::Report::Resources(r) => Some(r),
+        _ => None,
+    }
+}
+
+fn unit_of<'a>(
+    env: &'a mesh_protocol::Envelope<mesh_protocol::Report>,
+    name: &str,
+) -> Option<&'a mesh_protocol::UnitStatus> {
+    match &env.body {
+        mesh_protocol::Report::Units(u) => u.units.iter().find(|u| u.name == name),
+        _ => None,
+    }
+}
+
+fn applied_of(
+    env: &mesh_protocol::Envelope<mesh_protocol::Report>,
+) -> Option<&mesh_protocol::Applied> {
+    match &env.body {
+        mesh_protocol::Report::Applied(a) => Some(a),
+        _ => None,
+    }
+}
+
+async fn wait_for_file(what: &str, path: &Path, needle: &str) {
+    let deadline = Duration::from_secs(120);
+    let until = Instant::now() + deadline;
+    while !std::fs::read_to_string(path).is_ok_and(|t| t.contains(needle)) {
+        assert!(Instant::now() < until, "no {what} within {deadline:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The agent reconciles its provisioning section in the background and
+/// states it: a PostgreSQL provider runs as the node's unit (the fixture
+/// script, as a provider module's unit would run it); a grant whose
+/// credential file has not come is `waiting`; the config section delivers
+/// the file, sealed to the node → `ready`, and the credential opens the
+/// database; the agent's restart restarts no unit, creates nothing again and
+/// states the grant again at once; revoked → the login is refused. The
+/// password is in no line the agent logs, nor in its store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_provisions_a_postgres_grant_over_the_broker() {
+    use mesh_protocol::sealing::{self, SealPublicKey};
+    use mesh_protocol::{
+        Declaration, DeclarationItems, DesiredState, FileMode, Report, RestartPolicy,
+        SealedFileItem, Section, UnitItem, UnitState,
+    };
+    let env = mesh_testkit::TestEnv::new().await.unwrap();
+    let creds = env.add_node("prov").await.unwrap();
+    let node = creds.node.clone();
+    let (admin, ch, mut reports) = common::controller_side(&env).await.unwrap();
+    common::declaration_queue_for(&ch, &node).await.unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    // PostgreSQL runs as the postgres user: it must reach its data dir.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let state = dir.path().join("state");
+    let root = dir.path().join("root");
+    let pg_dir = dir.path().join("pg");
+    std::fs::create_dir_all(&root).unwrap();
+    creds.write_to(&state).unwrap();
+    let pg_port = free_port();
+    let metrics_port = common::free_port();
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = {state:?}\nroot = {root:?}\nhostname = \"provider\"\n\
+             reconnect_min = \"50ms\"\nreconnect_max = \"1s\"\n\
+             metrics_listen = \"127.0.0.1:{metrics_port}\"\n\
+             [provisioning]\ninterval = \"2s\"\n"
+        ),
+    )
+    .unwrap();
+    let password = format!("pw-{:032x}", rand::random::<u128>());
+    let log1 = dir.path().join("agent-1.log");
+    let log2 = dir.path().join("agent-2.log");
+    let mut agent = AgentProcess::start(&config, &state, &log1);
+
+    let (hello, _) = next_report(&mut reports, "hello", |e| {
+        matches!(e.body, Report::Hello(_))
+    })
+    .await;
+    let Report::Hello(h) = &hello.body else {
+        unreachable!()
+    };
+    let seal_to = SealPublicKey::from_hex(h.seal_key.as_deref().expect("a seal key")).unwrap();
+    let declare = |section: Section, generation: u64, items: DeclarationItems| {
+        common::publish_declaration(
+            &ch,
+            env.signer(),
+            &node,
+            Declaration {
+                section,
+                generation,
+                items,
+            },
+        )
+    };
+
+    // 1. The provider module's server, as the node's unit.
+    let unit = UnitItem {
+        artifact: None,
+        revision: None,
+        name: "pg".into(),
+        module: "pg".into(),
+        command: "/bin/bash".into(),
+        args: vec![
+            providers()
+                .join("postgres.sh")
+                .to_string_lossy()
+                .into_owned(),
+            pg_dir.to_string_lossy().into_owned(),
+            pg_port.to_string(),
+        ],
+        env: [(
+            "PATH".to_owned(),
+            "/usr/sbin:/usr/bin:/sbin:/bin".to_owned(),
+        )]
+        .into(),
+        working_dir: None,
+        restart: RestartPolicy::Always,
+        desired: DesiredState::Running,
+        probes: Vec::new(),
+    };
+    declare(
+        Section::Inventory,
+        1,
+        DeclarationItems {
+            units: vec![unit],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (units, _) = next_report(&mut reports, "the pg unit running", |e| {
+        unit_of(e, "pg").is_some_and(|u| u.state == UnitState::Running && u.pid.is_some())
+    })
+    .await;
+    let pg_pid = unit_of(&units, "pg").unwrap().pid.unwrap();
+    let sock = pg_dir.join("sock");
+    wait_until(
+        "postgres as the agent's unit",
+        Duration::from_secs(120),
+        || {
+            Command::new("pg_isready")
+                .arg("-h")
+                .arg(&sock)
+                .arg("-p")
+                .arg(pg_port.to_string())
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        },
+    );
+
+    // 2. A grant whose credential file has not come: waiting.
+    let grant = Uuid::now_v7();
+    let credential_path = "/modules/pg/secrets/grant-main.env";
+    let item = |state: ResourceState| ResourceItem {
+        grant,
+        kind: ResourceKind::PostgresDatabase,
+        name: "app-main".into(),
+        user: "app-main".into(),
+        options: BTreeMap::new(),
+        state,
+        port: pg_port,
+        admin: AdminAccess {
+            server: AdminServer::Postgres,
+            socket_dir: Some(sock.to_string_lossy().into_owned()),
+            user: None,
+            node: None,
+            home: None,
+            config: None,
+        },
+        credential: (state == ResourceState::Present).then(|| credential_path.to_owned()),
+        credential_version: 1,
+    };
+    declare(
+        Section::Provisioning,
+        1,
+        DeclarationItems {
+            resources: vec![item(ResourceState::Present)],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (applied, _) = next_report(&mut reports, "provisioning applied", |e| {
+        applied_of(e).is_some_and(|a| a.section == Some(Section::Provisioning))
+    })
+    .await;
+    assert_eq!(
+        applied_of(&applied).unwrap().outcome,
+        mesh_protocol::Outcome::Applied
+    );
+    let (waiting, mode) = next_report(&mut reports, "resources: waiting", |e| {
+        resources_of(e).is_some_and(|r| r.generation == 1)
+    })
+    .await;
+    assert_eq!(mode, Some(2), "a resources report is persistent");
+    let r = resources_of(&waiting).unwrap();
+    assert_eq!(r.resources.len(), 1);
+    assert_eq!(r.resources[0].grant, grant);
+    assert_eq!(r.resources[0].state, ResourceStatusState::Waiting, "{r:?}");
+    assert_eq!(
+        admin_query_at(
+            &sock,
+            pg_port,
+            "SELECT count(*) FROM pg_database WHERE datname = 'app-main'"
+        ),
+        "0"
+    );
+
+    // 3. Config delivers the credential file, sealed to this node: ready.
+    let text = format!(
+        "PGHOST=127.0.0.1\nPGPORT={pg_port}\nPGDATABASE=app-main\nPGUSER=app-main\n\
+         PGPASSWORD={password}\nMESH_CREDENTIAL_VERSION=1\n"
+    );
+    let secret = SealedFileItem {
+        path: credential_path.into(),
+        mode: FileMode::new(0o600).unwrap(),
+        secret: format!("provisioning.grant-{grant}"),
+        version: 1,
+        sealed: sealing::seal(
+            &seal_to,
+            &sealing::secret_aad(node.as_str(), credential_path),
+            text.as_bytes(),
+            [9; 32],
+        )
+        .unwrap(),
+    };
+    declare(
+        Section::Config,
+        1,
+        DeclarationItems {
+            secrets: vec![secret],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (ready, _) = next_report(&mut reports, "resources: ready", |e| {
+        resources_of(e).is_some_and(|r| {
+            r.resources
+                .iter()
+                .any(|s| s.state == ResourceStatusState::Ready)
+        })
+    })
+    .await;
+    let r = resources_of(&ready).unwrap().clone();
+    assert_eq!(r.generation, 1);
+    assert_eq!(r.resources[0].credential_version, Some(1));
+    assert!(!r.resources[0].recreated);
+    tcp_query_at(
+        pg_port,
+        "app-main",
+        &password,
+        "app-main",
+        "CREATE TABLE kept (x int); INSERT INTO kept VALUES (7)",
+    )
+    .unwrap();
+    let db_oid = admin_query_at(
+        &sock,
+        pg_port,
+        "SELECT oid FROM pg_database WHERE datname = 'app-main'",
+    );
+    let role_oid = admin_query_at(
+        &sock,
+        pg_port,
+        "SELECT oid FROM pg_roles WHERE rolname = 'app-main'",
+    );
+    let metrics = common::scrape(metrics_port).await.unwrap();
+    assert!(
+        metrics.contains("mesh_agent_resources{state=\"ready\"} 1"),
+        "{metrics}"
+    );
+
+    // 4. The agent restarts: no unit restarted, nothing created again, the
+    //    grant stated again at once (from the store).
+    agent.stop().await;
+    let last_seq = ready.seq;
+    let mut agent = AgentProcess::start(&config, &state, &log2);
+    // Both come after the connect (units first); gather them whatever the order.
+    let mut again = None;
+    let mut units = None;
+    while again.is_none() || units.is_none() {
+        let (e, _) = next_report(&mut reports, "resources and units after the restart", |e| {
+            e.seq > last_seq
+                && (resources_of(e).is_some()
+                    || unit_of(e, "pg").is_some_and(|u| u.state == UnitState::Running))
+        })
+        .await;
+        if resources_of(&e).is_some() {
+            again.get_or_insert(e);
+        } else {
+            units.get_or_insert(e);
+        }
+    }
+    let (again, units) = (again.unwrap(), units.unwrap());
+    assert_eq!(resources_of(&again).unwrap(), &r, "stated again, unchanged");
+    let u = unit_of(&units, "pg").unwrap();
+    assert_eq!(
+        (u.state, u.pid, u.restarts),
+        (UnitState::Running, Some(pg_pid), 0),
+        "the agent's restart restarts no unit"
+    );
+    // The restarted agent's own pass (from its store) made nothing anew.
+    wait_for_file("a pass after the restart", &log2, "provisioning pass done").await;
+    assert_eq!(
+        admin_query_at(
+            &sock,
+            pg_port,
+            "SELECT oid FROM pg_database WHERE datname = 'app-main'"
+        ),
+        db_oid
+    );
+    assert_eq!(
+        admin_query_at(
+            &sock,
+            pg_port,
+            "SELECT oid FROM pg_roles WHERE rolname = 'app-main'"
+        ),
+        role_oid
+    );
+    assert_eq!(
+        tcp_query_at(
+            pg_port,
+            "app-main",
+            &password,
+            "app-main",
+            "SELECT x FROM kept"
+        )
+        .unwrap()
+        .trim(),
+        "7"
+    );
+    let store = mesh_host_agent::Store::open(&state).unwrap();
+    assert_eq!(store.data().resources.as_ref(), Some(&r));
+    drop(store);
+
+    // 5. Revoked: the login is refused, the data kept; then the file goes.
+    declare(
+        Section::Provisioning,
+        2,
+        DeclarationItems {
+            resources: vec![item(ResourceState::Revoked)],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (revoked, _) = next_report(&mut reports, "resources: revoked", |e| {
+        resources_of(e).is_some_and(|r| r.generation == 2)
+    })
+    .await;
+    let rv = resources_of(&revoked).unwrap();
+    assert_eq!(
+        rv.resources[0].state,
+        ResourceStatusState::Revoked,
+        "{rv:?}"
+    );
+    let refused = tcp_query_at(pg_port, "app-main", &password, "app-main", "SELECT 1").unwrap_err();
+    assert!(refused.contains("not permitted to log in"), "{refused}");
+    declare(Section::Config, 2, DeclarationItems::default())
+        .await
+        .unwrap();
+    next_report(&mut reports, "config 2 applied", |e| {
+        applied_of(e).is_some_and(|a| a.section == Some(Section::Config) && a.generation == Some(2))
+    })
+    .await;
+    assert!(!root.join(credential_path.trim_start_matches('/')).exists());
+    let metrics = common::scrape(metrics_port).await.unwrap();
+    assert!(
+        metrics.contains("mesh_agent_resources{state=\"revoked\"} 1")
+            && metrics.contains("mesh_agent_resources{state=\"ready\"} 0"),
+        "{metrics}"
+    );
+    assert_eq!(
+        admin_query_at(
+            &sock,
+            pg_port,
+            "SELECT count(*) FROM pg_database WHERE datname = 'app-main'"
+        ),
+        "1",
+        "a revoked grant keeps its data"
+    );
+
+    // 6. The password is in no line either agent logged, nor in its store,
+    //    nor in the server's output the unit's shim kept.
+    agent.stop().await;
+    agent.drain();
+    let mut logged = 0;
+    for log in [&log1, &log2] {
+        let text = std::fs::read_to_string(log).unwrap();
+        logged += text.lines().count();
+        for line in text.lines() {
+            assert!(
+                !line.contains(&password),
+                "a log line holds the password: {line}"
+            );
+        }
+    }
+    let text = std::fs::read_to_string(&log1).unwrap();
+    assert!(
+        text.contains("resource reconciled") && text.contains(&grant.to_string()),
+        "the agent logs what it reconciled ({logged} lines)"
+    );
+    let store = std::fs::read_to_string(state.join("store.json")).unwrap();
+    assert!(!store.contains(&password), "the store holds the password");
+    for stream in ["stdout.log", "stderr.log"] {
+        let out = std::fs::read_to_string(state.join("units/pg").join(stream)).unwrap_or_default();
+        assert!(
+            !out.contains(&password),
+            "the server's {stream} holds the password"
+        );
+    }
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await.unwrap();
 }

@@ -3,6 +3,13 @@
 //! (`POST /v2/ImportKey`, bearer `admin_token` of the same config file) so
 //! that its secret is never in argv (`garage key import` takes it there).
 //!
+//! Every key of a grant is named `grant-<grant>`. Garage cannot change a
+//! key's secret, so a rotated credential is a new key id: once the new key is
+//! imported and allowed on the bucket, the grant's other keys are deleted
+//! (their holders get 403 from then on); revoking deletes every key of the
+//! grant. Keys are listed through the admin API (`GET /v2/ListKeys`) and
+//! deleted with `garage key delete`.
+//!
 //! Caveat: Garage refuses to delete a non-empty bucket; a deleted grant's
 //! bucket that still holds objects fails with Garage's reason.
 
@@ -72,7 +79,8 @@ async fn key_exists(item: &ResourceItem) -> Result<bool, DriverError> {
     found(item, &["key", "info", &item.user], "NoSuchAccessKey").await
 }
 
-async fn import_key(item: &ResourceItem, secret: &Secret<String>) -> Result<(), DriverError> {
+/// The admin API's address and bearer token, from the server's configuration.
+async fn admin_api(item: &ResourceItem) -> Result<(String, Secret<String>), DriverError> {
     let text = tokio::fs::read_to_string(config(item)?)
         .await
         .map_err(|e| DriverError::Unavailable(format!("garage config: {e}")))?;
@@ -90,14 +98,62 @@ async fn import_key(item: &ResourceItem, secret: &Secret<String>) -> Result<(), 
             "garage config: [admin] api_bind_addr and admin_token are required".into(),
         ));
     };
+    Ok((addr.to_owned(), Secret::new(token.to_owned())))
+}
+
+fn key_name(item: &ResourceItem) -> String {
+    format!("grant-{}", item.grant)
+}
+
+/// The ids of every key named for the item's grant.
+async fn grant_keys(item: &ResourceItem) -> Result<Vec<String>, DriverError> {
+    let (addr, token) = admin_api(item).await?;
+    let resp = reqwest::Client::new()
+        .get(format!("http://{addr}/v2/ListKeys"))
+        .bearer_auth(token.expose())
+        .timeout(super::COMMAND_TIMEOUT)
+        .send()
+        .await
+        .map_err(|e| DriverError::Unavailable(format!("garage admin API: {e}")))?;
+    let status = resp.status();
+    if !status.is_success() {
+        let text = resp.text().await.unwrap_or_default();
+        return Err(DriverError::Refused(truncate_reason(&format!(
+            "garage ListKeys: {status}: {text}"
+        ))));
+    }
+    let keys: Vec<serde_json::Value> = resp
+        .json()
+        .await
+        .map_err(|e| DriverError::Unavailable(format!("garage ListKeys: {e}")))?;
+    let name = key_name(item);
+    Ok(keys
+        .iter()
+        .filter(|k| k.get("name").and_then(|n| n.as_str()) == Some(name.as_str()))
+        .filter_map(|k| k.get("id").and_then(|i| i.as_str()).map(str::to_owned))
+        .collect())
+}
+
+/// Delete the grant's keys other than `keep`.
+async fn delete_grant_keys(item: &ResourceItem, keep: Option<&str>) -> Result<(), DriverError> {
+    for id in grant_keys(item).await? {
+        if Some(id.as_str()) != keep {
+            must(item, &["key", "delete", "--yes", &id]).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn import_key(item: &ResourceItem, secret: &Secret<String>) -> Result<(), DriverError> {
+    let (addr, token) = admin_api(item).await?;
     let body = serde_json::json!({
         "accessKeyId": item.user,
         "secretAccessKey": secret.expose(),
-        "name": format!("grant-{}", item.grant),
+        "name": key_name(item),
     });
     let resp = reqwest::Client::new()
         .post(format!("http://{addr}/v2/ImportKey"))
-        .bearer_auth(token)
+        .bearer_auth(token.expose())
         .timeout(super::COMMAND_TIMEOUT)
         .json(&body)
         .send()
@@ -131,8 +187,8 @@ pub(super) async fn ensure(
     if !exists(item).await? {
         must(item, &["bucket", "create", &item.name]).await?;
     }
-    // Caveat: an existing key keeps its secret (Garage cannot change a
-    // key's secret); a rotated credential needs the key deleted first.
+    // An existing key keeps its secret (Garage cannot change a key's secret):
+    // a rotated credential comes as a new key id.
     if !key_exists(item).await? {
         import_key(item, secret).await?;
     }
@@ -147,14 +203,16 @@ pub(super) async fn ensure(
         item,
         &["bucket", "set-quotas", "--max-size", &max_size, &item.name],
     )
-    .await
+    .await?;
+    // The new key works: the grant's older keys go.
+    delete_grant_keys(item, Some(&item.user)).await
 }
 
 pub(super) async fn revoke(item: &ResourceItem) -> Result<(), DriverError> {
     if key_exists(item).await? {
         must(item, &["key", "delete", "--yes", &item.user]).await?;
     }
-    Ok(())
+    delete_grant_keys(item, None).await
 }
 
 pub(super) async fn delete(item: &ResourceItem) -> Result<(), DriverError> {

@@ -25,6 +25,7 @@ use uuid::Uuid;
 mod garage;
 mod postgres;
 mod rabbitmq;
+pub mod worker;
 
 /// How long one CLI command may take before the server counts as not
 /// answering.
@@ -225,6 +226,22 @@ pub struct Provisioner {
 impl Provisioner {
     pub fn new() -> Provisioner {
         Provisioner::default()
+    }
+
+    /// Take up what an earlier process found (the store's last `resources`
+    /// report): a resource that was ready and is now missing is then
+    /// `recreated`, as if this process had seen it ready. A failed one is
+    /// tried again (a restart is a fresh look).
+    pub fn remember(&mut self, found: &[ResourceStatus]) {
+        for s in found {
+            let mem = self.memory.entry(s.grant).or_default();
+            if s.state == ResourceStatusState::Ready {
+                mem.ready_at = s.credential_version;
+                if s.recreated {
+                    mem.recreated_at = s.credential_version;
+                }
+            }
+        }
     }
 
     /// One pass over every item; `read_credential` reads a credential file
