@@ -402,10 +402,24 @@ async fn postgres_grant_lifecycle() {
 
 const RABBITMQCTL: &str = "/usr/lib/rabbitmq/bin/rabbitmqctl";
 
+/// A free port whose distribution port (`rabbitmq.sh`: port + 20000) is a
+/// port too, and free (a port from the kernel's ephemeral range may be above
+/// 45535, past which the broker refuses to start).
+fn free_rabbitmq_port() -> u16 {
+    for _ in 0..1000 {
+        let port = 20_000 + rand::random::<u16>() % 25_000;
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 20_000) {
+            return port;
+        }
+    }
+    panic!("no free port pair for rabbitmq");
+}
+
 fn start_rabbitmq() -> (Server, String) {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("rmq");
-    let port = free_port();
+    let port = free_rabbitmq_port();
     let node = format!("mesh-prov-{port}@localhost");
     let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
     let child = Command::new("bash")
@@ -721,6 +735,8 @@ const KEY_A: &str = "GK0123456789abcdef01234567";
 const KEY_B: &str = "GK76543210fedcba9876543210";
 const S3_A: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 const S3_B: &str = "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
+const KEY_C: &str = "GK0a1b2c3d4e5f60718293a4b5";
+const S3_C: &str = "a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5";
 
 #[tokio::test]
 async fn garage_grant_lifecycle() {
@@ -750,7 +766,34 @@ async fn garage_grant_lifecycle() {
     assert_eq!(other, 403);
     assert_eq!(p.pass(&items, creds).await, st);
 
-    // Revoked: refused, bucket kept.
+    // Rotated: Garage cannot change a key's secret, so the credential of
+    // version 2 is a new key id; once it is set up the grant's older key is
+    // deleted (403 from then on), and no other grant's key is touched.
+    let mut a2 = s3_item(&server, "bucket-a", KEY_C, ResourceState::Present);
+    a2.credential_version = 2;
+    let creds2 = |path: &str| -> Option<String> {
+        match path {
+            "/creds/bucket-a.env" => Some(cred_text(kind, 2, S3_C)),
+            other => creds(other),
+        }
+    };
+    let rotated = p.pass(&[a2.clone(), b.clone()], creds2).await;
+    assert_eq!(rotated[0].state, ResourceStatusState::Ready, "{rotated:?}");
+    assert_eq!(rotated[0].credential_version, Some(2));
+    let (old, _) = s3(server.port, KEY_A, S3_A, "GET", "/bucket-a/obj", b"").await;
+    assert_eq!(old, 403, "the rotated-out key is refused");
+    let (new, text) = s3(server.port, KEY_C, S3_C, "GET", "/bucket-a/obj", b"").await;
+    assert_eq!((new, text.as_str()), (200, "hello"), "the new key works");
+    let (other_grant, _) = s3(server.port, KEY_B, S3_B, "GET", "/bucket-b/none", b"").await;
+    assert_eq!(other_grant, 404, "another grant's key still works");
+    assert_eq!(
+        p.pass(&[a2.clone(), b.clone()], creds2).await,
+        rotated,
+        "a second pass changes nothing"
+    );
+
+    // Revoked: refused, bucket kept. Every key of the grant goes, whichever
+    // id the declaration names (here the rotated-out one).
     let ra = s3_item(&server, "bucket-a", KEY_A, ResourceState::Revoked);
     assert_eq!(
         provision::reconcile(&ra, None).await.state,
@@ -758,6 +801,8 @@ async fn garage_grant_lifecycle() {
     );
     let (get, _) = s3(server.port, KEY_A, S3_A, "GET", "/bucket-a/obj", b"").await;
     assert_eq!(get, 403);
+    let (get, _) = s3(server.port, KEY_C, S3_C, "GET", "/bucket-a/obj", b"").await;
+    assert_eq!(get, 403, "the grant's current key is gone too");
     assert!(provision::exists(&ra).await.unwrap());
     assert_eq!(
         provision::reconcile(&ra, None).await.state,
@@ -774,9 +819,12 @@ async fn garage_grant_lifecycle() {
     let c = CredentialFile::parse(kind, &cred_text(kind, 1, S3_A)).unwrap();
     let w = provision::reconcile(&a, Some(&c)).await;
     assert_eq!(w.state, ResourceStatusState::Waiting, "{w:?}");
-    for s in st.iter().chain([&w, &d]) {
+    for s in st.iter().chain(&rotated).chain([&w, &d]) {
         let r = s.reason.clone().unwrap_or_default();
-        assert!(!r.contains(S3_A) && !r.contains(S3_B), "{r}");
+        assert!(
+            !r.contains(S3_A) && !r.contains(S3_B) && !r.contains(S3_C),
+            "{r}"
+        );
     }
 }
 
