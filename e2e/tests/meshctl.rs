@@ -5,7 +5,8 @@
 //! API; `get nodes -w` shows a stopped agent's node turn unreachable;
 //! `events --follow` resumes after the controller restarts, with nothing
 //! lost or repeated; completions and man pages are well-formed; the config
-//! file's precedence holds.
+//! file's precedence holds; `get grants` and `describe grant` read a live
+//! controller's grants (issue 16).
 
 use std::io::{BufRead as _, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -657,6 +658,111 @@ async fn events_follow_resumes_after_the_controller_restarts() -> anyhow::Result
         "meshctl said it reconnects: {errors}"
     );
     assert!(errors.contains("resuming after"), "{errors}");
+    mesh.teardown().await
+}
+
+/// `get grants` and `describe grant` against a live controller: a module
+/// requiring a database no module provides has a grant that waits, saying
+/// why; meshctl's lists are the API's, its filters the API's, and a grant is
+/// found by id, a start of one, or consumer/requirement.
+#[tokio::test]
+async fn meshctl_gets_and_describes_grants() -> anyhow::Result<()> {
+    let mesh = Mesh::start().await?;
+    let spec = json!({
+        "unit": {"command": "sleep", "args": ["1000"]},
+        "placement": {"match_labels": {"labels": {"role": "app"}, "replicas": 1}},
+        "requires": [{"kind": "postgres.database", "name": "db"}]
+    });
+    let (status, body) = mesh.put("/v1/modules/app", &spec).await?;
+    anyhow::ensure!(
+        status == 200 || status == 201,
+        "PUT module: {status} {body}"
+    );
+    let grant = wait_for("app's grant", WITHIN, || async {
+        let (status, v) = mesh.get("/v1/grants?module=app").await?;
+        anyhow::ensure!(status == 200, "GET /v1/grants: {status} {v}");
+        Ok(v["grants"].as_array().and_then(|g| g.first()).cloned())
+    })
+    .await?;
+    let id = grant["id"].as_str().unwrap_or_default().to_owned();
+    assert_eq!(grant["state"], "requested", "{grant}");
+
+    // -o json is the API's objects, every page; the table is for people.
+    let listed = json_of(&mesh, &["get", "grants"])?;
+    let from_api = api_list(&mesh, "/v1/grants", "grants").await?;
+    assert_eq!(ids(&listed, "id"), ids(&from_api, "id"));
+    assert_eq!(ids(&listed, "id"), vec![id.clone()]);
+    let table = ok(&mesh, &["get", "grants"])?;
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("CONSUMER   REQUIREMENT   KIND"),
+        "{table}"
+    );
+    let row: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(
+        row[..5],
+        ["app", "db", "postgres.database", "-", "requested"],
+        "{table}"
+    );
+    let wide = ok(&mesh, &["get", "grant", "-o", "wide"])?;
+    assert!(wide.contains(&id) && wide.contains("app-db"), "{wide}");
+
+    // The filters are the API's query parameters.
+    for (args, n) in [
+        (&["--module", "app"][..], 1),
+        (&["--module", "other"], 0),
+        (&["--kind", "postgres.database", "--state", "requested"], 1),
+        (&["--kind", "amqp.vhost"], 0),
+        (&["--resource", "app-db"], 1),
+        (&["--state", "ready"], 0),
+    ] {
+        let mut all = vec!["get", "grants"];
+        all.extend_from_slice(args);
+        let v = json_of(&mesh, &all)?;
+        assert_eq!(v.as_array().map(Vec::len), Some(n), "{args:?}: {v}");
+    }
+    let (code, _, err) = mesh.meshctl(&["get", "grants", "--state", "sleeping"])?;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("422") && err.contains("state"), "{err}");
+    let (code, _, err) = mesh.meshctl(&["get", "grants", "-l", "role=app"])?;
+    assert_eq!(code, 1);
+    assert!(err.contains("grants have no labels"), "{err}");
+
+    // describe: by consumer/requirement, by the start of the id, by the id.
+    let text = ok(&mesh, &["describe", "grant", "app/db"])?;
+    for line in [
+        format!("Grant:          {id}"),
+        "State:          requested".to_owned(),
+        "Provider:       none chosen yet".to_owned(),
+        "Reason:         ".to_owned(),
+    ] {
+        assert!(text.contains(&line), "`{line}` in\n{text}");
+    }
+    let by_prefix = ok(&mesh, &["describe", "grant", &id[..8]])?;
+    assert!(
+        by_prefix.contains(&format!("Grant:          {id}")),
+        "{by_prefix}"
+    );
+    let v: Value = serde_json::from_str(&ok(&mesh, &["describe", "grant", &id, "-o", "json"])?)?;
+    for key in [
+        "id",
+        "consumer",
+        "requirement",
+        "kind",
+        "resource",
+        "credential_file",
+    ] {
+        assert_eq!(v["grant"][key], grant[key], "{key}: the API's object");
+    }
+    for (name, says) in [
+        ("ffffffff", "no grant's id starts with"),
+        ("other/db", "no grant for module `other`"),
+        ("ffffffff-ffff-4fff-8fff-ffffffffffff", "404"),
+    ] {
+        let (code, _, err) = mesh.meshctl(&["describe", "grant", name])?;
+        assert_eq!(code, 1, "{name}: {err}");
+        assert!(err.contains(says), "{name}: {err}");
+    }
     mesh.teardown().await
 }
 

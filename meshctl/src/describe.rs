@@ -545,26 +545,28 @@ async fn resolve_grant(api: &Api, arg: &str) -> anyhow::Result<String> {
     pick_grant(&r, &grants)
 }
 
-/// When `at` (RFC 3339) is, from `now`: `in 3d`, or `2h ago`.
-fn when(at: &str, now: DateTime<Utc>) -> String {
+/// When `at` (RFC 3339) is, from `now`: `in 3d`, or `2h ago`. A time that
+/// can only be past (`future` false) is never `in`: a controller's clock a
+/// little ahead of this one's makes it `0s ago`.
+fn when(at: &str, now: DateTime<Utc>, future: bool) -> String {
     match DateTime::parse_from_rfc3339(at) {
         Ok(t) => {
             let secs = (t.with_timezone(&Utc) - now).num_seconds();
-            if secs >= 0 {
+            if future && secs > 0 {
                 format!("in {}", output::duration(secs))
             } else {
-                format!("{} ago", output::duration(-secs))
+                format!("{} ago", output::duration((-secs).max(0)))
             }
         }
         Err(_) => "unreadable time".to_owned(),
     }
 }
 
-/// A time field with how far it is from now, `-` when absent.
-fn at(v: &Value, key: &str, now: DateTime<Utc>) -> Option<String> {
+/// A time field with how far it is from now, `None` when absent or null.
+fn at(v: &Value, key: &str, now: DateTime<Utc>, future: bool) -> Option<String> {
     match v.get(key)? {
         Value::Null => None,
-        Value::String(t) => Some(format!("{t} ({})", when(t, now))),
+        Value::String(t) => Some(format!("{t} ({})", when(t, now, future))),
         other => Some(other.to_string()),
     }
 }
@@ -683,14 +685,14 @@ pub fn grant_text(g: &Value, now: DateTime<Utc>) -> String {
         ("Updated:        ", "updated_at"),
         ("Revoked:        ", "revoked_at"),
     ] {
-        if let Some(t) = at(g, key, now) {
+        if let Some(t) = at(g, key, now, false) {
             let _ = writeln!(out, "{label}{t}");
         } else if key != "revoked_at" {
             let _ = writeln!(out, "{label}-");
         }
     }
     let delete = g.get("delete").and_then(Value::as_bool);
-    let retention = match (at(g, "retain_until", now), delete) {
+    let retention = match (at(g, "retain_until", now, true), delete) {
         (Some(t), _) => format!("the data is kept until {t}"),
         (None, Some(true)) => "delete: true, the data is deleted when the grant is revoked".into(),
         (None, _) if g.get("revoked_at").is_some_and(|r| !r.is_null()) => {
@@ -976,6 +978,17 @@ mod tests {
         let t = grant_text(&json!({}), now());
         assert!(t.starts_with("Grant:          -\n"), "{t}");
         assert!(t.contains("Credential:     -\n"), "{t}");
+        let ahead =
+            json!({"created_at": "2026-12-04T05:00:00.4Z", "updated_at": "2026-12-04T05:00:03Z"});
+        let t = grant_text(&ahead, now());
+        assert!(
+            t.contains("Created:        2026-12-04T05:00:00.4Z (0s ago)\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("Updated:        2026-12-04T05:00:03Z (0s ago)\n"),
+            "a clock ahead: {t}"
+        );
         let t = grant_text(
             &json!({"created_at": "yesterday", "provider_nodes": [{}]}),
             now(),
