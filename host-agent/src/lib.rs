@@ -17,6 +17,12 @@
 //!   own restart restarts no unit: it leaves them running when it stops, and
 //!   adopts them when it starts, starting at once (without waiting for anyone)
 //!   what its store says must run and does not;
+//! - reconciles the resources of resource grants its provisioning section
+//!   declares (a database, a vhost, a bucket on the provider modules' servers
+//!   on this node) in a background worker ([`provision::worker`]), one pass
+//!   at a time, through the servers' own CLIs, and states them in `resources`
+//!   reports: when they change and after every connect; its restart creates
+//!   nothing that exists (the store keeps what it found);
 //! - runs each running unit's declared probes beside it ([`units::probes`]) and
 //!   states every result, whole, in `health` reports: when a probe's state
 //!   changes, and as a summary every `health_summary_secs`;
