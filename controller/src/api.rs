@@ -253,7 +253,8 @@ struct SectionView {
 struct NodeDetail {
     #[serde(flatten)]
     node: mesh_inventory::NodeView,
-    /// Each section (`config`, `inventory`, `connectivity`), declared next to applied.
+    /// Each section (`config`, `inventory`, `connectivity`, `provisioning`),
+    /// declared next to applied.
     #[schema(value_type = std::collections::BTreeMap<String, SectionView>)]
     sections: std::collections::BTreeMap<&'static str, SectionView>,
     /// The node's health and each replica it runs, with the unit state and
@@ -307,6 +308,12 @@ async fn node(
         .section(&id)
         .await
         .map_err(Problem::internal)?;
+    let provisioning = state
+        .contexts
+        .provisioning
+        .section(&id)
+        .await
+        .map_err(Problem::internal)?;
     let section = |section: Section, declared: Option<(i64, chrono::DateTime<chrono::Utc>)>| {
         let applied = node.applied.get(section.as_str());
         SectionView {
@@ -334,6 +341,13 @@ async fn node(
             section(
                 Section::Connectivity,
                 connectivity.as_ref().map(|c| (c.generation, c.declared_at)),
+            ),
+        ),
+        (
+            Section::Provisioning.as_str(),
+            section(
+                Section::Provisioning,
+                provisioning.as_ref().map(|c| (c.generation, c.declared_at)),
             ),
         ),
     ]
