@@ -1588,6 +1588,38 @@ pub async fn target_holdings(opened: &Opened, opts: &RestoreOptions) -> Result<V
 /// One line of what a restore did.
 pub type Done = Vec<String>;
 
+/// Installs only the archive's mesh CA into `etc` (bundle/up does this before
+/// it issues the broker's certificate, so the broker's certificate is the
+/// restored CA's). A different CA already there is refused unless `force`.
+pub fn install_ca(opened: &Opened, etc: &Path, force: bool) -> Result<Done> {
+    let (cert, key) = crate::tls::ca_paths(etc);
+    let mut done = Vec::new();
+    for (kind, to, mode) in [
+        (FileKind::CaKey, &key, 0o600),
+        (FileKind::CaCertificate, &cert, 0o644),
+    ] {
+        let text = opened.text(kind)?;
+        if let Ok(have) = std::fs::read_to_string(to)
+            && have != text
+            && !force
+        {
+            return Err(BackupError::HoldsData(format!(
+                "{} exists and is not the archive's",
+                to.display()
+            )));
+        }
+        let changed = mesh_credentials::write_secret_file(to, &text)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(to, std::fs::Permissions::from_mode(mode)).map_err(io(to))?;
+        done.push(format!(
+            "{}  {} restored",
+            if changed { "changed" } else { "ok     " },
+            to.display()
+        ));
+    }
+    Ok(done)
+}
+
 /// Installs an opened archive: refuses a target that holds mesh data (unless
 /// `force`), writes the key files and the controller's credentials (pointed at
 /// this host's endpoints, with the archive's passwords), provisions the

@@ -190,6 +190,10 @@ struct RestoreArgs {
     /// Only verify the archive with the key; install nothing.
     #[arg(long)]
     check: bool,
+    /// Only install the archive's mesh CA into <etc> (bundle/up, before it
+    /// issues the broker's certificate from it).
+    #[arg(long, conflicts_with = "check")]
+    ca_only: bool,
     /// Replace what the target holds (context schemas, the vhost, other key files).
     #[arg(long)]
     force: bool,
@@ -294,6 +298,12 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
     );
     if args.check {
         println!("mesh-bundle restore --check: nothing installed");
+        return Ok(());
+    }
+    if args.ca_only {
+        for line in backup::install_ca(&opened, &etc, args.force)? {
+            println!("  {line}");
+        }
         return Ok(());
     }
     let pg_pw = std::env::var("MESH_ADMIN_PG_PASSWORD").ok();

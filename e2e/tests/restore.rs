@@ -398,6 +398,29 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
         "{err}"
     );
     assert!(!etc.exists(), "a refused restore wrote {}", etc.display());
+    // So does bundle/up --restore, before it installs or starts anything.
+    let up = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bundle/up");
+    let bin_dir = bin("mesh-bundle")?
+        .parent()
+        .map(Path::to_path_buf)
+        .ok_or_else(|| anyhow::anyhow!("the binaries' directory"))?;
+    let (code, _, err) = output(
+        Command::new("bash")
+            .arg(&up)
+            .args(["--restore", &s(&archive), "--recovery-key", &s(&wrong)])
+            .env("MESH_BIN_DIR", &bin_dir)
+            .env("MESH_ETC", &etc),
+    )?;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("wrong recovery key") && err.contains("nothing was installed"),
+        "{err}"
+    );
+    assert!(
+        !etc.exists(),
+        "a refused bundle/up --restore wrote {}",
+        etc.display()
+    );
     let t = Instant::now();
     let out = mesh_bundle(&[
         "restore",
