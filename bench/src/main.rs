@@ -25,6 +25,7 @@ mod health;
 mod ideal;
 mod paths;
 mod plan;
+mod queues;
 mod rollout;
 
 #[derive(Parser)]
@@ -90,6 +91,47 @@ enum Cmd {
         /// How long each heartbeat-queue variant is paced, seconds.
         #[arg(long, default_value_t = 10)]
         paced_secs: u64,
+    },
+    /// Classic against quorum queues on the report path, on any broker (the
+    /// machine's, or a `bundle/rabbit-cluster` cluster): paced persistent,
+    /// confirmed reports into a bounded classic queue, then a quorum queue
+    /// with the same arguments; msg/s, the broker's CPU (every node) and
+    /// publish→consume / publish→confirm p50 and p99; each run and the medians.
+    ReportQueues {
+        /// Broker URLs, comma-separated: the queue is declared through the
+        /// first, published to through the second, consumed from the last.
+        #[arg(
+            long = "url",
+            env = "MESH_BENCH_BROKER_URLS",
+            hide_env_values = true,
+            value_delimiter = ',',
+            default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+        )]
+        urls: Vec<String>,
+        /// A cluster raised by `bundle/rabbit-cluster up <dir>`: its three
+        /// nodes' URLs (declare via node 1, publish via node 2, consume via
+        /// node 3) and its HOME, instead of --url and --broker-home.
+        #[arg(long)]
+        cluster: Option<std::path::PathBuf>,
+        /// The broker's HOME: its CPU is that of every beam.smp booting rabbit
+        /// with this HOME (the machine's broker: /var/lib/rabbitmq).
+        #[arg(long, default_value = "/var/lib/rabbitmq")]
+        broker_home: String,
+        /// Reports per second offered.
+        #[arg(long, default_value_t = 1_000.0)]
+        rate: f64,
+        /// Measured window per queue and run, seconds (after the warm-up).
+        #[arg(long, default_value_t = 20)]
+        secs: u64,
+        /// Warm-up before each window, seconds.
+        #[arg(long, default_value_t = 5)]
+        warmup_secs: u64,
+        /// Runs (each: classic, then quorum); medians are printed.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// The broker's idle CPU is read over this long first (0: not read).
+        #[arg(long, default_value_t = 10)]
+        idle_secs: u64,
     },
     /// The ideal consumer of baseline (e), run by `fleet` as a child process.
     #[command(hide = true)]
@@ -175,6 +217,31 @@ async fn main() -> anyhow::Result<()> {
             rate,
             paced_secs,
         } => paths::run(messages, rate, paced_secs).await,
+        Cmd::ReportQueues {
+            urls,
+            cluster,
+            broker_home,
+            rate,
+            secs,
+            warmup_secs,
+            runs,
+            idle_secs,
+        } => {
+            let (urls, broker_home) = match cluster {
+                Some(dir) => queues::cluster(&dir)?,
+                None => (urls, broker_home),
+            };
+            queues::run(queues::Options {
+                urls,
+                broker_home,
+                rate,
+                secs,
+                warmup_secs,
+                runs,
+                idle_secs,
+            })
+            .await
+        }
         Cmd::IdealConsume { queue } => ideal::consume(&queue).await,
         Cmd::ConnectivityPlan { nodes } => plan::run(&nodes),
         Cmd::Health { nodes, units } => health::run(&nodes, units).await,
