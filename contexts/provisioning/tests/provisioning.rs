@@ -813,3 +813,84 @@ async fn the_api_pages_filters_and_names_the_field_at_fault() {
     }
     f.env.teardown().await.unwrap();
 }
+
+#[tokio::test]
+async fn ready_takes_every_provider_node_and_a_new_provider_revokes_the_old_grant_first() {
+    let f = setup().await;
+    let (a, b, c, d) = (node(&f, "a"), node(&f, "b"), node(&f, "c"), node(&f, "d"));
+    placed(&f, "pg", 1, &[&b, &c], vec![], vec![pg_provides()]).await;
+    placed(&f, "pg2", 1, &[&d], vec![], vec![pg_provides()]).await;
+    // Two providers of the kind: the requirement must name one.
+    placed(&f, "app", 1, &[&a], vec![db("db")], vec![]).await;
+    let g = only_grant(&f).await;
+    assert_eq!(g["state"], "requested");
+    assert!(
+        g["reason"]
+            .as_str()
+            .unwrap()
+            .contains("several modules provide"),
+        "{g}"
+    );
+    let mut named = db("db");
+    named.provider = Some("pg".into());
+    placed(&f, "app", 2, &[&a], vec![named.clone()], vec![]).await;
+    let id: Uuid = only_grant(&f).await["id"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(only_grant(&f).await["provider"], "pg");
+    assert_eq!(resources_of(&f, &b).await.len(), 1);
+    assert_eq!(resources_of(&f, &c).await.len(), 1);
+    assert!(section(&f, &d).await.is_none());
+
+    // Ready on one provider node only: still provisioning.
+    report(
+        &f,
+        &b,
+        vec![status(id, ResourceStatusState::Ready, Some(1))],
+    )
+    .await;
+    assert_eq!(only_grant(&f).await["state"], "provisioning");
+    report(
+        &f,
+        &c,
+        vec![status(id, ResourceStatusState::Ready, Some(1))],
+    )
+    .await;
+    assert_eq!(only_grant(&f).await["state"], "ready");
+    // A node's next report is its whole list: what it no longer lists is forgotten.
+    report(&f, &c, vec![]).await;
+    let g = only_grant(&f).await;
+    assert_eq!(g["state"], "provisioning");
+    assert_eq!(g["provider_nodes"].as_array().unwrap().len(), 1);
+
+    // The requirement names the other provider: the old grant is revoked
+    // and its credential withdrawn before the new one's is issued.
+    let mark = last_id(&f).await;
+    named.provider = Some("pg2".into());
+    placed(&f, "app", 3, &[&a], vec![named], vec![]).await;
+    let all = grants(&f).await;
+    assert_eq!(all.len(), 2);
+    let old = all.iter().find(|g| g["id"] == id.to_string()).unwrap();
+    assert_eq!(old["state"], "revoked");
+    assert_eq!(old["reason"], "the requirement now names provider `pg2`");
+    let new = all.iter().find(|g| g["id"] != id.to_string()).unwrap();
+    assert_eq!(new["provider"], "pg2");
+    let told = record(&f, mark).await;
+    let order: Vec<&str> = told
+        .iter()
+        .filter_map(|e| match &e.kind {
+            RecordKind::CredentialsWithdrawn(_) => Some("withdrawn"),
+            RecordKind::CredentialsIssued(_) => Some("issued"),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(order, ["withdrawn", "issued"]);
+    assert_eq!(resources_of(&f, &b).await[0].state, ResourceState::Revoked);
+    assert_eq!(resources_of(&f, &d).await[0].state, ResourceState::Present);
+    // pg2's node cannot speak for pg's grant.
+    report(&f, &d, vec![status(id, ResourceStatusState::Deleted, None)]).await;
+    assert_eq!(grants(&f).await.len(), 2);
+    f.env.teardown().await.unwrap();
+}
