@@ -265,7 +265,10 @@ fn amqp_code(e: &lapin::Error) -> (u16, String) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_quorum_queue_survives_its_leaders_node_killed_and_the_node_rejoins() -> anyhow::Result<()>
 {
+    let t0 = std::time::Instant::now();
+    let step = |what: &str| eprintln!("{:>6.1} s  {what}", t0.elapsed().as_secs_f64());
     let cluster = Cluster::up().await?;
+    step("cluster up");
     let all: Vec<String> = {
         let mut v = (1..=3)
             .map(|n| cluster.name(n).map(str::to_owned))
@@ -315,12 +318,14 @@ async fn a_quorum_queue_survives_its_leaders_node_killed_and_the_node_rejoins() 
     let cv = connect(cluster.url(via)?).await?;
     let chv = confirm_channel(&cv).await?;
     publish(&chv, QUORUM, 0..MESSAGES).await?;
+    step("1,000 messages published and confirmed");
     let _ = cv.close(200, "published".into()).await;
     let _ = c1.close(200, "declared".into()).await;
 
     // 3. SIGKILL the leader's node.
     let nth = leader.to_string();
     cluster.run("stop-node", &[&nth, "--kill"]).await?;
+    step("the leader's node killed");
     drop(chl);
     drop(cl);
 
@@ -400,6 +405,7 @@ async fn a_quorum_queue_survives_its_leaders_node_killed_and_the_node_rejoins() 
         depth == 0,
         "{depth} messages still ready in the quorum queue"
     );
+    step("every message consumed once through a survivor");
 
     // 5. The classic queue lives on the dead node only: unavailable.
     let probe = cs.create_channel().await?;
@@ -432,6 +438,7 @@ async fn a_quorum_queue_survives_its_leaders_node_killed_and_the_node_rejoins() 
     // 6. Start the node again: it rejoins, the quorum queue has three members
     // online, the classic queue is back with its message.
     cluster.run("start-node", &[&nth]).await?;
+    step("the node started and running in the cluster");
     wait_for(
         "the restarted node's quorum member to be online again",
         Duration::from_secs(180),
@@ -465,6 +472,7 @@ async fn a_quorum_queue_survives_its_leaders_node_killed_and_the_node_rejoins() 
         back == 1,
         "the classic queue came back with {back} messages, not 1"
     );
+    step("three quorum members online, the classic queue back");
     let status = cluster.run("status", &[]).await?;
     let running = status
         .lines()
