@@ -82,7 +82,7 @@ impl Cluster {
         )?;
         let options = format!(
             "-c port={port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} \
-             -c fsync=off -c shared_buffers=32MB -c max_connections=60",
+             -c fsync=off -c shared_buffers=32MB -c max_connections=100",
             dir.path().display()
         );
         let log = dir.path().join("log");
@@ -449,6 +449,17 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     ]))?;
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("refusing to restore over mesh data"), "{err}");
+
+    // The agents are back on the broker (their users' hashes were restored)
+    // before the controller starts: it judges no node in its first grace.
+    wait_for("both agents reconnected to the broker", WITHIN, || async {
+        let mut back = 0;
+        for n in [&a, &b] {
+            back += usize::from(!rabbit.connections_of(n).await?.is_empty());
+        }
+        Ok((back == 2).then_some(()))
+    })
+    .await?;
 
     // ------------------------------------------------------------ the controller there
     let toml_path = mesh.dir.path().join("controller.toml");
