@@ -210,6 +210,88 @@ async fn audit(mesh: &Mesh) -> anyhow::Result<BTreeSet<String>> {
         .collect())
 }
 
+/// The pid `web`'s unit on `node` wrote to /srv/web/version, while it runs.
+fn web_version(mesh: &Mesh, node: &str) -> Option<u32> {
+    let text = std::fs::read_to_string(mesh.agent(node).file("/srv/web/version")).ok()?;
+    let pid: u32 = text.trim().strip_prefix("v1 ")?.parse().ok()?;
+    Path::new(&format!("/proc/{pid}")).exists().then_some(pid)
+}
+
+/// Module `web` on the node labelled tier=web, its artifact pushed with
+/// meshctl, a revision rolled out to it: (the unit's pid, the run, its receipts).
+async fn rolled_out(mesh: &Mesh, node: &str) -> anyhow::Result<(u32, String, Value)> {
+    std::fs::create_dir_all(mesh.agent(node).file("/srv/web"))?;
+    put(
+        mesh,
+        "/v1/modules/web",
+        json!({
+            "unit": {"command": "/bin/sleep", "args": ["600"]},
+            "placement": {"match_labels": {"labels": {"tier": "web"}, "replicas": 1}},
+        }),
+    )
+    .await?;
+    let app = mesh.dir.path().join("web-v1");
+    std::fs::create_dir_all(&app)?;
+    let script = app.join("run.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\necho \"v1 $$\" > ./version\nexec sleep 600\n",
+    )?;
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::write(app.join("nonce"), uuid::Uuid::now_v7().to_string())?;
+    let (code, digest, err) = mesh.meshctl(&["artifact", "push", &s(&app)])?;
+    anyhow::ensure!(code == 0, "meshctl artifact push: {code} {err}");
+    let (code, revision, err) = mesh.meshctl(&[
+        "revision",
+        "create",
+        "web",
+        "--artifact",
+        digest.trim(),
+        "--command",
+        "run.sh",
+        "--working-dir",
+        "/srv/web",
+        "--restart",
+        "on_failure",
+    ])?;
+    anyhow::ensure!(code == 0, "meshctl revision create: {code} {err}");
+    let (code, out, err) = mesh.meshctl(&[
+        "rollout",
+        "start",
+        "web",
+        "--revision",
+        revision.trim(),
+        "--max-unavailable",
+        "1",
+        "--settle",
+        "1",
+        "--wait",
+        "--timeout",
+        "120",
+    ])?;
+    anyhow::ensure!(code == 0, "meshctl rollout start: {code} {out} {err}");
+    let id = out.lines().next().unwrap_or_default().trim().to_owned();
+    let pid = wait_for("web v1 running on its node", WITHIN, || async {
+        Ok(web_version(mesh, node))
+    })
+    .await?;
+    let (status, view) = mesh.get(&format!("/v1/rollouts/{id}")).await?;
+    anyhow::ensure!(status == 200, "GET rollout: {status} {view}");
+    let run = view["runs"][0]["id"]
+        .as_str()
+        .ok_or_else(|| anyhow::anyhow!("no run in {view}"))?
+        .to_owned();
+    let (status, body) = mesh.get(&format!("/v1/runs/{run}/receipts")).await?;
+    anyhow::ensure!(status == 200, "receipts: {status} {body}");
+    let receipts = body["receipts"].clone();
+    anyhow::ensure!(
+        receipts.as_array().is_some_and(|r| r.len() >= 3),
+        "a run with receipts: {body}"
+    );
+    Ok((pid, run, receipts))
+}
+
 async fn put(mesh: &Mesh, path: &str, body: Value) -> anyhow::Result<()> {
     let (status, answer) = mesh.put(path, &body).await?;
     anyhow::ensure!(status < 300, "PUT {path}: {status} {answer}");
@@ -226,9 +308,19 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     let mut mesh = Mesh::prepare().await?;
     // Agents come back quickly once the broker knows their users again.
     mesh.agent_toml = Some("reconnect_max = \"1s\"\n".into());
+    // Delivery pushes to the bundle's registry (a rollout leaves receipts).
+    let registry = mesh_testkit::registry_url()?;
+    let toml_path = mesh.dir.path().join("controller.toml");
+    let mut toml = std::fs::read_to_string(&toml_path)?;
+    toml.push_str(&format!(
+        "registry_url = {registry:?}\nrollout_tick_ms = 200\n"
+    ));
+    std::fs::write(&toml_path, toml)?;
     mesh.start_controller(&[]).await?;
     let a = mesh.add_agent("a", &[("role", "app")]).await?;
-    let b = mesh.add_agent("b", &[("role", "app")]).await?;
+    let b = mesh
+        .add_agent("b", &[("role", "app"), ("tier", "web")])
+        .await?;
     wait_for("both nodes alive", WITHIN, || async {
         let n = listing(&mesh, "/v1/nodes", "nodes").await?;
         Ok((n.len() == 2 && n.iter().all(|n| n["state"] == "alive")).then_some(()))
@@ -288,6 +380,8 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
         .then_some(()))
     })
     .await?;
+    // A revision rolled out to b: a run and its receipts.
+    let (web_pid, run, receipts) = rolled_out(&mesh, &b).await?;
     let before = inventory_of(&mesh).await?;
     let audit_before = audit(&mesh).await?;
     assert!(!audit_before.is_empty(), "no audit entry to restore");
@@ -571,6 +665,14 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     let t_converged = t.elapsed();
     assert_eq!(std::fs::read_to_string(&secret_file)?, PLAIN, "a's secret");
     assert_eq!(pid_of(&unit_argv), Some(pid), "the unit was restarted");
+    assert_eq!(
+        web_version(&mesh, &b),
+        Some(web_pid),
+        "the rolled-out unit was restarted"
+    );
+    let (status, body) = mesh.get(&format!("/v1/runs/{run}/receipts")).await?;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["receipts"], receipts, "the run's receipts");
     assert_eq!(
         mesh.controller_log().matches("node unreachable").count(),
         unreachable_before,
