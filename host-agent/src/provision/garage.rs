@@ -42,18 +42,47 @@ fn program() -> String {
 }
 
 /// Ok(stdout), or Err(stderr) classified: an error the server answered
-/// (`… returned <Code> (<status>)`) is refused, anything else unavailable.
+/// (`… returned <Code> (<status>)`) is refused, but for a server still
+/// starting (its layout not applied yet, a 500 or 503 while it settles),
+/// which, like anything else, is unavailable: the grant waits.
 async fn garage(item: &ResourceItem, args: &[&str]) -> Result<Result<String, String>, DriverError> {
     let mut cmd = tokio::process::Command::new(program());
-    cmd.arg("-c").arg(config(item)?).args(args);
+    // The CLI's own log lines (connections, handshakes) are not the reason.
+    cmd.env("RUST_LOG", "error")
+        .env("NO_COLOR", "1")
+        .arg("-c")
+        .arg(config(item)?)
+        .args(args);
     let (code, stdout, stderr) = run(cmd, "").await?;
+    let errors = error_lines(&stderr);
     if code == Some(0) {
         Ok(Ok(stdout))
-    } else if stderr.contains(" returned ") {
-        Ok(Err(stderr))
+    } else if errors.contains(" returned ") && !starting(&errors) {
+        Ok(Err(errors))
     } else {
-        Err(DriverError::Unavailable(truncate_reason(&stderr)))
+        Err(DriverError::Unavailable(truncate_reason(&errors)))
     }
+}
+
+/// The lines of the CLI's stderr that say what went wrong (`Error: …`), or
+/// all of it when none does.
+fn error_lines(stderr: &str) -> String {
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.trim_start().starts_with("Error"))
+        .collect();
+    if lines.is_empty() {
+        stderr.trim().to_owned()
+    } else {
+        lines.join("\n")
+    }
+}
+
+/// A server that answered but is not ready to serve yet.
+fn starting(errors: &str) -> bool {
+    ["Layout not ready", "(500)", "(503)", "Quorum"]
+        .iter()
+        .any(|m| errors.contains(m))
 }
 
 async fn must(item: &ResourceItem, args: &[&str]) -> Result<(), DriverError> {
@@ -221,4 +250,23 @@ pub(super) async fn delete(item: &ResourceItem) -> Result<(), DriverError> {
         must(item, &["bucket", "delete", "--yes", &item.name]).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_starting_server_waits_and_its_log_is_not_the_reason() {
+        let stderr = "\u{1b}[2m2026\u{1b}[0m INFO garage_net::netapp: Connected to 127.0.0.1:3901\nError: GetBucketInfo returned InternalError (500): Internal error: Layout not ready\n";
+        let errors = error_lines(stderr);
+        assert_eq!(
+            errors,
+            "Error: GetBucketInfo returned InternalError (500): Internal error: Layout not ready"
+        );
+        assert!(starting(&errors));
+        assert!(!starting(
+            "Error: CreateBucket returned InvalidRequest (400): bad quota"
+        ));
+    }
 }

@@ -43,6 +43,10 @@ async fn ctl(item: &ResourceItem, args: &[&str], stdin: &str) -> Result<String, 
         "nodedown",
         "Target node is unreachable",
         "unable to connect",
+        // The node answers but is still booting (or was stopped with
+        // `stop_app`): it will be able to, soon.
+        "requires the 'rabbit' app to be running",
+        "is booting",
     ];
     if unreachable.iter().any(|m| stderr.contains(m)) {
         // The diagnostics that follow are long; the first lines say it.
