@@ -1214,8 +1214,8 @@ impl Agent {
         }
         self.metrics.set_resources(&found.resources);
         if let Err(e) = self.store.set_resources(found) {
+            // Stated from memory all the same; the file keeps the older findings.
             error!(error = %e, "cannot keep what the provisioning pass found; stated anyway");
-            // Stated from memory: the store keeps the older findings.
         }
         self.push_resources();
     }

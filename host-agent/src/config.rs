@@ -67,11 +67,12 @@ pub struct Config {
     #[serde(deserialize_with = "de_duration")]
     pub amqp_heartbeat: Duration,
     /// Most reports kept while they cannot be published (disconnected, or not yet
-    /// confirmed by the broker): hellos, units, health and `applied` reports
-    /// (heartbeats are never kept: a missed one is skipped, the next follows;
-    /// a newer units or health report replaces a waiting one). When full,
-    /// the oldest units report, then health report, then hello is dropped
-    /// first (each is a whole state, and one is sent on every connect);
+    /// confirmed by the broker): hellos, units, health, resources and `applied`
+    /// reports (heartbeats are never kept: a missed one is skipped, the next
+    /// follows; a newer units, health or resources report replaces a waiting
+    /// one). When full, the oldest units report, then health report, then
+    /// resources report, then hello is dropped first (each is a whole state,
+    /// and one is sent on every connect);
     /// `applied` reports are dropped only if nothing else is left, and the next
     /// heartbeat still carries the applied generations. Default 10000.
     pub report_buffer: usize,
