@@ -665,27 +665,6 @@ fn s3_item(server: &Server, name: &str, key: &str, state: ResourceState) -> Reso
     }
 }
 
-fn hmac(key: &[u8], msg: &[u8]) -> Vec<u8> {
-    use sha2::{Digest, Sha256};
-    let mut k = [0u8; 64];
-    if key.len() > 64 {
-        k[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        k[..key.len()].copy_from_slice(key);
-    }
-    let ipad: Vec<u8> = k.iter().map(|b| b ^ 0x36).collect();
-    let opad: Vec<u8> = k.iter().map(|b| b ^ 0x5c).collect();
-    let inner = Sha256::new()
-        .chain_update(&ipad)
-        .chain_update(msg)
-        .finalize();
-    Sha256::new()
-        .chain_update(&opad)
-        .chain_update(inner)
-        .finalize()
-        .to_vec()
-}
-
 /// One path-style S3 request signed with SigV4 (region `garage`): the
 /// status and body.
 async fn s3(
@@ -696,37 +675,26 @@ async fn s3(
     path: &str,
     body: &[u8],
 ) -> (u16, String) {
-    use sha2::{Digest, Sha256};
-    let now = chrono::Utc::now();
-    let amz_date = now.format("%Y%m%dT%H%M%SZ").to_string();
-    let day = now.format("%Y%m%d").to_string();
     let host = format!("127.0.0.1:{port}");
-    let payload = hex::encode(Sha256::digest(body));
-    let canonical = format!(
-        "{method}\n{path}\n\nhost:{host}\nx-amz-content-sha256:{payload}\nx-amz-date:{amz_date}\n\nhost;x-amz-content-sha256;x-amz-date\n{payload}"
+    let signed = mesh_testkit::s3::signed_headers(
+        &mesh_testkit::s3::Request {
+            host: &host,
+            region: "garage",
+            key,
+            secret,
+            method,
+            path,
+            body,
+        },
+        chrono::Utc::now(),
     );
-    let scope = format!("{day}/garage/s3/aws4_request");
-    let to_sign = format!(
-        "AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{}",
-        hex::encode(Sha256::digest(canonical.as_bytes()))
-    );
-    let k = hmac(format!("AWS4{secret}").as_bytes(), day.as_bytes());
-    let k = hmac(&k, b"garage");
-    let k = hmac(&k, b"s3");
-    let k = hmac(&k, b"aws4_request");
-    let sig = hex::encode(hmac(&k, to_sign.as_bytes()));
-    let auth = format!(
-        "AWS4-HMAC-SHA256 Credential={key}/{scope}, SignedHeaders=host;x-amz-content-sha256;x-amz-date, Signature={sig}"
-    );
-    let resp = reqwest::Client::new()
+    let mut request = reqwest::Client::new()
         .request(method.parse().unwrap(), format!("http://{host}{path}"))
-        .header("x-amz-date", &amz_date)
-        .header("x-amz-content-sha256", &payload)
-        .header("authorization", auth)
-        .body(body.to_vec())
-        .send()
-        .await
-        .unwrap();
+        .body(body.to_vec());
+    for (k, v) in signed {
+        request = request.header(k, v);
+    }
+    let resp = request.send().await.unwrap();
     let status = resp.status().as_u16();
     (status, resp.text().await.unwrap_or_default())
 }

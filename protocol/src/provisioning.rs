@@ -94,6 +94,12 @@ pub const MAX_RESOURCES: usize = 1024;
 pub const MAX_REASON_CHARS: usize = 2000;
 /// Key of the credential file that holds the credential's version.
 pub const CREDENTIAL_VERSION_KEY: &str = "MESH_CREDENTIAL_VERSION";
+/// What a `waiting` reason of a `resources` report ends with when the only
+/// thing missing is the credential file of the declared version (config
+/// delivers it a moment after each issue): a normal, brief wait, which the
+/// controller does not raise as a condition. The agent writes it, the
+/// provisioning context reads it: one definition for both.
+pub const CREDENTIAL_NOT_YET_DELIVERED: &str = "not yet delivered";
 
 /// Requirement names: 1 to 32 of `[a-z0-9-]`, starting with a letter.
 pub fn validate_requirement_name(field: &str, name: &str) -> Result<(), DecodeError> {

@@ -636,7 +636,7 @@ fn credentials(p: &mut Plan, settings: &Settings) -> Vec<RecordEvent> {
 
 /// The agent's words for a credential file not yet delivered: a normal,
 /// brief wait after every issue, not a condition.
-const NOT_YET_DELIVERED: &str = "not yet delivered";
+const NOT_YET_DELIVERED: &str = mesh_protocol::CREDENTIAL_NOT_YET_DELIVERED;
 
 /// The state (and reason) of `g` from what its provider's nodes reported.
 fn state_of(

@@ -158,8 +158,9 @@ pub async fn reconcile(item: &ResourceItem, credential: Option<&CredentialFile>)
             let Some(cred) = credential.filter(|c| c.version >= item.credential_version) else {
                 let mut s = status(item, ResourceStatusState::Waiting);
                 s.reason = Some(format!(
-                    "credential version {} not yet delivered",
-                    item.credential_version
+                    "credential version {} {}",
+                    item.credential_version,
+                    mesh_protocol::CREDENTIAL_NOT_YET_DELIVERED
                 ));
                 return s;
             };
