@@ -16,8 +16,83 @@ use mesh_protocol::{NodeId, ReportKind};
 pub type AmqpResult<T> = Result<T, lapin::Error>;
 
 pub async fn connect(url: &str) -> AmqpResult<Connection> {
+    connect_to(url, None).await
+}
+
+/// Connects with the user, password, vhost and scheme of `url` to `endpoint`
+/// (`(host, port)`, one of `broker_endpoints`: another node of the same
+/// cluster) or, without one, to the URL's own host and port.
+/// A plain `amqp://` URL reaches loopback endpoints only, as its own host.
+pub async fn connect_to(url: &str, endpoint: Option<&(String, u16)>) -> AmqpResult<Connection> {
     let props = ConnectionProperties::default().with_connection_name("mesh-controller".into());
-    Connection::connect(url, props).await
+    let Some((host, port)) = endpoint else {
+        return Connection::connect(url, props).await;
+    };
+    let mut uri: lapin::uri::AMQPUri = url
+        .parse()
+        // lapin's parse error may quote the URL (its password): not kept.
+        .map_err(|_: String| {
+            lapin::Error::from(std::io::Error::other(
+                "the broker URL in the credentials is not an AMQP URL",
+            ))
+        })?;
+    if uri.scheme == lapin::uri::AMQPScheme::AMQP
+        && !mesh_credentials::advertise::is_loopback_host(host)
+    {
+        return Err(lapin::Error::from(std::io::Error::other(format!(
+            "plain amqp:// to {host}:{port} refused: plain AMQP is for a loopback broker only"
+        ))));
+    }
+    uri.authority.host = host.clone();
+    uri.authority.port = *port;
+    Connection::connect_uri(uri, props).await
+}
+
+/// The type of the queues whose loss would lose something (setting
+/// `queue_type`, docs/decisions/0043).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueueType {
+    /// One broker: classic queues, as always.
+    #[default]
+    Classic,
+    /// A cluster: the hello, applied and certificates report queues, the
+    /// declaration queues and the record queues are quorum queues
+    /// (replicated; durable, non-exclusive). The others stay classic.
+    Quorum,
+}
+
+/// The argument that makes a queue a quorum queue.
+pub(crate) const QUEUE_TYPE: &str = "x-queue-type";
+
+impl QueueType {
+    /// `args` with this queue type's argument (none for classic).
+    fn apply(self, mut args: FieldTable) -> FieldTable {
+        if self == QueueType::Quorum {
+            args.insert(
+                QUEUE_TYPE.into(),
+                AMQPValue::LongString(LongString::from("quorum")),
+            );
+        }
+        args
+    }
+}
+
+/// Whether `kind`'s report queue is of the configured type: the kinds whose
+/// reports may not be lost (reject-publish). The superseded-state kinds
+/// (drop-head: heartbeats, units, health, resources) and logs answers (a
+/// per-message expiration, which quorum queues of RabbitMQ 3.10 do not
+/// honour) stay classic.
+pub(crate) fn replicated(kind: ReportKind) -> bool {
+    matches!(
+        kind,
+        ReportKind::Hello | ReportKind::Applied | ReportKind::Certificates
+    )
+}
+
+/// The `<host>:<port>` of a broker URL, for logs (never the password).
+pub fn url_endpoint(url: &str) -> Option<String> {
+    let uri: lapin::uri::AMQPUri = url.parse().ok()?;
+    Some(format!("{}:{}", uri.authority.host, uri.authority.port))
 }
 
 /// A channel in confirm mode, for publishing.
@@ -50,10 +125,14 @@ fn durable() -> QueueDeclareOptions {
 /// The arguments of the queue of one kind of report: its bound, and a single
 /// active consumer, the fence's second line (docs/decisions/0017): should two
 /// controllers ever consume, the broker delivers to one of them only.
-pub(crate) fn report_queue_args(kind: ReportKind) -> FieldTable {
+pub(crate) fn report_queue_args(kind: ReportKind, queue_type: QueueType) -> FieldTable {
     let mut args = report_queue_bound(kind);
     args.insert(SINGLE_ACTIVE_CONSUMER.into(), AMQPValue::Boolean(true));
-    args
+    if replicated(kind) {
+        queue_type.apply(args)
+    } else {
+        args
+    }
 }
 
 /// The queue argument that makes a queue deliver to one consumer at a time.
@@ -90,6 +169,7 @@ pub async fn declare_topology(
     ch: &Channel,
     record_subscriptions: &[(&str, &[&str])],
     upgrading: &[ReportKind],
+    queue_type: QueueType,
 ) -> AmqpResult<()> {
     let durable_ex = ExchangeDeclareOptions {
         durable: true,
@@ -123,8 +203,12 @@ pub async fn declare_topology(
             continue;
         }
         let queue = topology::report_queue(kind);
-        ch.queue_declare(queue.as_str().into(), durable(), report_queue_args(kind))
-            .await?;
+        ch.queue_declare(
+            queue.as_str().into(),
+            durable(),
+            report_queue_args(kind, queue_type),
+        )
+        .await?;
         let key = format!("*.{}", kind.as_str());
         ch.queue_bind(
             queue.as_str().into(),
@@ -143,7 +227,7 @@ pub async fn declare_topology(
         ch.queue_declare(
             queue.as_str().into(),
             durable(),
-            bounded(RECORD_QUEUE_MAX_LEN, "reject-publish"),
+            queue_type.apply(bounded(RECORD_QUEUE_MAX_LEN, "reject-publish")),
         )
         .await?;
         for pattern in *patterns {
@@ -196,7 +280,7 @@ async fn declare_unroutable(ch: &Channel) -> AmqpResult<()> {
 
 /// Declare `decl.<node>` and bind it to `declarations`, without waiting for
 /// the broker's replies.
-async fn declare_nowait(ch: &Channel, node: &NodeId) -> AmqpResult<()> {
+async fn declare_nowait(ch: &Channel, node: &NodeId, queue_type: QueueType) -> AmqpResult<()> {
     let queue = topology::declaration_queue(node);
     ch.queue_declare(
         queue.as_str().into(),
@@ -204,7 +288,7 @@ async fn declare_nowait(ch: &Channel, node: &NodeId) -> AmqpResult<()> {
             nowait: true,
             ..durable()
         },
-        bounded(DECLARATION_QUEUE_MAX_LEN, "drop-head"),
+        queue_type.apply(bounded(DECLARATION_QUEUE_MAX_LEN, "drop-head")),
     )
     .await?;
     ch.queue_bind(
@@ -241,9 +325,18 @@ impl DeclareChannels {
 #[derive(Default)]
 pub struct DeclarationQueues {
     known: Mutex<HashSet<NodeId>>,
+    queue_type: QueueType,
 }
 
 impl DeclarationQueues {
+    /// Declaration queues of `queue_type`.
+    pub fn new(queue_type: QueueType) -> Self {
+        DeclarationQueues {
+            known: Mutex::default(),
+            queue_type,
+        }
+    }
+
     /// Make sure `decl.<node>` exists and is bound, declaring it at most once per
     /// connection (the set is cleared on reconnect).
     ///
@@ -260,7 +353,7 @@ impl DeclarationQueues {
         if self.known.lock().map(|k| k.contains(node)).unwrap_or(false) {
             return Ok(());
         }
-        declare_nowait(ch, node).await?;
+        declare_nowait(ch, node, self.queue_type).await?;
         if let Ok(mut k) = self.known.lock() {
             k.insert(node.clone());
         }
@@ -303,7 +396,7 @@ impl DeclarationQueues {
         let mut last: Vec<Option<String>> = vec![None; channels.len()];
         for (i, node) in fresh.iter().enumerate() {
             let k = i % channels.len();
-            declare_nowait(&channels[k], node).await?;
+            declare_nowait(&channels[k], node, self.queue_type).await?;
             last[k] = Some(topology::declaration_queue(node));
         }
         let barriers = channels.iter().zip(&last).filter_map(|(ch, queue)| {

@@ -527,20 +527,46 @@ struct Session {
 
 impl Session {
     async fn run(self, shutdown: CancellationToken) {
-        let declaration_queues = Arc::new(DeclarationQueues::default());
+        let queue_type = self.settings.queue_type().unwrap_or_default();
+        let declaration_queues = Arc::new(DeclarationQueues::new(queue_type));
         let failpoint = std::env::var(FAILPOINT_ENV).ok();
         let mut attempt: u32 = 0;
+        // The credentials' own endpoint (None), then each of
+        // `broker_endpoints` (checked at start): a session that fails to
+        // start or ends moves on to the next one, round-robin.
+        let mut endpoints: Vec<Option<(String, u16)>> = vec![None];
+        endpoints.extend(
+            self.settings
+                .broker_endpoint_list()
+                .unwrap_or_default()
+                .into_iter()
+                .map(Some),
+        );
+        let mut at = 0usize;
+        let url_endpoint = amqp::url_endpoint(&self.broker_url).unwrap_or_default();
         while !shutdown.is_cancelled() {
+            let target = endpoints[at % endpoints.len()].clone();
+            let endpoint = target
+                .as_ref()
+                .map(|(h, p)| format!("{h}:{p}"))
+                .unwrap_or_else(|| url_endpoint.clone());
             match self
-                .once(&declaration_queues, failpoint.clone(), &shutdown)
+                .once(
+                    &declaration_queues,
+                    target.as_ref(),
+                    &endpoint,
+                    failpoint.clone(),
+                    &shutdown,
+                )
                 .await
             {
                 Ok(()) => attempt = 0,
                 Err(e) => {
-                    tracing::warn!(broker = %redact_url(&self.broker_url), error = %e, "broker session ended");
+                    tracing::warn!(broker = %redact_url(&self.broker_url), %endpoint, error = %e, "broker session ended");
                     attempt = attempt.saturating_add(1);
                 }
             }
+            at = (at + 1) % endpoints.len();
             self.broker_up.store(false, Ordering::Relaxed);
             self.metrics.broker_connected.set(0);
             if shutdown.is_cancelled() {
@@ -561,18 +587,27 @@ impl Session {
     async fn once(
         &self,
         declaration_queues: &Arc<DeclarationQueues>,
+        target: Option<&(String, u16)>,
+        endpoint: &str,
         failpoint: Option<String>,
         shutdown: &CancellationToken,
     ) -> Result<(), PipelineError> {
-        let conn = Arc::new(amqp::connect(&self.broker_url).await?);
+        let conn = Arc::new(amqp::connect_to(&self.broker_url, target).await?);
         self.metrics.broker_connects.inc();
         // Report queues an older controller declared get today's arguments
         // (single-active-consumer) here, or are drained first (crate::upgrade).
-        let upgrading = upgrade::prepare(&conn).await?;
+        let queue_type = self.settings.queue_type().unwrap_or_default();
+        let upgrading = upgrade::prepare(&conn, queue_type).await?;
         let ch = conn.create_channel().await?;
-        amqp::declare_topology(&ch, &self.contexts.record_subscriptions(), &upgrading).await?;
+        amqp::declare_topology(
+            &ch,
+            &self.contexts.record_subscriptions(),
+            &upgrading,
+            queue_type,
+        )
+        .await?;
         declaration_queues.clear();
-        tracing::info!(broker = %redact_url(&self.broker_url), "broker session started");
+        tracing::info!(broker = %redact_url(&self.broker_url), %endpoint, "broker session started");
         self.broker_up.store(true, Ordering::Relaxed);
         self.metrics.broker_connected.set(1);
 

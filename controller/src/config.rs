@@ -237,6 +237,24 @@ pub struct Settings {
     /// connecting included; past it the read runs on the primary and the
     /// replica serves nothing until its next check. Default 2000; at least 100.
     pub replica_timeout_ms: u64,
+    /// Other endpoints of the broker (the other nodes of a RabbitMQ cluster),
+    /// each `"<host>:<port>"`: when the broker of the credentials' URL does
+    /// not answer or a session ends, the controller tries the next one
+    /// (round-robin, the URL's own endpoint first, with the usual backoff),
+    /// with the URL's user, password, vhost and scheme; a plain `amqp://` URL
+    /// reaches loopback endpoints only (docs/decisions/0043). Checked at
+    /// start, an invalid entry named by its index. Default: none.
+    pub broker_endpoints: Vec<String>,
+    /// The type of the durable queues whose loss would lose something: the
+    /// hello, applied and certificates report queues, every node's
+    /// declaration queue and the record queues. `"classic"` (default, one
+    /// broker) or `"quorum"` (a cluster: replicated, surviving a node).
+    /// The superseded-state report queues (heartbeats, units, health,
+    /// resources, logs), the dead-letter and the unroutable queues stay
+    /// classic (docs/protocol.md, docs/decisions/0043). Changing it on a
+    /// running mesh needs the queues deleted first: the broker refuses a
+    /// declare with another type (the controller's session fails, saying so).
+    pub queue_type: String,
 }
 
 impl Default for Settings {
@@ -294,6 +312,8 @@ impl Default for Settings {
             replica_check_ms: 1000,
             replica_max_lag_ms: 5000,
             replica_timeout_ms: 2000,
+            broker_endpoints: Vec::new(),
+            queue_type: "classic".to_owned(),
         }
     }
 }
@@ -460,6 +480,8 @@ impl Settings {
             });
         }
         self.validate_replica()?;
+        self.broker_endpoint_list()?;
+        self.queue_type()?;
         if self.heartbeat_interval_ms == 0 || self.grace_intervals == 0 {
             return Err(ConfigError::Invalid {
                 field: "grace_intervals",
@@ -467,6 +489,33 @@ impl Settings {
             });
         }
         Ok(())
+    }
+
+    /// `broker_endpoints` as `(host, port)`, in order; an invalid entry is
+    /// named by its index.
+    pub fn broker_endpoint_list(&self) -> Result<Vec<(String, u16)>, ConfigError> {
+        self.broker_endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                mesh_credentials::advertise::check_host_port(e).map_err(|m| ConfigError::Invalid {
+                    field: "broker_endpoints",
+                    message: format!("entry {i}: {m}"),
+                })
+            })
+            .collect()
+    }
+
+    /// `queue_type`, checked.
+    pub fn queue_type(&self) -> Result<crate::amqp::QueueType, ConfigError> {
+        match self.queue_type.as_str() {
+            "classic" => Ok(crate::amqp::QueueType::Classic),
+            "quorum" => Ok(crate::amqp::QueueType::Quorum),
+            other => Err(ConfigError::Invalid {
+                field: "queue_type",
+                message: format!("`{other}` is neither \"classic\" nor \"quorum\""),
+            }),
+        }
     }
 
     /// The read replica's settings (decision 0041).
@@ -773,6 +822,42 @@ mod tests {
             Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "grant_retention_secs"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn broker_endpoints_and_queue_type_are_checked_and_named() {
+        let mut s = Settings {
+            broker_endpoints: vec!["127.0.0.1:5673".into(), "[::1]:5674".into()],
+            queue_type: "quorum".into(),
+            ..Settings::default()
+        };
+        s.validate().unwrap();
+        assert_eq!(
+            s.broker_endpoint_list().unwrap(),
+            vec![("127.0.0.1".to_owned(), 5673), ("::1".to_owned(), 5674)]
+        );
+        assert_eq!(s.queue_type().unwrap(), crate::amqp::QueueType::Quorum);
+        assert_eq!(
+            Settings::default().queue_type().unwrap(),
+            crate::amqp::QueueType::Classic
+        );
+        s.broker_endpoints.push("amqp://h:1".into());
+        let err = s.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("broker_endpoints") && err.contains("entry 2"),
+            "{err}"
+        );
+        s.broker_endpoints.pop();
+        s.broker_endpoints.push("h:0".into());
+        let err = s.validate().unwrap_err().to_string();
+        assert!(err.contains("entry 2") && err.contains("port"), "{err}");
+        s.broker_endpoints.pop();
+        s.queue_type = "stream".into();
+        let err = s.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("queue_type") && err.contains("stream"),
+            "{err}"
+        );
     }
 
     #[test]

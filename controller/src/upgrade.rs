@@ -38,7 +38,7 @@ use mesh_protocol::ReportKind;
 use mesh_protocol::topology::{self, REPORTS_EXCHANGE};
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::{self, AmqpResult};
+use crate::amqp::{self, AmqpResult, QueueType};
 
 /// The holding queue of `kind`'s report queue during its upgrade.
 pub fn holding_queue(kind: ReportKind) -> String {
@@ -66,6 +66,14 @@ pub fn is_single_active_consumer_mismatch(e: &lapin::Error) -> bool {
     }
 }
 
+/// Is `e` the broker refusing a declare because the existing queue is of
+/// another type (`x-queue-type`)?
+pub fn is_queue_type_mismatch(e: &lapin::Error) -> bool {
+    is_precondition_failed(e)
+        && matches!(e.kind(), ErrorKind::ProtocolError(amqp)
+            if amqp.get_message().as_str().contains(amqp::QUEUE_TYPE))
+}
+
 fn is_precondition_failed(e: &lapin::Error) -> bool {
     matches!(e.kind(), ErrorKind::ProtocolError(amqp)
         if matches!(amqp.kind(), AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)))
@@ -88,6 +96,9 @@ fn passive() -> QueueDeclareOptions {
 /// The holding queue's arguments: the kind's length limit, `reject-publish`
 /// (an overflow is refused to the agent, which retries, and is never
 /// dead-lettered), and `reports` as its dead-letter exchange, for step 4.
+/// Always a classic queue, whatever `queue_type`: it lives for one upgrade
+/// only, and [`finish`] deletes it `if-empty`, which the broker refuses on a
+/// quorum queue (a connection error, 540 NOT_IMPLEMENTED).
 fn holding_args(kind: ReportKind) -> FieldTable {
     let mut args = FieldTable::default();
     for (k, v) in amqp::report_queue_bound(kind).inner() {
@@ -109,10 +120,10 @@ fn holding_args(kind: ReportKind) -> FieldTable {
 /// holds reports: this session must consume it as it is (and must not declare
 /// or bind it); [`wait_drained`] ends the session once it is empty, and the
 /// next session finishes the upgrade.
-pub async fn prepare(conn: &Connection) -> AmqpResult<Vec<ReportKind>> {
+pub async fn prepare(conn: &Connection, queue_type: QueueType) -> AmqpResult<Vec<ReportKind>> {
     let mut draining = Vec::new();
     for kind in ReportKind::ALL {
-        if !prepare_one(conn, kind).await? {
+        if !prepare_one(conn, kind, queue_type).await? {
             draining.push(kind);
         }
     }
@@ -120,14 +131,18 @@ pub async fn prepare(conn: &Connection) -> AmqpResult<Vec<ReportKind>> {
 }
 
 /// True when `kind`'s queue has today's arguments (now).
-async fn prepare_one(conn: &Connection, kind: ReportKind) -> AmqpResult<bool> {
+async fn prepare_one(
+    conn: &Connection,
+    kind: ReportKind,
+    queue_type: QueueType,
+) -> AmqpResult<bool> {
     let queue = topology::report_queue(kind);
     let ch = conn.create_channel().await?;
     match ch
         .queue_declare(
             queue.as_str().into(),
             durable(),
-            amqp::report_queue_args(kind),
+            amqp::report_queue_args(kind, queue_type),
         )
         .await
     {
@@ -138,6 +153,11 @@ async fn prepare_one(conn: &Connection, kind: ReportKind) -> AmqpResult<bool> {
             return Ok(true);
         }
         Err(e) if is_single_active_consumer_mismatch(&e) => {}
+        // A classic queue (an older controller's, or `queue_type` classic
+        // before) where a quorum queue is wanted: the same upgrade. The old
+        // queue is classic, so step 3's `if-empty` delete works (quorum
+        // queues refuse `if-empty` and `if-unused` with a connection error).
+        Err(e) if is_queue_type_mismatch(&e) && queue_type == QueueType::Quorum => {}
         Err(e) => return Err(e),
     }
     // The refusal closed that channel.
@@ -200,7 +220,7 @@ async fn prepare_one(conn: &Connection, kind: ReportKind) -> AmqpResult<bool> {
     ch.queue_declare(
         queue.as_str().into(),
         durable(),
-        amqp::report_queue_args(kind),
+        amqp::report_queue_args(kind, queue_type),
     )
     .await?;
     ch.queue_bind(

@@ -217,7 +217,13 @@ async fn queue_depths_reach_the_gauge_and_the_watch() -> anyhow::Result<()> {
         Connection::connect(&env.controller_amqp_url(), ConnectionProperties::default()).await?,
     );
     let ch = mesh_controller::amqp::confirm_channel(&conn).await?;
-    mesh_controller::amqp::declare_topology(&ch, &[], &[]).await?;
+    mesh_controller::amqp::declare_topology(
+        &ch,
+        &[],
+        &[],
+        mesh_controller::amqp::QueueType::Classic,
+    )
+    .await?;
     for n in 0..N {
         let confirm = ch
             .basic_publish(

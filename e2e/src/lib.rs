@@ -273,7 +273,12 @@ impl Mesh {
     /// A fresh isolated environment and the controller's files, no controller
     /// running yet (start it with [`Mesh::start_controller`]).
     pub async fn prepare() -> anyhow::Result<Mesh> {
-        let env = TestEnv::new().await?;
+        Mesh::prepare_on(TestEnv::new().await?)
+    }
+
+    /// [`Mesh::prepare`] on an environment of the test's own (another
+    /// broker: [`TestEnv::on_broker`]).
+    pub fn prepare_on(env: TestEnv) -> anyhow::Result<Mesh> {
         let dir = tempfile::tempdir()?;
         env.write_controller_credentials(&dir.path().join("credentials.toml"))?;
         let api_port = free_port()?;

@@ -245,14 +245,29 @@ impl Agent {
         heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut backoff = Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
         let mut connected_before = false;
+        // The credentials' own endpoint (None), then each of `brokers`: a
+        // failed attempt or a lost session moves on to the next one.
+        let mut endpoints: Vec<Option<(String, u16)>> = vec![None];
+        match self.config.broker_endpoints() {
+            Ok(list) => endpoints.extend(list.into_iter().map(Some)),
+            Err(e) => warn!(error = %e, "ignoring the brokers setting"),
+        }
+        let mut at = 0usize;
+        let url_endpoint = crate::broker::url_endpoint(&self.creds)
+            .unwrap_or_else(|| "the credentials' broker".to_owned());
 
         loop {
             let props = ConnectionProperties::default()
                 .with_connection_name(format!("mesh-agent {}", self.creds.node).into());
             let creds = self.creds.clone();
+            let target = endpoints[at % endpoints.len()].clone();
+            let endpoint = target
+                .as_ref()
+                .map(|(h, p)| format!("{h}:{p}"))
+                .unwrap_or_else(|| url_endpoint.clone());
             let connect = tokio::time::timeout(
                 CONNECT_TIMEOUT,
-                crate::broker::connect(&creds, self.config.amqp_heartbeat, props),
+                crate::broker::connect(&creds, target.as_ref(), self.config.amqp_heartbeat, props),
             );
             tokio::pin!(connect);
             let attempt = loop {
@@ -269,14 +284,16 @@ impl Agent {
             let conn = match attempt {
                 Ok(Ok(conn)) => conn,
                 Ok(Err(e)) => {
-                    warn!(url = %self.creds.redacted_url(), error = %e, "cannot connect to the broker");
+                    warn!(url = %self.creds.redacted_url(), %endpoint, error = %e, "cannot connect to the broker");
+                    at = (at + 1) % endpoints.len();
                     if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
                         return;
                     }
                     continue;
                 }
                 Err(_) => {
-                    warn!(url = %self.creds.redacted_url(), "connecting to the broker timed out");
+                    warn!(url = %self.creds.redacted_url(), %endpoint, "connecting to the broker timed out");
+                    at = (at + 1) % endpoints.len();
                     if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
                         return;
                     }
@@ -292,7 +309,7 @@ impl Agent {
             self.metrics.set_connected(true);
             connected_before = true;
             backoff.reset();
-            info!(url = %self.creds.redacted_url(), "connected to the broker");
+            info!(url = %self.creds.redacted_url(), %endpoint, "connected to the broker");
             match self.session(&conn, &mut heartbeat, &mut shutdown).await {
                 SessionEnd::Shutdown => {
                     let _ = conn.close(200, "agent shutting down".into()).await;
@@ -300,7 +317,8 @@ impl Agent {
                     return;
                 }
                 SessionEnd::Lost(reason) => {
-                    warn!(%reason, "lost the broker connection");
+                    warn!(%reason, %endpoint, "lost the broker connection");
+                    at = (at + 1) % endpoints.len();
                     self.lost_broker();
                     let _ = conn.close(200, "agent reconnecting".into()).await;
                     self.buffer.reset_in_flight();

@@ -45,9 +45,14 @@ pub enum BrokerError {
 }
 
 /// Connects as the node of `creds`, asking for an AMQP heartbeat of
-/// `heartbeat` unless the URL names one.
+/// `heartbeat` unless the URL names one. With `endpoint`, the broker at that
+/// host and port (one of the agent's `brokers`, a node of the same cluster)
+/// instead of the URL's: the same user, password, vhost and scheme, and the
+/// same rules (amqps verifies the certificate against the mesh CA and the
+/// endpoint's host; plain amqp only to a loopback endpoint).
 pub async fn connect(
     creds: &AgentCredentials,
+    endpoint: Option<&(String, u16)>,
     heartbeat: Duration,
     props: ConnectionProperties,
 ) -> Result<Connection, BrokerError> {
@@ -58,6 +63,10 @@ pub async fn connect(
         .map_err(|e: String| BrokerError::BadUrl(scrub(&e)))?;
     if uri.query.heartbeat.is_none() {
         uri.query.heartbeat = Some(u16::try_from(heartbeat.as_secs()).unwrap_or(u16::MAX));
+    }
+    if let Some((host, port)) = endpoint {
+        uri.authority.host = host.clone();
+        uri.authority.port = *port;
     }
     let host = uri.authority.host.clone();
     let endpoint = format!("{}:{}", host, uri.authority.port);
@@ -102,6 +111,13 @@ fn classify(endpoint: String, source: lapin::Error) -> BrokerError {
     BrokerError::Amqp { endpoint, source }
 }
 
+/// The `<host>:<port>` the credentials' broker URL names, for logs (never
+/// the password); `None` when it does not parse.
+pub fn url_endpoint(creds: &AgentCredentials) -> Option<String> {
+    let uri: AMQPUri = creds.broker_url.expose().parse().ok()?;
+    Some(format!("{}:{}", uri.authority.host, uri.authority.port))
+}
+
 /// lapin's URL parse errors may quote the URL: keep only the words before it.
 fn scrub(e: &str) -> String {
     match e.find("amqp") {
@@ -132,6 +148,7 @@ mod tests {
     async fn plain_amqp_only_to_loopback_and_amqps_only_with_the_ca() {
         let err = connect(
             &creds("amqp://node-a:pw@192.0.2.2:5672/mesh", None),
+            None,
             Duration::from_secs(10),
             ConnectionProperties::default(),
         )
@@ -141,6 +158,7 @@ mod tests {
         assert!(err.contains("loopback") && !err.contains("pw"), "{err}");
         let err = connect(
             &creds("amqps://node-a:pw@192.0.2.2:5671/mesh", None),
+            None,
             Duration::from_secs(10),
             ConnectionProperties::default(),
         )
@@ -148,5 +166,19 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("mesh CA") && !err.contains("pw"), "{err}");
+        // An alternate endpoint follows the same rules as the URL's own host.
+        let err = connect(
+            &creds("amqp://node-a:pw@127.0.0.1:5672/mesh", None),
+            Some(&("192.0.2.3".to_owned(), 5672)),
+            Duration::from_secs(10),
+            ConnectionProperties::default(),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("192.0.2.3") && err.contains("loopback") && !err.contains("pw"),
+            "{err}"
+        );
     }
 }

@@ -119,6 +119,15 @@ pub struct Config {
     /// The resources of resource grants this node's provider modules serve:
     /// the `[provisioning]` table. Defaults in [`ProvisioningConfig`].
     pub provisioning: ProvisioningConfig,
+    /// Other endpoints of the same broker (the nodes of a RabbitMQ cluster),
+    /// each `"<host>:<port>"`: when the broker of the credentials' URL does
+    /// not answer, or a session is lost, the agent tries the next one
+    /// (round-robin, the URL's own endpoint first, each attempt after the
+    /// usual backoff), with the URL's user, password, vhost and scheme: an
+    /// `amqps://` URL verifies each endpoint's certificate against the mesh CA
+    /// and the endpoint's host; a plain `amqp://` URL reaches loopback
+    /// endpoints only (docs/decisions/0043). Default: none (the URL's only).
+    pub brokers: Vec<String>,
 }
 
 /// The `[provisioning]` table: how the agent reconciles the resources its
@@ -277,6 +286,7 @@ impl Default for Config {
             firewall: FirewallConfig::default(),
             artifacts: crate::artifacts::ArtifactsConfig::default(),
             provisioning: ProvisioningConfig::default(),
+            brokers: Vec::new(),
         }
     }
 }
@@ -360,6 +370,7 @@ impl Config {
         self.artifacts
             .validate()
             .map_err(|(field, reason)| ConfigError::invalid(field, reason))?;
+        self.broker_endpoints()?;
         if !self.root.is_absolute() {
             return Err(ConfigError::invalid("root", "must be an absolute path"));
         }
@@ -370,6 +381,21 @@ impl Config {
             ));
         }
         Ok(())
+    }
+}
+
+impl Config {
+    /// The `brokers` endpoints as `(host, port)`, in order; an invalid entry
+    /// is named by its index.
+    pub fn broker_endpoints(&self) -> Result<Vec<(String, u16)>, ConfigError> {
+        self.brokers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                mesh_credentials::advertise::check_host_port(b)
+                    .map_err(|reason| ConfigError::invalid(format!("brokers[{i}]"), reason))
+            })
+            .collect()
     }
 }
 
@@ -463,6 +489,29 @@ mod tests {
         assert_eq!(c.report_buffer, 7);
         assert_eq!(c.labels.get("role").map(String::as_str), Some("web"));
         assert_eq!(c.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+    }
+
+    #[test]
+    fn brokers_are_host_ports_and_a_bad_one_is_named_by_index() {
+        let mut c = parse("brokers = [\"127.0.0.1:5673\", \"rabbit-2.example:5671\"]").unwrap();
+        c.validate().unwrap();
+        assert_eq!(
+            c.broker_endpoints().unwrap(),
+            vec![
+                ("127.0.0.1".to_owned(), 5673),
+                ("rabbit-2.example".to_owned(), 5671)
+            ]
+        );
+        c.brokers.push("amqp://h:5672".into());
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("brokers[2]") && err.contains("scheme"),
+            "{err}"
+        );
+        c.brokers[2] = "h".into();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("brokers[2]") && err.contains("port"), "{err}");
+        assert!(Config::default().brokers.is_empty());
     }
 
     #[test]

@@ -40,6 +40,7 @@ async fn connect(creds: &AgentCredentials) -> Result<lapin::Connection, BrokerEr
         DEADLINE,
         broker::connect(
             creds,
+            None,
             Duration::from_secs(10),
             ConnectionProperties::default(),
         ),

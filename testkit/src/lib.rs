@@ -271,7 +271,25 @@ impl TestEnv {
     /// A fresh database with the seven roles and schemas, a vhost and a controller
     /// user with full permissions on it.
     pub async fn new() -> anyhow::Result<TestEnv> {
-        let admin = admin_credentials()?;
+        TestEnv::with_admin(admin_credentials()?).await
+    }
+
+    /// [`TestEnv::new`] with its vhost and broker users on another broker
+    /// of this machine (a `bundle/rabbit-cluster`, through node 1's
+    /// management API): RabbitMQ's `guest` administrator on loopback, AMQP on
+    /// `amqp_port`, the management API on `management_port`; the database as
+    /// [`TestEnv::new`]'s. Its teardown needs that broker still running.
+    pub async fn on_broker(amqp_port: u16, management_port: u16) -> anyhow::Result<TestEnv> {
+        let mut admin = admin_credentials()?;
+        admin.rabbitmq_api = format!("http://127.0.0.1:{management_port}");
+        admin.rabbitmq_user = "guest".into();
+        admin.rabbitmq_password = mesh_credentials::Secret::new("guest".into());
+        admin.amqp_url =
+            mesh_credentials::Secret::new(format!("amqp://guest:guest@127.0.0.1:{amqp_port}"));
+        TestEnv::with_admin(admin).await
+    }
+
+    async fn with_admin(admin: AdminCredentials) -> anyhow::Result<TestEnv> {
         let id = format!("t{}", hex::encode(rand::random::<[u8; 4]>()));
         let names = Names::for_test(&id);
         let key_dir = std::env::temp_dir().join(format!("mesh-{id}"));
