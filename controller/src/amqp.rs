@@ -80,13 +80,28 @@ impl QueueType {
 /// Whether `kind`'s report queue is of the configured type: the kinds whose
 /// reports may not be lost (reject-publish). The superseded-state kinds
 /// (drop-head: heartbeats, units, health, resources) and logs answers (a
-/// per-message expiration, which quorum queues of RabbitMQ 3.10 do not
-/// honour) stay classic.
+/// per-message expiration) stay classic: see [`report_queue_options`].
 pub(crate) fn replicated(kind: ReportKind) -> bool {
     matches!(
         kind,
         ReportKind::Hello | ReportKind::Applied | ReportKind::Certificates
     )
+}
+
+/// How `kind`'s report queue is declared. Durable, except with quorum
+/// queues for the kinds that stay classic: a durable classic queue lives on
+/// one node of a cluster, and while that node is down every declare and
+/// consume of it fails (404, "home node is down"), which would stop the
+/// controller's whole session until the node returns. A transient classic
+/// queue is removed with its node instead, and the controller's next
+/// session declares it again on the node it reaches: what it held was a
+/// superseded state (or a logs answer wanted for seconds), which the next
+/// report replaces (docs/decisions/0043).
+pub(crate) fn report_queue_options(kind: ReportKind, queue_type: QueueType) -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        durable: queue_type == QueueType::Classic || replicated(kind),
+        ..QueueDeclareOptions::default()
+    }
 }
 
 /// The `<host>:<port>` of a broker URL, for logs (never the password).
@@ -187,7 +202,7 @@ pub async fn declare_topology(
     ch.queue_declare(
         DEAD_LETTER_QUEUE.into(),
         durable(),
-        bounded(DEAD_LETTER_QUEUE_MAX_LEN, "drop-head"),
+        queue_type.apply(bounded(DEAD_LETTER_QUEUE_MAX_LEN, "drop-head")),
     )
     .await?;
     ch.queue_bind(
@@ -205,7 +220,7 @@ pub async fn declare_topology(
         let queue = topology::report_queue(kind);
         ch.queue_declare(
             queue.as_str().into(),
-            durable(),
+            report_queue_options(kind, queue_type),
             report_queue_args(kind, queue_type),
         )
         .await?;
@@ -241,7 +256,7 @@ pub async fn declare_topology(
             .await?;
         }
     }
-    declare_unroutable(ch).await
+    declare_unroutable(ch, queue_type).await
 }
 
 /// The alternate exchange of `reports` and its queue: a report published under
@@ -250,7 +265,7 @@ pub async fn declare_topology(
 /// `reports` gets it as its alternate exchange from the vhost policy
 /// [`REPORTS_POLICY`] the bundle provisions (decision 0021), not from an
 /// exchange argument, which an existing `reports` would refuse.
-async fn declare_unroutable(ch: &Channel) -> AmqpResult<()> {
+async fn declare_unroutable(ch: &Channel, queue_type: QueueType) -> AmqpResult<()> {
     ch.exchange_declare(
         UNROUTABLE_EXCHANGE.into(),
         ExchangeKind::Fanout,
@@ -264,7 +279,7 @@ async fn declare_unroutable(ch: &Channel) -> AmqpResult<()> {
     ch.queue_declare(
         UNROUTABLE_QUEUE.into(),
         durable(),
-        bounded(UNROUTABLE_QUEUE_MAX_LEN, "reject-publish"),
+        queue_type.apply(bounded(UNROUTABLE_QUEUE_MAX_LEN, "reject-publish")),
     )
     .await?;
     ch.queue_bind(

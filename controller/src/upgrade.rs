@@ -141,7 +141,7 @@ async fn prepare_one(
     match ch
         .queue_declare(
             queue.as_str().into(),
-            durable(),
+            amqp::report_queue_options(kind, queue_type),
             amqp::report_queue_args(kind, queue_type),
         )
         .await
@@ -219,7 +219,7 @@ async fn prepare_one(
     }
     ch.queue_declare(
         queue.as_str().into(),
-        durable(),
+        amqp::report_queue_options(kind, queue_type),
         amqp::report_queue_args(kind, queue_type),
     )
     .await?;
