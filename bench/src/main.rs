@@ -132,6 +132,10 @@ enum Cmd {
         /// The broker's idle CPU is read over this long first (0: not read).
         #[arg(long, default_value_t = 10)]
         idle_secs: u64,
+        /// After the runs: this many idle queues shaped like `decl.<node>`,
+        /// classic then quorum, and what they cost the broker idle (0: none).
+        #[arg(long, default_value_t = 0)]
+        idle_queues: usize,
     },
     /// The ideal consumer of baseline (e), run by `fleet` as a child process.
     #[command(hide = true)]
@@ -226,6 +230,7 @@ async fn main() -> anyhow::Result<()> {
             warmup_secs,
             runs,
             idle_secs,
+            idle_queues,
         } => {
             let (urls, broker_home) = match cluster {
                 Some(dir) => queues::cluster(&dir)?,
@@ -239,6 +244,7 @@ async fn main() -> anyhow::Result<()> {
                 warmup_secs,
                 runs,
                 idle_secs,
+                idle_queues,
             })
             .await
         }

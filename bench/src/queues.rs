@@ -47,6 +47,8 @@ pub struct Options {
     pub warmup_secs: u64,
     pub runs: usize,
     pub idle_secs: u64,
+    /// Idle declaration-like queues declared per type after the runs (0: none).
+    pub idle_queues: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -154,6 +156,92 @@ fn shown(url: &str) -> String {
 }
 
 const HEADER_SENT: &str = "x-bench-sent-ns";
+
+/// The brokers' resident memory, bytes (every VM of `home`).
+fn broker_rss(home: &str) -> u64 {
+    broker_pids(home)
+        .into_iter()
+        .filter_map(|pid| {
+            let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+            statm.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .sum::<u64>()
+        * 4096
+}
+
+/// `n` idle queues with the arguments of `decl.<node>` (`x-max-length` 64,
+/// drop-head; quorum or classic), declared over 8 channels through the first
+/// URL: the time that took, then the broker's CPU over `idle_secs` (after 5 s
+/// to settle) and its RSS against before; the queues are deleted after.
+async fn idle_queues(
+    opts: &Options,
+    kind: Kind,
+    n: usize,
+    tag: &str,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let conn = Connection::connect(&opts.urls[0], Default::default()).await?;
+    let rss0 = broker_rss(&opts.broker_home);
+    let names: Vec<String> = (0..n).map(|i| format!("bench.idle.{tag}.{i:06}")).collect();
+    let per = n.div_ceil(8).max(1);
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for part in names.chunks(per) {
+        let ch = conn.create_channel().await?;
+        let part = part.to_vec();
+        tasks.push(tokio::spawn(async move {
+            for q in &part {
+                let mut args = FieldTable::default();
+                args.insert("x-max-length".into(), AMQPValue::LongLongInt(64));
+                args.insert(
+                    "x-overflow".into(),
+                    AMQPValue::LongString(LongString::from("drop-head")),
+                );
+                if kind == Kind::Quorum {
+                    args.insert(
+                        "x-queue-type".into(),
+                        AMQPValue::LongString(LongString::from("quorum")),
+                    );
+                }
+                ch.queue_declare(
+                    q.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    args,
+                )
+                .await?;
+            }
+            anyhow::Ok((ch, part))
+        }));
+    }
+    let mut declared = Vec::new();
+    for t in tasks {
+        declared.push(t.await??);
+    }
+    let declare_secs = t0.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let c0 = broker_cpu(&opts.broker_home);
+    let t1 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(opts.idle_secs.max(1))).await;
+    let cpu = (broker_cpu(&opts.broker_home) - c0) / t1.elapsed().as_secs_f64() * 100.0;
+    let rss = broker_rss(&opts.broker_home) as f64 - rss0 as f64;
+    let mut tasks = Vec::new();
+    for (ch, part) in declared {
+        tasks.push(tokio::spawn(async move {
+            for q in &part {
+                ch.queue_delete(q.as_str().into(), Default::default())
+                    .await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let _ = conn.close(200, "bench done".into()).await;
+    Ok((declare_secs, cpu, rss / 1e6))
+}
 
 async fn measure(opts: &Options, kind: Kind, tag: &str) -> anyhow::Result<Measured> {
     let declare_url = &opts.urls[0];
@@ -438,6 +526,17 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             rows.push((kind, run, m));
         }
     }
+    let mut idle_rows = Vec::new();
+    if opts.idle_queues > 0 {
+        for kind in [Kind::Classic, Kind::Quorum] {
+            eprintln!("{} idle declaration queues, {kind:?}…", opts.idle_queues);
+            let tag = format!("{stamp}-{kind:?}").to_lowercase();
+            idle_rows.push((
+                kind,
+                idle_queues(&opts, kind, opts.idle_queues, &tag).await?,
+            ));
+        }
+    }
     println!(
         "| queue | run | offered msg/s | consumed msg/s | broker CPU, % of a core | publish→consume p50 | p99 | publish→confirm p50 | p99 |"
     );
@@ -482,6 +581,17 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             confirm_p99_ms: of(|m| m.confirm_p99_ms),
         };
         line(kind.name(), &format!("median of {}", opts.runs), &m);
+    }
+    if !idle_rows.is_empty() {
+        println!();
+        println!(
+            "| {} idle queues like `decl.<node>` (x-max-length 64, drop-head) | declared in | broker CPU idle, % of a core | broker RSS added |",
+            opts.idle_queues
+        );
+        println!("|---|---:|---:|---:|");
+        for (kind, (secs, cpu, mb)) in &idle_rows {
+            println!("| {kind:?} | {secs:.1} s | {cpu:.1} | {mb:.0} MB |");
+        }
     }
     Ok(())
 }
