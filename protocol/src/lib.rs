@@ -67,10 +67,11 @@ pub use module::{
 };
 pub use node::{Labels, NodeId, parse_selector, validate_labels};
 pub use provisioning::{
-    AdminAccess, AdminServer, CREDENTIAL_NOT_YET_DELIVERED, CREDENTIAL_VERSION_KEY, CredentialFile, CredentialsIssued,
-    CredentialsWithdrawn, MAX_REASON_CHARS, MAX_REQUIREMENTS, MAX_RESOURCES, Provides, Requirement,
-    ResourceItem, ResourceKind, ResourceState, ResourceStatus, ResourceStatusState, Resources,
-    is_garage_key_id, validate_requirement_name, validate_resource_name, validate_resources,
+    AdminAccess, AdminServer, CREDENTIAL_NOT_YET_DELIVERED, CREDENTIAL_VERSION_KEY, CredentialFile,
+    CredentialsIssued, CredentialsWithdrawn, MAX_REASON_CHARS, MAX_REQUIREMENTS, MAX_RESOURCES,
+    Provides, Requirement, ResourceItem, ResourceKind, ResourceState, ResourceStatus,
+    ResourceStatusState, Resources, is_garage_key_id, validate_requirement_name,
+    validate_resource_name, validate_resources,
 };
 pub use record::{
     AUDIT_EVENT, AuditEntry, LivenessState, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,
