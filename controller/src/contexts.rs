@@ -222,6 +222,8 @@ impl Contexts {
                 ..mesh_observability::Settings::default()
             },
         );
+        let reads = replicas.reads_for(creds, Observability::SCHEMA, observability.pool())?;
+        let observability = observability.with_reads(reads);
         let store = crate::artifacts::RegistryStore::new(
             &settings.registry_url,
             settings.registry_pull_url.as_deref(),

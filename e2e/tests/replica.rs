@@ -1,7 +1,8 @@
 //! The read replica (issue 17, point 4; docs/decisions/0041): a streaming
 //! replica of this machine's PostgreSQL cluster, raised by `bundle/replica`
 //! in a directory of its own on a free port, serves the API's reads that
-//! tolerate lag (`GET /v1/nodes`, `GET /v1/audit`) while it is usable; stopped,
+//! tolerate lag (`GET /v1/nodes`, `GET /v1/audit`, the event history
+//! `GET /v1/events?follow=false`) while it is usable; stopped,
 //! every answer stays 200, served by the primary, and the controller says the
 //! replica is unusable.
 //!
@@ -159,6 +160,24 @@ async fn audited(mesh: &Mesh) -> anyhow::Result<Vec<String>> {
         .collect())
 }
 
+/// The event history after position 0 (`follow=false`: the stream ends),
+/// as the SSE text it was sent as (must answer 200).
+async fn history(mesh: &Mesh) -> anyhow::Result<String> {
+    let resp = reqwest::Client::new()
+        .get(format!("{}/v1/events?follow=false&after=0", mesh.api))
+        .bearer_auth(mesh.admin_token())
+        .timeout(WITHIN)
+        .send()
+        .await?;
+    ensure!(resp.status() == 200, "GET /v1/events: {}", resp.status());
+    Ok(resp.text().await?)
+}
+
+/// Whether the history names every one of `nodes`.
+fn names_all(history: &str, nodes: &[String]) -> bool {
+    nodes.iter().all(|n| history.contains(&format!("\"{n}\"")))
+}
+
 /// How long a commit on the primary takes to be replayed on the replica:
 /// `rounds` one-row commits, each waited for on the replica by its LSN, on
 /// connections held open. Printed, never asserted (no timing assertions).
@@ -279,6 +298,17 @@ async fn the_replica_serves_lists_and_audit_and_the_primary_takes_over_when_it_s
     ensure!(audited(&mesh).await?.iter().any(|a| a == "POST /v1/tokens"));
     grows(&mesh, REPLICA_READS, before).await?;
 
+    // The event history (`follow=false`) too, once the replica holds every
+    // event appended when it was asked: the nodes' events are in it, and
+    // the replica served it.
+    wait_for("the nodes' events in the history", WITHIN, || async {
+        Ok(names_all(&history(&mesh).await?, &nodes).then_some(()))
+    })
+    .await?;
+    let before = count(&mesh, REPLICA_READS).await?;
+    ensure!(names_all(&history(&mesh).await?, &nodes));
+    grows(&mesh, REPLICA_READS, before).await?;
+
     // What lag was: measured commit to replay, and what the controller saw.
     let took = measure_lag(&mesh, &replica, 20).await?;
     eprintln!(
@@ -303,7 +333,11 @@ async fn the_replica_serves_lists_and_audit_and_the_primary_takes_over_when_it_s
             audited(&mesh).await?.iter().any(|a| a == "POST /v1/tokens"),
             "the audit entry is gone"
         );
-        answered += 2;
+        ensure!(
+            names_all(&history(&mesh).await?, &nodes),
+            "the nodes' events are gone from the history"
+        );
+        answered += 3;
         if sample(&mesh, USABLE).await? == Some(0.0) {
             break;
         }
@@ -318,6 +352,7 @@ async fn the_replica_serves_lists_and_audit_and_the_primary_takes_over_when_it_s
     let primary_reads = count(&mesh, PRIMARY_READS).await?;
     let ids = listed(&mesh).await?;
     ensure!(nodes.iter().all(|n| ids.contains(n)), "{ids:?}");
+    ensure!(names_all(&history(&mesh).await?, &nodes));
     grows(&mesh, PRIMARY_READS, primary_reads).await?;
     ensure!(
         count(&mesh, REPLICA_READS).await? == replica_reads,

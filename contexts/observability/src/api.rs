@@ -126,14 +126,18 @@ async fn stream_events(
         node: params.node,
         module: params.module,
     };
-    let follow = params.follow.unwrap_or(true);
+    // A history (`follow=false`) ends at what was appended when it was
+    // asked: everything through `newest`. The replica may serve it once it
+    // has replayed that far (decision 0041); a stream that follows reads the
+    // primary, which its wake-ups come from.
+    let through = (!params.follow.unwrap_or(true)).then_some(newest);
     let (tx, rx) = mpsc::channel(obs.settings.stream_buffer.max(1));
     let dropped = Arc::new(Mutex::new(None::<String>));
     tokio::spawn(feed(
         obs,
         start,
         filter,
-        follow,
+        through,
         tx,
         dropped.clone(),
         permit,
@@ -162,13 +166,13 @@ fn event(view: &EventView) -> Event {
 }
 
 /// One client's reader: pages of the table into its bounded buffer, until
-/// the client leaves, falls behind by a whole buffer, or (`follow` false) has
-/// everything. Holds the client's stream slot.
+/// the client leaves, falls behind by a whole buffer, or (a history, with
+/// `through`) has everything. Holds the client's stream slot.
 async fn feed(
     obs: Arc<Observability>,
     mut after: Position,
     filter: Filter,
-    follow: bool,
+    through: Option<Position>,
     tx: mpsc::Sender<EventView>,
     dropped: Arc<Mutex<Option<String>>>,
     _permit: tokio::sync::OwnedSemaphorePermit,
@@ -177,7 +181,11 @@ async fn feed(
     let limit = obs.settings.page.max(1);
     loop {
         wake.borrow_and_update();
-        let page = match events::page(&obs.pool, after, &filter, limit).await {
+        let page = match through {
+            None => events::page(&obs.pool, after, &filter, limit).await,
+            Some(through) => events::history(obs.reads(), through, after, &filter, limit).await,
+        };
+        let page = match page {
             Ok(page) => page,
             Err(e) => {
                 tracing::warn!(error = %e, "event stream: reading events failed");
@@ -210,7 +218,7 @@ async fn feed(
         if more {
             continue;
         }
-        if !follow {
+        if through.is_some() {
             return;
         }
         tokio::select! {

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use mesh_plumbing::reads::Reads;
 use mesh_protocol::RecordEvent;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
@@ -147,6 +148,35 @@ pub(crate) async fn bounds(pool: &PgPool) -> Result<(Position, Position), Error>
     ))
 }
 
+/// [`page`] for a history that must hold every event through `through`:
+/// on the replica when it is usable and has replayed that far (positions
+/// commit in order on the primary and the replica replays commits in that
+/// order, so holding `through` is holding everything before it), else on
+/// the primary.
+pub(crate) async fn history(
+    reads: &Reads,
+    through: Position,
+    after: Position,
+    filter: &Filter,
+    limit: i64,
+) -> Result<Vec<EventView>, Error> {
+    Ok(reads
+        .lag_tolerant_if(
+            |pool| async move {
+                let held: Option<i64> =
+                    sqlx::query_scalar("SELECT max(position) FROM observability.events")
+                        .fetch_one(&pool)
+                        .await?;
+                Ok(held.is_some_and(|held| held >= through.0))
+            },
+            |pool| async move { rows(&pool, after, filter, limit).await },
+        )
+        .await?
+        .into_iter()
+        .map(view)
+        .collect())
+}
+
 /// Up to `limit` events after `after` that pass `filter`, oldest first.
 pub(crate) async fn page(
     pool: &PgPool,
@@ -154,17 +184,31 @@ pub(crate) async fn page(
     filter: &Filter,
     limit: i64,
 ) -> Result<Vec<EventView>, Error> {
-    type Row = (
-        i64,
-        Uuid,
-        String,
-        String,
-        Option<String>,
-        Option<String>,
-        DateTime<Utc>,
-        serde_json::Value,
-    );
-    let rows: Vec<Row> = sqlx::query_as(
+    Ok(rows(pool, after, filter, limit)
+        .await?
+        .into_iter()
+        .map(view)
+        .collect())
+}
+
+type Row = (
+    i64,
+    Uuid,
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    DateTime<Utc>,
+    serde_json::Value,
+);
+
+async fn rows(
+    pool: &PgPool,
+    after: Position,
+    filter: &Filter,
+    limit: i64,
+) -> Result<Vec<Row>, sqlx::Error> {
+    sqlx::query_as(
         "SELECT position, event_id, context, event, node, module, sent_at, body \
          FROM observability.events \
          WHERE position > $1 \
@@ -181,20 +225,18 @@ pub(crate) async fn page(
     .bind(&filter.module)
     .bind(limit)
     .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(
-            |(position, id, context, event, node, module, sent_at, body)| EventView {
-                position,
-                id,
-                context,
-                event,
-                node,
-                module,
-                sent_at,
-                body,
-            },
-        )
-        .collect())
+    .await
+}
+
+fn view((position, id, context, event, node, module, sent_at, body): Row) -> EventView {
+    EventView {
+        position,
+        id,
+        context,
+        event,
+        node,
+        module,
+        sent_at,
+        body,
+    }
 }

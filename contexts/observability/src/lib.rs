@@ -42,6 +42,7 @@ mod inputs;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mesh_plumbing::reads::Reads;
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, RecordEvent, Report};
 use sqlx::{PgConnection, PgPool};
@@ -156,6 +157,9 @@ impl Default for Settings {
 /// The observability context, shared by the controller's router and its API.
 pub struct Observability {
     pool: PgPool,
+    /// The reads that tolerate lag (the event history, `follow=false`): the
+    /// replica when the controller has one (decision 0041), else `pool`.
+    reads: Reads,
     settings: Settings,
     /// Raised after a batch of events committed: wakes every stream.
     appended: watch::Sender<u64>,
@@ -171,6 +175,7 @@ impl Observability {
     /// `signal` wakes the relay after an evaluation wrote record events.
     pub fn new(pool: PgPool, signal: OutboxSignal, settings: Settings) -> Self {
         Observability {
+            reads: Reads::new(pool.clone()),
             pool,
             streams: Arc::new(Semaphore::new(settings.max_streams)),
             settings,
@@ -216,6 +221,18 @@ impl Observability {
 
     pub fn settings(&self) -> &Settings {
         &self.settings
+    }
+
+    /// Serve the reads that tolerate lag through `reads` (its primary must be
+    /// this context's pool).
+    pub fn with_reads(mut self, reads: Reads) -> Self {
+        self.reads = reads;
+        self
+    }
+
+    /// The reads that tolerate lag, and where they go.
+    pub fn reads(&self) -> &Reads {
+        &self.reads
     }
 
     /// The API routes this context serves: `GET /v1/events`, `/v1/health`

@@ -268,13 +268,44 @@ impl Reads {
         F: Fn(PgPool) -> Fut,
         Fut: Future<Output = Result<T, sqlx::Error>>,
     {
+        self.lag_tolerant_if(|_| async { Ok(true) }, read).await
+    }
+
+    /// [`Reads::lag_tolerant`] for a read the replica can answer only once
+    /// it holds something the caller was promised (replayed past a horizon):
+    /// `ready`, asked on the replica first, says whether it does. Not ready
+    /// says nothing of the replica's health: this read goes to the primary
+    /// and the replica stays usable for the next.
+    pub async fn lag_tolerant_if<T, R, RFut, F, Fut>(
+        &self,
+        ready: R,
+        read: F,
+    ) -> Result<T, sqlx::Error>
+    where
+        R: Fn(PgPool) -> RFut,
+        RFut: Future<Output = Result<bool, sqlx::Error>>,
+        F: Fn(PgPool) -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
         if let Some(replica) = self.replica.as_ref()
             && replica.usable.load(Ordering::Relaxed)
         {
-            match tokio::time::timeout(replica.settings.timeout, read(replica.pool.clone())).await {
-                Ok(Ok(answer)) => {
+            let pool = replica.pool.clone();
+            let on_replica = async {
+                if !ready(pool.clone()).await? {
+                    return Ok(None);
+                }
+                read(pool).await.map(Some)
+            };
+            match tokio::time::timeout(replica.settings.timeout, on_replica).await {
+                Ok(Ok(Some(answer))) => {
                     self.stats.count(Target::Replica);
                     return Ok(answer);
+                }
+                Ok(Ok(None)) => {
+                    tracing::debug!(
+                        "the replica has not replayed what this read needs: served by the primary"
+                    );
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "a read on the replica failed: served by the primary, the replica unused until its next check");
