@@ -7,16 +7,21 @@
 //! The controller runs with `queue_type = "quorum"` and `broker_endpoints` =
 //! the three nodes, its credentials naming node 2; agent a's credentials name
 //! node 2 too, agent b's node 1; both have `brokers` = the three nodes.
-//! Heartbeats stream throughout. Node 2 is SIGKILLed: the controller and
-//! agent a fail over; a file changed while it is down reaches both agents,
-//! and both report it applied (applied == declared). Node 2 is started
-//! again, rejoins (three running members), and a further change lands too.
+//! Heartbeats stream throughout. Node 2 is SIGKILLed as a file changes (the
+//! declaration and the agents' applied reports cross the kill): the
+//! controller and agent a fail over; that change and one made while node 2
+//! is down reach both agents, and both report them applied (applied ==
+//! declared); every applied report the broker confirmed to an agent was
+//! handled by the controller (the agents' and the controller's metrics).
+//! Node 2 is started again, rejoins (three running members), and a further
+//! change lands too.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, anyhow, ensure};
+use mesh_e2e::sim::{metric_sum, metrics};
 use mesh_e2e::{Mesh, wait_for};
 use mesh_testkit::TestEnv;
 use serde_json::{Value, json};
@@ -163,6 +168,26 @@ fn with_port(url: &str, port: u16) -> anyhow::Result<String> {
     Ok(u.to_string())
 }
 
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// The reports of `kind` the broker confirmed to the agent whose metrics
+/// are on `port`.
+async fn published(port: u16, kind: &str) -> anyhow::Result<f64> {
+    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await?
+        .text()
+        .await?;
+    Ok(metric_sum(
+        &text,
+        "mesh_agent_reports_published_total",
+        &format!("kind=\"{kind}\""),
+    ))
+}
+
 fn step(started: Instant, what: &str) {
     eprintln!("[{:>6.1} s] {what}", started.elapsed().as_secs_f64());
 }
@@ -247,8 +272,13 @@ async fn the_mesh_survives_a_broker_node_killed_under_it() -> anyhow::Result<()>
     .await?;
     step(started, "controller on node 2");
 
-    // Two agents with all three endpoints; a's credentials name node 2.
-    mesh.agent_toml = Some(format!("brokers = [{endpoints}]\n"));
+    // Two agents with all three endpoints, each serving its metrics; a's
+    // credentials name node 2.
+    let metrics_a = free_port()?;
+    let metrics_b = free_port()?;
+    let agent_toml =
+        |port: u16| format!("brokers = [{endpoints}]\nmetrics_listen = \"127.0.0.1:{port}\"\n");
+    mesh.agent_toml = Some(agent_toml(metrics_a));
     let a = mesh.add_agent("a", &[("role", "web")]).await?;
     mesh.stop_agent(&a);
     let state_dir = mesh.agent(&a).state_dir.clone();
@@ -257,6 +287,7 @@ async fn the_mesh_survives_a_broker_node_killed_under_it() -> anyhow::Result<()>
         mesh_credentials::Secret::new(with_port(agent_creds.broker_url.expose(), amqp[1])?);
     agent_creds.write(&state_dir)?;
     mesh.start_agent(&a)?;
+    mesh.agent_toml = Some(agent_toml(metrics_b));
     let b = mesh.add_agent("b", &[("role", "web")]).await?;
 
     declare_motd(&mesh, "one\n").await?;
@@ -278,25 +309,73 @@ async fn the_mesh_survives_a_broker_node_killed_under_it() -> anyhow::Result<()>
         );
     }
 
-    // Kill node 2 (the controller's and agent a's) and change the file.
+    // Kill node 2 (the controller's and agent a's) as the file changes:
+    // the declaration and the agents' applied reports cross the kill while
+    // heartbeats stream.
     let controller_log_len = mesh.controller_log().len();
-    cluster.run("stop-node", &["2", "--kill"]).await?;
-    step(started, "node 2 killed");
-    declare_motd(&mesh, "two\n").await?;
+    let (killed, declared) = tokio::join!(
+        cluster.run("stop-node", &["2", "--kill"]),
+        declare_motd(&mesh, "two\n")
+    );
+    killed?;
+    declared?;
+    step(started, "node 2 killed as generation 2 was declared");
     converged(&mesh, &a, "two\n", 2).await?;
     converged(&mesh, &b, "two\n", 2).await?;
+    step(started, "both agents applied generation 2");
+    let (node1, node3) = (
+        format!("127.0.0.1:{}", amqp[0]),
+        format!("127.0.0.1:{}", amqp[2]),
+    );
+    wait_for(
+        "the controller's session on node 1 or 3 after the kill",
+        WITHIN,
+        || async {
+            let log = mesh.controller_log();
+            let after = log.get(controller_log_len..).unwrap_or_default();
+            Ok(after
+                .lines()
+                .any(|l| {
+                    l.contains("broker session started")
+                        && (l.contains(&node1) || l.contains(&node3))
+                })
+                .then_some(()))
+        },
+    )
+    .await?;
+    step(started, "the controller moved to a surviving node");
+    // A change made while node 2 is down lands on both.
+    declare_motd(&mesh, "three\n").await?;
+    converged(&mesh, &a, "three\n", 3).await?;
+    converged(&mesh, &b, "three\n", 3).await?;
     step(
         started,
-        "both agents applied generation 2 while node 2 is down",
+        "both agents applied generation 3 while node 2 is down",
     );
-    let log = mesh.controller_log();
-    let after = log.get(controller_log_len..).unwrap_or_default();
-    ensure!(
-        after.lines().any(|l| l.contains("broker session started")
-            && (l.contains(&format!("127.0.0.1:{}", amqp[0]))
-                || l.contains(&format!("127.0.0.1:{}", amqp[2])))),
-        "the controller did not start a session on node 1 or 3 after the kill"
-    );
+    // No applied report lost: every one the broker confirmed to an agent
+    // was handled by the controller (a redelivery counts twice, so at
+    // least as many; one lost with the killed node would leave fewer).
+    wait_for(
+        "the controller to handle every confirmed applied report",
+        WITHIN,
+        || async {
+            let confirmed =
+                published(metrics_a, "applied").await? + published(metrics_b, "applied").await?;
+            let handled = metric_sum(
+                &metrics(&mesh).await?,
+                "mesh_controller_messages_handled_total",
+                "queue=\"reports.applied\"",
+            );
+            Ok((confirmed >= 4.0 && handled >= confirmed).then_some((confirmed, handled)))
+        },
+    )
+    .await
+    .map(|(confirmed, handled)| {
+        step(
+            started,
+            &format!("applied reports: {confirmed} confirmed to the agents, {handled} handled"),
+        )
+    })?;
 
     // Node 2 back: it rejoins, and a further change lands.
     cluster.run("start-node", &["2"]).await?;
@@ -320,10 +399,10 @@ async fn the_mesh_survives_a_broker_node_killed_under_it() -> anyhow::Result<()>
     )
     .await?;
     step(started, "node 2 rejoined");
-    declare_motd(&mesh, "three\n").await?;
-    converged(&mesh, &a, "three\n", 3).await?;
-    converged(&mesh, &b, "three\n", 3).await?;
-    step(started, "both agents applied generation 3");
+    declare_motd(&mesh, "four\n").await?;
+    converged(&mesh, &a, "four\n", 4).await?;
+    converged(&mesh, &b, "four\n", 4).await?;
+    step(started, "both agents applied generation 4");
     mesh.teardown().await?;
     drop(cluster);
     Ok(())
