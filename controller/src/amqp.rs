@@ -56,8 +56,11 @@ pub enum QueueType {
     #[default]
     Classic,
     /// A cluster: the hello, applied and certificates report queues, the
-    /// declaration queues and the record queues are quorum queues
-    /// (replicated; durable, non-exclusive). The others stay classic.
+    /// declaration queues, the record queues, `dead-letter` and
+    /// `reports.unroutable` are quorum queues (replicated; durable,
+    /// non-exclusive). The other report queues stay classic and are declared
+    /// non-durable (`report_queue_options`); an upgrade's holding queue
+    /// stays classic and durable (`crate::upgrade`).
     Quorum,
 }
 

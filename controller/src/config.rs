@@ -245,15 +245,22 @@ pub struct Settings {
     /// reaches loopback endpoints only (docs/decisions/0043). Checked at
     /// start, an invalid entry named by its index. Default: none.
     pub broker_endpoints: Vec<String>,
-    /// The type of the durable queues whose loss would lose something: the
-    /// hello, applied and certificates report queues, every node's
-    /// declaration queue and the record queues. `"classic"` (default, one
-    /// broker) or `"quorum"` (a cluster: replicated, surviving a node).
-    /// The superseded-state report queues (heartbeats, units, health,
-    /// resources, logs), the dead-letter and the unroutable queues stay
-    /// classic (docs/protocol.md, docs/decisions/0043). Changing it on a
-    /// running mesh needs the queues deleted first: the broker refuses a
-    /// declare with another type (the controller's session fails, saying so).
+    /// The type of the queues whose loss would lose something: the hello,
+    /// applied and certificates report queues, every node's declaration
+    /// queue, the record queues, the dead-letter queue and the unroutable
+    /// queue. `"classic"` (default, one broker: every queue classic and
+    /// durable) or `"quorum"` (a cluster: those queues quorum, replicated,
+    /// surviving a node). With `"quorum"` the superseded-state report queues
+    /// (heartbeats, units, health, resources) and the logs answers' queue
+    /// stay classic and are declared non-durable, so that they go with
+    /// their node instead of failing every session start while it is down;
+    /// an upgrade's holding queue stays classic and durable
+    /// (docs/protocol.md, docs/decisions/0043). Changing it on a running
+    /// mesh needs queues deleted first: the broker refuses a declare with
+    /// another durability or type (406), and the controller's session ends
+    /// with the broker's message. Only the hello, applied and certificates
+    /// report queues are migrated from classic to quorum by the controller
+    /// itself (`crate::upgrade`).
     pub queue_type: String,
 }
 
