@@ -6,11 +6,15 @@
 //! port) and back onto the broker; the controller starts there. Every node,
 //! module, file, secret, certificate and audit entry is back, the secret still
 //! opens, no unit restarted, no node was judged unreachable, and a file
-//! declared afterwards reaches both nodes. Each step's time is printed.
+//! declared afterwards reaches both nodes. The restored copy refers to
+//! nothing it lacks (references across the contexts' schemas, read as the
+//! superuser). Each step's time is printed.
 //!
 //! A second test backs up while files keep being declared and heartbeats
 //! stream: the restored database is one moment (every file a config section
-//! declares is in the files table with that content).
+//! declares is in the files table with that content, no generation is
+//! recorded as applied that was not declared, and every other reference
+//! across the contexts holds).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -105,6 +109,11 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// The cluster's superuser on `database`: reads every schema.
+    fn superuser_url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
     /// This host's administrator: the cluster's superuser, the same broker.
     fn admin(&self, broker: &AdminCredentials) -> AdminCredentials {
         let mut a = broker.clone();
@@ -194,6 +203,210 @@ async fn inventory_of(mesh: &Mesh) -> anyhow::Result<Value> {
             &["node", "name", "serial", "subject", "not_after"],
         ),
     }))
+}
+
+/// What [`references_whole`] found, the checks that found nothing left out.
+fn summary(counted: &[(String, usize)]) -> String {
+    let total: usize = counted.iter().map(|(_, n)| n).sum();
+    let found: Vec<String> = counted
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(what, n)| format!("{n} × {what}"))
+        .collect();
+    format!(
+        "restored copy: {total} references over {} checks, all present: {}",
+        counted.len(),
+        found.join("; ")
+    )
+}
+
+/// References across the contexts' schemas that one moment keeps whole,
+/// read in the restored database as its superuser (contexts never read each
+/// other's tables; a test may). These tests add every node and module before
+/// anything names them and delete none, so in any one moment each name below
+/// is known where it is owned. Each check gives (reference, present).
+fn reference_checks() -> Vec<(String, String)> {
+    const SECTIONS: [&str; 5] = [
+        "inventory",
+        "config",
+        "connectivity",
+        "delivery",
+        "provisioning",
+    ];
+    let node_in_inventory = "EXISTS (SELECT 1 FROM inventory.nodes n WHERE n.id = x.node)";
+    let module_in_inventory = "EXISTS (SELECT 1 FROM inventory.modules m WHERE m.name = x.module)";
+    let mut checks = Vec::new();
+    for s in SECTIONS {
+        checks.push((
+            format!("a node {s} declares to is a node of inventory"),
+            format!("SELECT x.node, {node_in_inventory} FROM {s}.sections x"),
+        ));
+        // An agent cannot have applied a generation not yet declared.
+        checks.push((
+            format!("the {s} generation inventory records as applied was declared by {s}"),
+            format!(
+                "SELECT x.node || ' applied ' || x.generation || ' of ' || COALESCE(d.generation, 0), \
+                        x.generation <= COALESCE(d.generation, 0) \
+                 FROM inventory.applied x LEFT JOIN {s}.sections d ON d.node = x.node \
+                 WHERE x.section = '{s}'"
+            ),
+        ));
+        // Units declared by any section: their module, revision, artifact.
+        let units = format!("FROM {s}.sections d, jsonb_array_elements(d.items->'units') u");
+        checks.push((
+            format!("a unit {s} declares is of a module of inventory"),
+            format!(
+                "SELECT d.node || ' ' || (u->>'module'), \
+                        EXISTS (SELECT 1 FROM inventory.modules m WHERE m.name = u->>'module') {units}"
+            ),
+        ));
+        checks.push((
+            format!("a unit {s} declares names a revision of delivery"),
+            format!(
+                "SELECT d.node || ' ' || (u->>'revision'), \
+                        EXISTS (SELECT 1 FROM delivery.revisions r WHERE r.id::text = u->>'revision') \
+                 {units} WHERE u->>'revision' IS NOT NULL"
+            ),
+        ));
+        checks.push((
+            format!("a unit {s} declares names an artifact of delivery"),
+            format!(
+                "SELECT d.node || ' ' || (u->>'artifact'), \
+                        EXISTS (SELECT 1 FROM delivery.artifacts a WHERE a.digest = u->>'artifact') \
+                 {units} WHERE u->>'artifact' IS NOT NULL"
+            ),
+        ));
+    }
+    let more: [(&str, String); 17] = [
+        (
+            "a file config declares is in config.files with that content",
+            "SELECT d.node || ' ' || (f->>'path'), EXISTS (SELECT 1 FROM config.files c \
+                 WHERE c.path = f->>'path' AND c.content = f->>'content' \
+                   AND (c.node = d.node OR c.selector IS NOT NULL)) \
+             FROM config.sections d, jsonb_array_elements(d.items->'files') f \
+             WHERE f->>'path' LIKE '/drill/%'"
+                .into(),
+        ),
+        (
+            "a secret config declares is a version config keeps",
+            "SELECT d.node || ' ' || (s->>'secret') || ' v' || (s->>'version'), \
+                    EXISTS (SELECT 1 FROM config.secret_versions v \
+                            WHERE v.secret = s->>'secret' AND v.version = (s->>'version')::bigint) \
+             FROM config.sections d, jsonb_array_elements(d.items->'secrets') s"
+                .into(),
+        ),
+        (
+            "a certificate connectivity declares is one it issued",
+            "SELECT d.node || ' ' || (c->>'name') || ' ' || (c->>'serial'), \
+                    EXISTS (SELECT 1 FROM connectivity.certificates k \
+                            WHERE k.serial = c->>'serial' AND k.node = d.node) \
+             FROM connectivity.sections d, jsonb_array_elements(d.items->'certificates') c"
+                .into(),
+        ),
+        (
+            "an artifact delivery declares is one it holds",
+            "SELECT d.node || ' ' || (a->>'digest'), \
+                    EXISTS (SELECT 1 FROM delivery.artifacts x WHERE x.digest = a->>'digest') \
+             FROM delivery.sections d, jsonb_array_elements(d.items->'artifacts') a"
+                .into(),
+        ),
+        (
+            "a resource provisioning declares is of one of its grants",
+            "SELECT d.node || ' ' || (r->>'grant'), \
+                    EXISTS (SELECT 1 FROM provisioning.grants g WHERE g.id::text = r->>'grant') \
+             FROM provisioning.sections d, jsonb_array_elements(d.items->'resources') r"
+                .into(),
+        ),
+        (
+            "a delivery receipt is of a run delivery has",
+            "SELECT x.id::text, EXISTS (SELECT 1 FROM delivery.runs r WHERE r.id = x.run) \
+             FROM delivery.receipts x"
+                .into(),
+        ),
+        (
+            "a node config knows is a node of inventory",
+            format!("SELECT x.node, {node_in_inventory} FROM config.nodes x"),
+        ),
+        (
+            "a node config sealed a secret to is a node of inventory",
+            format!("SELECT x.node || ' ' || x.path, {node_in_inventory} FROM config.sealed x"),
+        ),
+        (
+            "a node connectivity knows is a node of inventory",
+            format!("SELECT x.node, {node_in_inventory} FROM connectivity.nodes x"),
+        ),
+        (
+            "a certificate's node is a node of inventory",
+            format!("SELECT x.node || ' ' || x.serial, {node_in_inventory} FROM connectivity.certificates x"),
+        ),
+        (
+            "a node observability knows is a node of inventory",
+            format!("SELECT x.node, {node_in_inventory} FROM observability.nodes x"),
+        ),
+        (
+            "a delivery run's node is a node of inventory",
+            format!("SELECT x.id::text || ' ' || x.node, {node_in_inventory} FROM delivery.runs x"),
+        ),
+        (
+            "a node a provider reported on is a node of inventory",
+            format!("SELECT x.grant_id::text || ' ' || x.node, {node_in_inventory} FROM provisioning.statuses x"),
+        ),
+        (
+            "an assignment's module is a module of inventory",
+            format!("SELECT x.node || ' ' || x.module, {module_in_inventory} FROM inventory.assignments x"),
+        ),
+        (
+            "a module the other contexts place is a module of inventory",
+            format!(
+                "SELECT 'config ' || x.module, {module_in_inventory} FROM config.modules x WHERE NOT x.removed \
+                 UNION ALL SELECT 'connectivity ' || x.module, {module_in_inventory} FROM connectivity.modules x WHERE NOT x.removed \
+                 UNION ALL SELECT 'provisioning ' || x.module, {module_in_inventory} FROM provisioning.modules x WHERE NOT x.removed \
+                 UNION ALL SELECT 'observability ' || x.module, {module_in_inventory} FROM observability.modules x WHERE NOT x.removed \
+                 UNION ALL SELECT 'delivery ' || x.module, {module_in_inventory} FROM delivery.modules x"
+            ),
+        ),
+        (
+            "a rollout's module is a module of inventory",
+            format!("SELECT x.id::text || ' ' || x.module, {module_in_inventory} FROM delivery.rollouts x"),
+        ),
+        (
+            "a live resource grant's consumer and provider are modules of inventory",
+            "SELECT x.id::text || ' ' || x.consumer || ' <- ' || COALESCE(x.provider, '-'), \
+                    EXISTS (SELECT 1 FROM inventory.modules m WHERE m.name = x.consumer) \
+                    AND (x.provider IS NULL OR EXISTS (SELECT 1 FROM inventory.modules m WHERE m.name = x.provider)) \
+             FROM provisioning.grants x WHERE x.revoked_at IS NULL"
+                .into(),
+        ),
+    ];
+    checks.extend(more.into_iter().map(|(what, sql)| (what.to_owned(), sql)));
+    checks
+}
+
+/// Run [`reference_checks`] against the database at `url`: how many
+/// references each check found (all present), or every one missing.
+async fn references_whole(url: &str) -> anyhow::Result<Vec<(String, usize)>> {
+    let pool = sqlx::PgPool::connect(url).await?;
+    let mut counted = Vec::new();
+    let mut missing = Vec::new();
+    for (what, sql) in reference_checks() {
+        let rows: Vec<(String, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(sql.as_str()))
+            .fetch_all(&pool)
+            .await
+            .map_err(|e| anyhow::anyhow!("{what}: {e}\n{sql}"))?;
+        missing.extend(
+            rows.iter()
+                .filter(|(_, present)| !present)
+                .map(|(r, _)| format!("{what}: not so for {r}")),
+        );
+        counted.push((what, rows.len()));
+    }
+    pool.close().await;
+    anyhow::ensure!(
+        missing.is_empty(),
+        "the restored copy refers to what it lacks:\n{}",
+        missing.join("\n")
+    );
+    Ok(counted)
 }
 
 /// Every audit entry, as listed.
@@ -543,6 +756,9 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     ]))?;
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("refusing to restore over mesh data"), "{err}");
+    // The restored copy refers to nothing it lacks.
+    let counted = references_whole(&cluster.superuser_url(&mesh.env.names().database)).await?;
+    eprintln!("{}", summary(&counted));
 
     // The agents are back on the broker (their users' hashes were restored)
     // before the controller starts: it judges no node in its first grace.
@@ -827,6 +1043,18 @@ async fn a_backup_taken_under_load_restores_to_one_moment() -> anyhow::Result<()
         checked > 0,
         "no section declared a drill file: {sections:?}"
     );
+    // References across the contexts, in the restored copy.
+    let counted = references_whole(&cluster.superuser_url(&mesh.env.names().database)).await?;
+    let applied: usize = counted
+        .iter()
+        .filter(|(what, _)| what.contains("as applied"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        applied > 0,
+        "inventory recorded no applied generation: {counted:?}"
+    );
+    eprintln!("{}", summary(&counted));
     eprintln!(
         "consistent backup: {} files in the table, {checked} declared by {} sections, all equal",
         files.len(),
