@@ -4,11 +4,13 @@
 //! (vhost, node users, the controller's users) deleted; `mesh-bundle restore`
 //! puts it into a fresh PostgreSQL cluster of this test's own (initdb, another
 //! port) and back onto the broker; the controller starts there. Every node,
-//! module, file, secret, certificate and audit entry is back, the secret still
-//! opens, no unit restarted, no node was judged unreachable, and a file
-//! declared afterwards reaches both nodes. The restored copy refers to
-//! nothing it lacks (references across the contexts' schemas, read as the
-//! superuser). Each step's time is printed.
+//! module, file, secret, certificate, secret grant, resource grant (a
+//! database module `pg` provides from a server of its own to module
+//! `ledger`) and audit entry is back, the secret still opens, the grant's
+//! credential is unchanged, no unit restarted, no node was judged
+//! unreachable, and a file declared afterwards reaches both nodes. The
+//! restored copy refers to nothing it lacks (references across the contexts'
+//! schemas, read as the superuser). Each step's time is printed.
 //!
 //! A second test backs up while files keep being declared and heartbeats
 //! stream: the restored database is one moment (every file a config section
@@ -178,6 +180,7 @@ async fn listing(mesh: &Mesh, path: &str, key: &str) -> anyhow::Result<Vec<Value
 
 /// What must come back, by name, with the fields that do not move.
 async fn inventory_of(mesh: &Mesh) -> anyhow::Result<Value> {
+    let (secret_grants, grants) = grants_of(mesh).await?;
     let pick = |v: &[Value], fields: &[&str]| -> Vec<Value> {
         let mut out: Vec<Value> = v
             .iter()
@@ -202,6 +205,17 @@ async fn inventory_of(mesh: &Mesh) -> anyhow::Result<Value> {
             &listing(mesh, "/v1/certificates", "certificates").await?,
             &["node", "name", "serial", "subject", "not_after"],
         ),
+        "secret_grants": pick(
+            &secret_grants,
+            &["module", "secret", "file", "path", "revision", "created_at", "created_by"],
+        ),
+        // What each provider node last reported, without when it said so
+        // (agents state their resources again on connect).
+        "grants": pick(&grants, &[
+            "id", "consumer", "requirement", "kind", "provider", "resource", "user", "options",
+            "delete", "state", "reason", "credential_version", "credential_file",
+            "consumer_nodes", "provider_nodes", "created_at", "revoked_at",
+        ]),
     }))
 }
 
@@ -218,6 +232,32 @@ fn summary(counted: &[(String, usize)]) -> String {
         counted.len(),
         found.join("; ")
     )
+}
+
+/// Every secret's grants (`GET /v1/secrets/{name}`) and every resource grant
+/// (`GET /v1/grants`), each provider node's report without its time.
+async fn grants_of(mesh: &Mesh) -> anyhow::Result<(Vec<Value>, Vec<Value>)> {
+    let mut secret_grants = Vec::new();
+    for s in listing(mesh, "/v1/secrets", "secrets").await? {
+        let name = s["name"].as_str().unwrap_or_default();
+        let (status, body) = mesh.get(&format!("/v1/secrets/{name}")).await?;
+        anyhow::ensure!(status == 200, "GET /v1/secrets/{name}: {status} {body}");
+        secret_grants.extend(body["grants"].as_array().cloned().unwrap_or_default());
+    }
+    let (status, body) = mesh.get("/v1/grants?limit=500").await?;
+    anyhow::ensure!(status == 200, "GET /v1/grants: {status} {body}");
+    anyhow::ensure!(body["next"].is_null(), "more than a page of grants");
+    let mut grants = body["grants"].as_array().cloned().unwrap_or_default();
+    for g in &mut grants {
+        if let Some(nodes) = g["provider_nodes"].as_array_mut() {
+            for n in nodes {
+                if let Some(n) = n.as_object_mut() {
+                    n.remove("reported_at");
+                }
+            }
+        }
+    }
+    Ok((secret_grants, grants))
 }
 
 /// References across the contexts' schemas that one moment keeps whole,
@@ -557,6 +597,34 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     .await?;
     put(&mesh, "/v1/secrets/db-pw", json!({"value": PLAIN})).await?;
     put(&mesh, "/v1/modules/app/grants/db-pw", json!({})).await?;
+    // A resource grant: module `ledger` on a requires a database, which
+    // module `pg` on b provides from a PostgreSQL server of its own (another
+    // throwaway cluster: a server the mesh does not own, not lost with the
+    // controller's host).
+    let provider = Cluster::start()?;
+    put(
+        &mesh,
+        "/v1/modules/pg",
+        json!({
+            "unit": {"command": "sleep", "args": [format!("{unique}2")]},
+            "placement": {"exact_node": {"node": b}},
+            "provides": [{
+                "kind": "postgres.database", "host": "127.0.0.1", "port": provider.port,
+                "admin": {"server": "postgres", "socket_dir": s(provider.dir.path())},
+            }],
+        }),
+    )
+    .await?;
+    put(
+        &mesh,
+        "/v1/modules/ledger",
+        json!({
+            "unit": {"command": "sleep", "args": [format!("{unique}3")]},
+            "placement": {"exact_node": {"node": a}},
+            "requires": [{"kind": "postgres.database", "name": "db"}],
+        }),
+    )
+    .await?;
     let secret_file = mesh.agent(&a).file("/modules/app/secrets/db-pw");
     let motd = [
         mesh.agent(&a).file("/etc/motd"),
@@ -595,7 +663,66 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     .await?;
     // A revision rolled out to b: a run and its receipts.
     let (web_pid, run, receipts) = rolled_out(&mesh, &b).await?;
+    // The grant is ready: the database made on the provider's server, the
+    // credential written on a.
+    let credential = mesh.agent(&a).file("/modules/ledger/secrets/grant-db.env");
+    wait_for(
+        "ledger's database grant ready, its credential on a",
+        WITHIN,
+        || async {
+            let (_, grants) = grants_of(&mesh).await?;
+            let ready = grants.iter().any(|g| {
+                g["consumer"] == "ledger" && g["state"] == "ready" && g["credential_version"] == 1
+            });
+            let file = std::fs::read_to_string(&credential).unwrap_or_default();
+            Ok((ready && file.contains("MESH_CREDENTIAL_VERSION=1")).then_some(()))
+        },
+    )
+    .await?;
+    let credential_before = std::fs::read_to_string(&credential)?;
+    // Every node and module has its certificate (an agent asks for one per
+    // module it runs) before the inventory is taken: none is issued later.
+    wait_for(
+        "a certificate for each node and each module on it",
+        WITHIN,
+        || async {
+            let have: BTreeSet<(String, String)> =
+                listing(&mesh, "/v1/certificates", "certificates")
+                    .await?
+                    .iter()
+                    .map(|c| {
+                        (
+                            c["node"].as_str().unwrap_or_default().to_owned(),
+                            c["name"].as_str().unwrap_or_default().to_owned(),
+                        )
+                    })
+                    .collect();
+            let want = [
+                (&a, "node"),
+                (&a, "app"),
+                (&a, "ledger"),
+                (&b, "node"),
+                (&b, "web"),
+                (&b, "pg"),
+            ];
+            let missing: Vec<String> = want
+                .iter()
+                .filter(|(n, name)| !have.contains(&((*n).clone(), (*name).to_owned())))
+                .map(|(n, name)| format!("{n}/{name}"))
+                .collect();
+            anyhow::ensure!(missing.is_empty(), "no certificate yet for {missing:?}");
+            Ok(Some(()))
+        },
+    )
+    .await?;
     let before = inventory_of(&mesh).await?;
+    anyhow::ensure!(
+        before["secret_grants"]
+            .as_array()
+            .is_some_and(|g| !g.is_empty())
+            && before["grants"].as_array().is_some_and(|g| !g.is_empty()),
+        "no grant to restore: {before}"
+    );
     let audit_before = audit(&mesh).await?;
     assert!(!audit_before.is_empty(), "no audit entry to restore");
     let unit_dir = mesh.dir.path().join("drill");
@@ -904,8 +1031,21 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
         t_converged.as_secs_f64(),
         (t_backup + t_cluster + t_restore + t_converged).as_secs_f64()
     );
+    // The resource grant is still the one of before (no new credential) and
+    // its credential on a is unchanged.
+    assert_eq!(
+        inventory_of(&mesh).await?["grants"],
+        before["grants"],
+        "resource grants after convergence"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&credential)?,
+        credential_before,
+        "ledger's credential on a"
+    );
     mesh.kill_controller();
     drop(cluster);
+    drop(provider);
     mesh.teardown().await
 }
 
