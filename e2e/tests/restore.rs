@@ -8,9 +8,11 @@
 //! database module `pg` provides from a server of its own to module
 //! `ledger`) and audit entry is back, the secret still opens, the grant's
 //! credential is unchanged, no unit restarted, no node was judged
-//! unreachable, and a file declared afterwards reaches both nodes. The
-//! restored copy refers to nothing it lacks (references across the contexts'
-//! schemas, read as the superuser). Each step's time is printed.
+//! unreachable, a file declared afterwards reaches both nodes, and a node
+//! that asks again for its certificate gets a new one from the restored CA
+//! and installs it. The restored copy refers to nothing it lacks (references
+//! across the contexts' schemas, read as the superuser). Each step's time is
+//! printed.
 //!
 //! A second test backs up while files keep being declared and heartbeats
 //! stream: the restored database is one moment (every file a config section
@@ -32,6 +34,11 @@ use serde_json::{Value, json};
 
 const WITHIN: Duration = Duration::from_secs(60);
 const PLAIN: &str = "dr1ll-secret-value-never-in-clear";
+/// The drill's certificate lifetime.
+const CERT_LIFETIME_SECS: i64 = 300;
+/// connectivity's floor between two certificates of one node and name: a
+/// tenth of the lifetime when shorter than a minute (certs.rs, MIN_REISSUE).
+const REISSUE_FLOOR_SECS: i64 = CERT_LIFETIME_SECS / 10;
 
 /// A throwaway PostgreSQL cluster (initdb, pg_ctl, as user postgres, in a
 /// temporary directory, on a free port): the "new host"'s database server.
@@ -565,8 +572,11 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     let registry = mesh_testkit::registry_url()?;
     let toml_path = mesh.dir.path().join("controller.toml");
     let mut toml = std::fs::read_to_string(&toml_path)?;
+    // Certificates of five minutes: a node and name may get a new one 30 s
+    // after the last (a tenth of the lifetime) instead of a minute, and the
+    // agents' own renewals (from two thirds) fall well after the drill.
     toml.push_str(&format!(
-        "registry_url = {registry:?}\nrollout_tick_ms = 200\n"
+        "registry_url = {registry:?}\nrollout_tick_ms = 200\ncertificate_lifetime_secs = {CERT_LIFETIME_SECS}\n"
     ));
     std::fs::write(&toml_path, toml)?;
     mesh.start_controller(&[]).await?;
@@ -1042,6 +1052,121 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
         std::fs::read_to_string(&credential)?,
         credential_before,
         "ledger's credential on a"
+    );
+
+    // Renewal from the restored CA: node a asks again for its node
+    // certificate, once connectivity's floor since its last one has passed.
+    // The CSR is for a's own key (the agent's, so that it installs what comes
+    // back) and names both of a's names, so it is not the request already
+    // answered (a request like the agent's is answered with the certificate
+    // it got, while that is young).
+    let t = Instant::now();
+    let old: BTreeSet<String> = before["certificates"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter(|c| c["node"] == a.as_str() && c["name"] == "node")
+        .filter_map(|c| c["serial"].as_str().map(str::to_owned))
+        .collect();
+    anyhow::ensure!(
+        !old.is_empty(),
+        "a had no node certificate before the backup"
+    );
+    wait_for(
+        "the reissue floor since a's last node certificate",
+        2 * WITHIN,
+        || async {
+            let newest = listing(&mesh, "/v1/certificates", "certificates")
+                .await?
+                .iter()
+                .filter(|c| c["node"] == a.as_str() && c["name"] == "node")
+                .filter_map(|c| {
+                    c["issued_at"]
+                        .as_str()?
+                        .parse::<chrono::DateTime<chrono::Utc>>()
+                        .ok()
+                })
+                .max()
+                .ok_or_else(|| anyhow::anyhow!("no node certificate of a"))?;
+            let since = chrono::Utc::now() - newest;
+            Ok((since > chrono::TimeDelta::seconds(REISSUE_FLOOR_SECS + 1)).then_some(()))
+        },
+    )
+    .await?;
+    let t_floor = t.elapsed();
+    let t = Instant::now();
+    let (status, overlay) = mesh.get("/v1/overlay").await?;
+    anyhow::ensure!(status == 200, "GET /v1/overlay: {status} {overlay}");
+    let domain = overlay["domain"]
+        .as_str()
+        .ok_or_else(|| anyhow::anyhow!("no domain in {overlay}"))?;
+    let a_key = std::fs::read_to_string(mesh.agent(&a).state_dir.join("certs/node.key"))?;
+    let csr = mesh_credentials::pki::csr(&a_key, &a, &[a.clone(), format!("{a}.{domain}")])?;
+    let sim = SimNode::connect(mesh.agent(&a).creds.clone()).await?;
+    let report = Envelope::new(
+        sim.node().clone(),
+        2_000_000,
+        Report::Certificates(Certificates {
+            requests: vec![CertificateRequest {
+                name: "node".into(),
+                csr,
+            }],
+            held: vec![],
+        }),
+    );
+    confirmed(vec![sim.send(&report).await?]).await?;
+    sim.close().await;
+    // A new serial, and a holds it: its agent checked it against the CA it
+    // was declared with and installed it.
+    let installed = mesh.agent(&a).file("/etc/mesh/tls/node.pem");
+    let renewed = wait_for(
+        "a's renewed node certificate, held by a",
+        WITHIN,
+        || async {
+            let certs = listing(&mesh, "/v1/certificates", "certificates").await?;
+            let new = certs.iter().find(|c| {
+                c["node"] == a.as_str()
+                    && c["name"] == "node"
+                    && c["serial"].as_str().is_some_and(|s| !old.contains(s))
+            });
+            let Some(new) = new else {
+                let (_, body) = mesh.get("/v1/certificates").await?;
+                anyhow::bail!("no new certificate; requests: {}", body["requests"]);
+            };
+            Ok((new["held"]["serial"] == new["serial"])
+                .then(|| new["serial"].as_str().unwrap_or_default().to_owned()))
+        },
+    )
+    .await?;
+    let t_renewed = t.elapsed();
+    let pem = std::fs::read_to_string(&installed)?;
+    let info = mesh_credentials::pki::CertInfo::parse(&pem)?;
+    assert_eq!(info.serial, renewed, "the certificate a installed");
+    mesh_credentials::pki::verify_chain(&pem, &ca_pem).map_err(|e| {
+        anyhow::anyhow!("a's renewed certificate does not chain to the restored CA: {e}")
+    })?;
+    let pool = sqlx::PgPool::connect(&url).await?;
+    let stored: String =
+        sqlx::query_scalar("SELECT certificate FROM connectivity.certificates WHERE serial = $1")
+            .bind(&renewed)
+            .fetch_one(&pool)
+            .await?;
+    pool.close().await;
+    mesh_credentials::pki::verify_chain(&stored, &ca_pem).map_err(|e| {
+        anyhow::anyhow!("the stored renewed certificate does not chain to the restored CA: {e}")
+    })?;
+    // The certificates of before are still valid and unrevoked.
+    for c in listing(&mesh, "/v1/certificates", "certificates").await? {
+        if c["serial"].as_str().is_some_and(|s| old.contains(s)) {
+            assert!(c["revoked_at"].is_null(), "renewal revoked {c}");
+        }
+    }
+    eprintln!(
+        "renewal from the restored CA: {:.1} s waiting out the reissue floor, then serial {renewed} \
+         held by {a} {:.1} s after asking",
+        t_floor.as_secs_f64(),
+        t_renewed.as_secs_f64()
     );
     mesh.kill_controller();
     drop(cluster);
