@@ -4,13 +4,21 @@
 //! (vhost, node users, the controller's users) deleted; `mesh-bundle restore`
 //! puts it into a fresh PostgreSQL cluster of this test's own (initdb, another
 //! port) and back onto the broker; the controller starts there. Every node,
-//! module, file, secret, certificate and audit entry is back, the secret still
-//! opens, no unit restarted, no node was judged unreachable, and a file
-//! declared afterwards reaches both nodes. Each step's time is printed.
+//! module, file, secret, certificate, secret grant, resource grant (a
+//! database module `pg` provides from a server of its own to module
+//! `ledger`) and audit entry is back, the secret still opens, the grant's
+//! credential is unchanged, no unit restarted, no node was judged
+//! unreachable, a file declared afterwards reaches both nodes, and a node
+//! that asks again for its certificate gets a new one from the restored CA
+//! and installs it. The restored copy refers to nothing it lacks (references
+//! across the contexts' schemas, read as the superuser). Each step's time is
+//! printed.
 //!
 //! A second test backs up while files keep being declared and heartbeats
 //! stream: the restored database is one moment (every file a config section
-//! declares is in the files table with that content).
+//! declares is in the files table with that content, no generation is
+//! recorded as applied that was not declared, and every other reference
+//! across the contexts holds).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -26,6 +34,11 @@ use serde_json::{Value, json};
 
 const WITHIN: Duration = Duration::from_secs(60);
 const PLAIN: &str = "dr1ll-secret-value-never-in-clear";
+/// The drill's certificate lifetime.
+const CERT_LIFETIME_SECS: i64 = 300;
+/// connectivity's floor between two certificates of one node and name: a
+/// tenth of the lifetime when shorter than a minute (certs.rs, MIN_REISSUE).
+const REISSUE_FLOOR_SECS: i64 = CERT_LIFETIME_SECS / 10;
 
 /// A throwaway PostgreSQL cluster (initdb, pg_ctl, as user postgres, in a
 /// temporary directory, on a free port): the "new host"'s database server.
@@ -105,6 +118,11 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// The cluster's superuser on `database`: reads every schema.
+    fn superuser_url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
     /// This host's administrator: the cluster's superuser, the same broker.
     fn admin(&self, broker: &AdminCredentials) -> AdminCredentials {
         let mut a = broker.clone();
@@ -169,6 +187,7 @@ async fn listing(mesh: &Mesh, path: &str, key: &str) -> anyhow::Result<Vec<Value
 
 /// What must come back, by name, with the fields that do not move.
 async fn inventory_of(mesh: &Mesh) -> anyhow::Result<Value> {
+    let (secret_grants, grants) = grants_of(mesh).await?;
     let pick = |v: &[Value], fields: &[&str]| -> Vec<Value> {
         let mut out: Vec<Value> = v
             .iter()
@@ -193,7 +212,248 @@ async fn inventory_of(mesh: &Mesh) -> anyhow::Result<Value> {
             &listing(mesh, "/v1/certificates", "certificates").await?,
             &["node", "name", "serial", "subject", "not_after"],
         ),
+        "secret_grants": pick(
+            &secret_grants,
+            &["module", "secret", "file", "path", "revision", "created_at", "created_by"],
+        ),
+        // What each provider node last reported, without when it said so
+        // (agents state their resources again on connect).
+        "grants": pick(&grants, &[
+            "id", "consumer", "requirement", "kind", "provider", "resource", "user", "options",
+            "delete", "state", "reason", "credential_version", "credential_file",
+            "consumer_nodes", "provider_nodes", "created_at", "revoked_at",
+        ]),
     }))
+}
+
+/// What [`references_whole`] found, the checks that found nothing left out.
+fn summary(counted: &[(String, usize)]) -> String {
+    let total: usize = counted.iter().map(|(_, n)| n).sum();
+    let found: Vec<String> = counted
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(what, n)| format!("{n} × {what}"))
+        .collect();
+    format!(
+        "restored copy: {total} references over {} checks, all present: {}",
+        counted.len(),
+        found.join("; ")
+    )
+}
+
+/// Every secret's grants (`GET /v1/secrets/{name}`) and every resource grant
+/// (`GET /v1/grants`), each provider node's report without its time.
+async fn grants_of(mesh: &Mesh) -> anyhow::Result<(Vec<Value>, Vec<Value>)> {
+    let mut secret_grants = Vec::new();
+    for s in listing(mesh, "/v1/secrets", "secrets").await? {
+        let name = s["name"].as_str().unwrap_or_default();
+        let (status, body) = mesh.get(&format!("/v1/secrets/{name}")).await?;
+        anyhow::ensure!(status == 200, "GET /v1/secrets/{name}: {status} {body}");
+        secret_grants.extend(body["grants"].as_array().cloned().unwrap_or_default());
+    }
+    let (status, body) = mesh.get("/v1/grants?limit=500").await?;
+    anyhow::ensure!(status == 200, "GET /v1/grants: {status} {body}");
+    anyhow::ensure!(body["next"].is_null(), "more than a page of grants");
+    let mut grants = body["grants"].as_array().cloned().unwrap_or_default();
+    for g in &mut grants {
+        if let Some(nodes) = g["provider_nodes"].as_array_mut() {
+            for n in nodes {
+                if let Some(n) = n.as_object_mut() {
+                    n.remove("reported_at");
+                }
+            }
+        }
+    }
+    Ok((secret_grants, grants))
+}
+
+/// References across the contexts' schemas that one moment keeps whole,
+/// read in the restored database as its superuser (contexts never read each
+/// other's tables; a test may). These tests add every node and module before
+/// anything names them and delete none, so in any one moment each name below
+/// is known where it is owned. Each check gives (reference, present).
+fn reference_checks() -> Vec<(String, String)> {
+    const SECTIONS: [&str; 5] = [
+        "inventory",
+        "config",
+        "connectivity",
+        "delivery",
+        "provisioning",
+    ];
+    let node_in_inventory = "EXISTS (SELECT 1 FROM inventory.nodes n WHERE n.id = x.node)";
+    let module_in_inventory = "EXISTS (SELECT 1 FROM inventory.modules m WHERE m.name = x.module)";
+    let mut checks = Vec::new();
+    for s in SECTIONS {
+        checks.push((
+            format!("a node {s} declares to is a node of inventory"),
+            format!("SELECT x.node, {node_in_inventory} FROM {s}.sections x"),
+        ));
+        // An agent cannot have applied a generation not yet declared.
+        checks.push((
+            format!("the {s} generation inventory records as applied was declared by {s}"),
+            format!(
+                "SELECT x.node || ' applied ' || x.generation || ' of ' || COALESCE(d.generation, 0), \
+                        x.generation <= COALESCE(d.generation, 0) \
+                 FROM inventory.applied x LEFT JOIN {s}.sections d ON d.node = x.node \
+                 WHERE x.section = '{s}'"
+            ),
+        ));
+        // Units declared by any section: their module, revision, artifact.
+        let units = format!("FROM {s}.sections d, jsonb_array_elements(d.items->'units') u");
+        checks.push((
+            format!("a unit {s} declares is of a module of inventory"),
+            format!(
+                "SELECT d.node || ' ' || (u->>'module'), \
+                        EXISTS (SELECT 1 FROM inventory.modules m WHERE m.name = u->>'module') {units}"
+            ),
+        ));
+        checks.push((
+            format!("a unit {s} declares names a revision of delivery"),
+            format!(
+                "SELECT d.node || ' ' || (u->>'revision'), \
+                        EXISTS (SELECT 1 FROM delivery.revisions r WHERE r.id::text = u->>'revision') \
+                 {units} WHERE u->>'revision' IS NOT NULL"
+            ),
+        ));
+        checks.push((
+            format!("a unit {s} declares names an artifact of delivery"),
+            format!(
+                "SELECT d.node || ' ' || (u->>'artifact'), \
+                        EXISTS (SELECT 1 FROM delivery.artifacts a WHERE a.digest = u->>'artifact') \
+                 {units} WHERE u->>'artifact' IS NOT NULL"
+            ),
+        ));
+    }
+    let more: [(&str, String); 17] = [
+        (
+            "a file config declares is in config.files with that content",
+            "SELECT d.node || ' ' || (f->>'path'), EXISTS (SELECT 1 FROM config.files c \
+                 WHERE c.path = f->>'path' AND c.content = f->>'content' \
+                   AND (c.node = d.node OR c.selector IS NOT NULL)) \
+             FROM config.sections d, jsonb_array_elements(d.items->'files') f \
+             WHERE f->>'path' LIKE '/drill/%'"
+                .into(),
+        ),
+        (
+            "a secret config declares is a version config keeps",
+            "SELECT d.node || ' ' || (s->>'secret') || ' v' || (s->>'version'), \
+                    EXISTS (SELECT 1 FROM config.secret_versions v \
+                            WHERE v.secret = s->>'secret' AND v.version = (s->>'version')::bigint) \
+             FROM config.sections d, jsonb_array_elements(d.items->'secrets') s"
+                .into(),
+        ),
+        (
+            "a certificate connectivity declares is one it issued",
+            "SELECT d.node || ' ' || (c->>'name') || ' ' || (c->>'serial'), \
+                    EXISTS (SELECT 1 FROM connectivity.certificates k \
+                            WHERE k.serial = c->>'serial' AND k.node = d.node) \
+             FROM connectivity.sections d, jsonb_array_elements(d.items->'certificates') c"
+                .into(),
+        ),
+        (
+            "an artifact delivery declares is one it holds",
+            "SELECT d.node || ' ' || (a->>'digest'), \
+                    EXISTS (SELECT 1 FROM delivery.artifacts x WHERE x.digest = a->>'digest') \
+             FROM delivery.sections d, jsonb_array_elements(d.items->'artifacts') a"
+                .into(),
+        ),
+        (
+            "a resource provisioning declares is of one of its grants",
+            "SELECT d.node || ' ' || (r->>'grant'), \
+                    EXISTS (SELECT 1 FROM provisioning.grants g WHERE g.id::text = r->>'grant') \
+             FROM provisioning.sections d, jsonb_array_elements(d.items->'resources') r"
+                .into(),
+        ),
+        (
+            "a delivery receipt is of a run delivery has",
+            "SELECT x.id::text, EXISTS (SELECT 1 FROM delivery.runs r WHERE r.id = x.run) \
+             FROM delivery.receipts x"
+                .into(),
+        ),
+        (
+            "a node config knows is a node of inventory",
+            format!("SELECT x.node, {node_in_inventory} FROM config.nodes x"),
+        ),
+        (
+            "a node config sealed a secret to is a node of inventory",
+            format!("SELECT x.node || ' ' || x.path, {node_in_inventory} FROM config.sealed x"),
+        ),
+        (
+            "a node connectivity knows is a node of inventory",
+            format!("SELECT x.node, {node_in_inventory} FROM connectivity.nodes x"),
+        ),
+        (
+            "a certificate's node is a node of inventory",
+            format!("SELECT x.node || ' ' || x.serial, {node_in_inventory} FROM connectivity.certificates x"),
+        ),
+        (
+            "a node observability knows is a node of inventory",
+            format!("SELECT x.node, {node_in_inventory} FROM observability.nodes x"),
+        ),
+        (
+            "a delivery run's node is a node of inventory",
+            format!("SELECT x.id::text || ' ' || x.node, {node_in_inventory} FROM delivery.runs x"),
+        ),
+        (
+            "a node a provider reported on is a node of inventory",
+            format!("SELECT x.grant_id::text || ' ' || x.node, {node_in_inventory} FROM provisioning.statuses x"),
+        ),
+        (
+            "an assignment's module is a module of inventory",
+            format!("SELECT x.node || ' ' || x.module, {module_in_inventory} FROM inventory.assignments x"),
+        ),
+        (
+            "a module the other contexts place is a module of inventory",
+            format!(
+                "SELECT 'config ' || x.module, {module_in_inventory} FROM config.modules x WHERE NOT x.removed \
+                 UNION ALL SELECT 'connectivity ' || x.module, {module_in_inventory} FROM connectivity.modules x WHERE NOT x.removed \
+                 UNION ALL SELECT 'provisioning ' || x.module, {module_in_inventory} FROM provisioning.modules x WHERE NOT x.removed \
+                 UNION ALL SELECT 'observability ' || x.module, {module_in_inventory} FROM observability.modules x WHERE NOT x.removed \
+                 UNION ALL SELECT 'delivery ' || x.module, {module_in_inventory} FROM delivery.modules x"
+            ),
+        ),
+        (
+            "a rollout's module is a module of inventory",
+            format!("SELECT x.id::text || ' ' || x.module, {module_in_inventory} FROM delivery.rollouts x"),
+        ),
+        (
+            "a live resource grant's consumer and provider are modules of inventory",
+            "SELECT x.id::text || ' ' || x.consumer || ' <- ' || COALESCE(x.provider, '-'), \
+                    EXISTS (SELECT 1 FROM inventory.modules m WHERE m.name = x.consumer) \
+                    AND (x.provider IS NULL OR EXISTS (SELECT 1 FROM inventory.modules m WHERE m.name = x.provider)) \
+             FROM provisioning.grants x WHERE x.revoked_at IS NULL"
+                .into(),
+        ),
+    ];
+    checks.extend(more.into_iter().map(|(what, sql)| (what.to_owned(), sql)));
+    checks
+}
+
+/// Run [`reference_checks`] against the database at `url`: how many
+/// references each check found (all present), or every one missing.
+async fn references_whole(url: &str) -> anyhow::Result<Vec<(String, usize)>> {
+    let pool = sqlx::PgPool::connect(url).await?;
+    let mut counted = Vec::new();
+    let mut missing = Vec::new();
+    for (what, sql) in reference_checks() {
+        let rows: Vec<(String, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(sql.as_str()))
+            .fetch_all(&pool)
+            .await
+            .map_err(|e| anyhow::anyhow!("{what}: {e}\n{sql}"))?;
+        missing.extend(
+            rows.iter()
+                .filter(|(_, present)| !present)
+                .map(|(r, _)| format!("{what}: not so for {r}")),
+        );
+        counted.push((what, rows.len()));
+    }
+    pool.close().await;
+    anyhow::ensure!(
+        missing.is_empty(),
+        "the restored copy refers to what it lacks:\n{}",
+        missing.join("\n")
+    );
+    Ok(counted)
 }
 
 /// Every audit entry, as listed.
@@ -312,8 +572,11 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     let registry = mesh_testkit::registry_url()?;
     let toml_path = mesh.dir.path().join("controller.toml");
     let mut toml = std::fs::read_to_string(&toml_path)?;
+    // Certificates of five minutes: a node and name may get a new one 30 s
+    // after the last (a tenth of the lifetime) instead of a minute, and the
+    // agents' own renewals (from two thirds) fall well after the drill.
     toml.push_str(&format!(
-        "registry_url = {registry:?}\nrollout_tick_ms = 200\n"
+        "registry_url = {registry:?}\nrollout_tick_ms = 200\ncertificate_lifetime_secs = {CERT_LIFETIME_SECS}\n"
     ));
     std::fs::write(&toml_path, toml)?;
     mesh.start_controller(&[]).await?;
@@ -344,6 +607,34 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     .await?;
     put(&mesh, "/v1/secrets/db-pw", json!({"value": PLAIN})).await?;
     put(&mesh, "/v1/modules/app/grants/db-pw", json!({})).await?;
+    // A resource grant: module `ledger` on a requires a database, which
+    // module `pg` on b provides from a PostgreSQL server of its own (another
+    // throwaway cluster: a server the mesh does not own, not lost with the
+    // controller's host).
+    let provider = Cluster::start()?;
+    put(
+        &mesh,
+        "/v1/modules/pg",
+        json!({
+            "unit": {"command": "sleep", "args": [format!("{unique}2")]},
+            "placement": {"exact_node": {"node": b}},
+            "provides": [{
+                "kind": "postgres.database", "host": "127.0.0.1", "port": provider.port,
+                "admin": {"server": "postgres", "socket_dir": s(provider.dir.path())},
+            }],
+        }),
+    )
+    .await?;
+    put(
+        &mesh,
+        "/v1/modules/ledger",
+        json!({
+            "unit": {"command": "sleep", "args": [format!("{unique}3")]},
+            "placement": {"exact_node": {"node": a}},
+            "requires": [{"kind": "postgres.database", "name": "db"}],
+        }),
+    )
+    .await?;
     let secret_file = mesh.agent(&a).file("/modules/app/secrets/db-pw");
     let motd = [
         mesh.agent(&a).file("/etc/motd"),
@@ -382,7 +673,66 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     .await?;
     // A revision rolled out to b: a run and its receipts.
     let (web_pid, run, receipts) = rolled_out(&mesh, &b).await?;
+    // The grant is ready: the database made on the provider's server, the
+    // credential written on a.
+    let credential = mesh.agent(&a).file("/modules/ledger/secrets/grant-db.env");
+    wait_for(
+        "ledger's database grant ready, its credential on a",
+        WITHIN,
+        || async {
+            let (_, grants) = grants_of(&mesh).await?;
+            let ready = grants.iter().any(|g| {
+                g["consumer"] == "ledger" && g["state"] == "ready" && g["credential_version"] == 1
+            });
+            let file = std::fs::read_to_string(&credential).unwrap_or_default();
+            Ok((ready && file.contains("MESH_CREDENTIAL_VERSION=1")).then_some(()))
+        },
+    )
+    .await?;
+    let credential_before = std::fs::read_to_string(&credential)?;
+    // Every node and module has its certificate (an agent asks for one per
+    // module it runs) before the inventory is taken: none is issued later.
+    wait_for(
+        "a certificate for each node and each module on it",
+        WITHIN,
+        || async {
+            let have: BTreeSet<(String, String)> =
+                listing(&mesh, "/v1/certificates", "certificates")
+                    .await?
+                    .iter()
+                    .map(|c| {
+                        (
+                            c["node"].as_str().unwrap_or_default().to_owned(),
+                            c["name"].as_str().unwrap_or_default().to_owned(),
+                        )
+                    })
+                    .collect();
+            let want = [
+                (&a, "node"),
+                (&a, "app"),
+                (&a, "ledger"),
+                (&b, "node"),
+                (&b, "web"),
+                (&b, "pg"),
+            ];
+            let missing: Vec<String> = want
+                .iter()
+                .filter(|(n, name)| !have.contains(&((*n).clone(), (*name).to_owned())))
+                .map(|(n, name)| format!("{n}/{name}"))
+                .collect();
+            anyhow::ensure!(missing.is_empty(), "no certificate yet for {missing:?}");
+            Ok(Some(()))
+        },
+    )
+    .await?;
     let before = inventory_of(&mesh).await?;
+    anyhow::ensure!(
+        before["secret_grants"]
+            .as_array()
+            .is_some_and(|g| !g.is_empty())
+            && before["grants"].as_array().is_some_and(|g| !g.is_empty()),
+        "no grant to restore: {before}"
+    );
     let audit_before = audit(&mesh).await?;
     assert!(!audit_before.is_empty(), "no audit entry to restore");
     let unit_dir = mesh.dir.path().join("drill");
@@ -543,6 +893,9 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     ]))?;
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("refusing to restore over mesh data"), "{err}");
+    // The restored copy refers to nothing it lacks.
+    let counted = references_whole(&cluster.superuser_url(&mesh.env.names().database)).await?;
+    eprintln!("{}", summary(&counted));
 
     // The agents are back on the broker (their users' hashes were restored)
     // before the controller starts: it judges no node in its first grace.
@@ -688,8 +1041,136 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
         t_converged.as_secs_f64(),
         (t_backup + t_cluster + t_restore + t_converged).as_secs_f64()
     );
+    // The resource grant is still the one of before (no new credential) and
+    // its credential on a is unchanged.
+    assert_eq!(
+        inventory_of(&mesh).await?["grants"],
+        before["grants"],
+        "resource grants after convergence"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&credential)?,
+        credential_before,
+        "ledger's credential on a"
+    );
+
+    // Renewal from the restored CA: node a asks again for its node
+    // certificate, once connectivity's floor since its last one has passed.
+    // The CSR is for a's own key (the agent's, so that it installs what comes
+    // back) and names both of a's names, so it is not the request already
+    // answered (a request like the agent's is answered with the certificate
+    // it got, while that is young).
+    let t = Instant::now();
+    let old: BTreeSet<String> = before["certificates"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter(|c| c["node"] == a.as_str() && c["name"] == "node")
+        .filter_map(|c| c["serial"].as_str().map(str::to_owned))
+        .collect();
+    anyhow::ensure!(
+        !old.is_empty(),
+        "a had no node certificate before the backup"
+    );
+    wait_for(
+        "the reissue floor since a's last node certificate",
+        2 * WITHIN,
+        || async {
+            let newest = listing(&mesh, "/v1/certificates", "certificates")
+                .await?
+                .iter()
+                .filter(|c| c["node"] == a.as_str() && c["name"] == "node")
+                .filter_map(|c| {
+                    c["issued_at"]
+                        .as_str()?
+                        .parse::<chrono::DateTime<chrono::Utc>>()
+                        .ok()
+                })
+                .max()
+                .ok_or_else(|| anyhow::anyhow!("no node certificate of a"))?;
+            let since = chrono::Utc::now() - newest;
+            Ok((since > chrono::TimeDelta::seconds(REISSUE_FLOOR_SECS + 1)).then_some(()))
+        },
+    )
+    .await?;
+    let t_floor = t.elapsed();
+    let t = Instant::now();
+    let (status, overlay) = mesh.get("/v1/overlay").await?;
+    anyhow::ensure!(status == 200, "GET /v1/overlay: {status} {overlay}");
+    let domain = overlay["domain"]
+        .as_str()
+        .ok_or_else(|| anyhow::anyhow!("no domain in {overlay}"))?;
+    let a_key = std::fs::read_to_string(mesh.agent(&a).state_dir.join("certs/node.key"))?;
+    let csr = mesh_credentials::pki::csr(&a_key, &a, &[a.clone(), format!("{a}.{domain}")])?;
+    let sim = SimNode::connect(mesh.agent(&a).creds.clone()).await?;
+    let report = Envelope::new(
+        sim.node().clone(),
+        2_000_000,
+        Report::Certificates(Certificates {
+            requests: vec![CertificateRequest {
+                name: "node".into(),
+                csr,
+            }],
+            held: vec![],
+        }),
+    );
+    confirmed(vec![sim.send(&report).await?]).await?;
+    sim.close().await;
+    // A new serial, and a holds it: its agent checked it against the CA it
+    // was declared with and installed it.
+    let installed = mesh.agent(&a).file("/etc/mesh/tls/node.pem");
+    let renewed = wait_for(
+        "a's renewed node certificate, held by a",
+        WITHIN,
+        || async {
+            let certs = listing(&mesh, "/v1/certificates", "certificates").await?;
+            let new = certs.iter().find(|c| {
+                c["node"] == a.as_str()
+                    && c["name"] == "node"
+                    && c["serial"].as_str().is_some_and(|s| !old.contains(s))
+            });
+            let Some(new) = new else {
+                let (_, body) = mesh.get("/v1/certificates").await?;
+                anyhow::bail!("no new certificate; requests: {}", body["requests"]);
+            };
+            Ok((new["held"]["serial"] == new["serial"])
+                .then(|| new["serial"].as_str().unwrap_or_default().to_owned()))
+        },
+    )
+    .await?;
+    let t_renewed = t.elapsed();
+    let pem = std::fs::read_to_string(&installed)?;
+    let info = mesh_credentials::pki::CertInfo::parse(&pem)?;
+    assert_eq!(info.serial, renewed, "the certificate a installed");
+    mesh_credentials::pki::verify_chain(&pem, &ca_pem).map_err(|e| {
+        anyhow::anyhow!("a's renewed certificate does not chain to the restored CA: {e}")
+    })?;
+    let pool = sqlx::PgPool::connect(&url).await?;
+    let stored: String =
+        sqlx::query_scalar("SELECT certificate FROM connectivity.certificates WHERE serial = $1")
+            .bind(&renewed)
+            .fetch_one(&pool)
+            .await?;
+    pool.close().await;
+    mesh_credentials::pki::verify_chain(&stored, &ca_pem).map_err(|e| {
+        anyhow::anyhow!("the stored renewed certificate does not chain to the restored CA: {e}")
+    })?;
+    // The certificates of before are still valid and unrevoked.
+    for c in listing(&mesh, "/v1/certificates", "certificates").await? {
+        if c["serial"].as_str().is_some_and(|s| old.contains(s)) {
+            assert!(c["revoked_at"].is_null(), "renewal revoked {c}");
+        }
+    }
+    eprintln!(
+        "renewal from the restored CA: {:.1} s waiting out the reissue floor, then serial {renewed} \
+         held by {a} {:.1} s after asking",
+        t_floor.as_secs_f64(),
+        t_renewed.as_secs_f64()
+    );
     mesh.kill_controller();
     drop(cluster);
+    drop(provider);
     mesh.teardown().await
 }
 
@@ -827,6 +1308,18 @@ async fn a_backup_taken_under_load_restores_to_one_moment() -> anyhow::Result<()
         checked > 0,
         "no section declared a drill file: {sections:?}"
     );
+    // References across the contexts, in the restored copy.
+    let counted = references_whole(&cluster.superuser_url(&mesh.env.names().database)).await?;
+    let applied: usize = counted
+        .iter()
+        .filter(|(what, _)| what.contains("as applied"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        applied > 0,
+        "inventory recorded no applied generation: {counted:?}"
+    );
+    eprintln!("{}", summary(&counted));
     eprintln!(
         "consistent backup: {} files in the table, {checked} declared by {} sections, all equal",
         files.len(),
