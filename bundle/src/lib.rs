@@ -19,6 +19,7 @@ pub mod backup;
 pub mod carry;
 pub mod probe;
 pub mod provision;
+pub mod s3;
 pub mod tls;
 
 /// Every bounded context of the mesh. Each owns the PostgreSQL schema of the same

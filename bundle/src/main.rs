@@ -167,6 +167,12 @@ struct BackupArgs {
     /// Directory of pg_dump (default: PATH).
     #[arg(long)]
     pg_bin: Option<PathBuf>,
+    /// Also keep the archive in an `s3.bucket` granted to a module on this
+    /// node: the grant's credential file
+    /// (`/modules/<module>/secrets/grant-<name>.env`), the object named as
+    /// the archive's file.
+    #[arg(long)]
+    to_bucket: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -221,6 +227,13 @@ async fn backup(args: BackupArgs) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let etc = args.etc.unwrap_or_else(etc_dir);
     let key = backup::RecoveryKey::read(&args.recovery_key)?;
+    // The bucket's grant is read first: a backup that cannot be kept where
+    // it was asked to be is refused before anything is dumped.
+    let bucket = args
+        .to_bucket
+        .as_deref()
+        .map(mesh_bundle::s3::BucketGrant::read)
+        .transpose()?;
     let admin_path = args
         .admin_credentials
         .unwrap_or_else(|| etc.join(AdminCredentials::FILE));
@@ -265,6 +278,26 @@ async fn backup(args: BackupArgs) -> anyhow::Result<()> {
         m.recovery_key_id
     );
     println!("  ok       manifest sha256 {}", done.manifest_sha256);
+    if let Some(bucket) = bucket {
+        let object = args
+            .out
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--out {}: no file name to name the object",
+                    args.out.display()
+                )
+            })?
+            .to_owned();
+        let body = std::fs::read(&args.out)
+            .with_context(|| format!("reading {} back", args.out.display()))?;
+        bucket.put(&object, body).await?;
+        println!(
+            "  changed  s3://{}/{object} at {}: kept in the granted bucket",
+            bucket.bucket, bucket.host
+        );
+    }
     println!(
         "mesh-bundle backup: done in {:.1} s",
         started.elapsed().as_secs_f64()

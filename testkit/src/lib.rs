@@ -20,7 +20,7 @@
 //! `/etc/mesh/admin-credentials.toml` (written by `bundle/up`), else from this
 //! machine's defaults (see [`local_admin_credentials`]).
 
-pub mod s3;
+pub use mesh_bundle::s3;
 
 use std::path::{Path, PathBuf};
 
