@@ -1772,6 +1772,44 @@ pub async fn restore(opened: &Opened, opts: &RestoreOptions) -> Result<Done> {
     }
 
     if opts.broker {
+        // The broker's messages are not in the archive: a record event the
+        // relay had published (sent) but a subscriber had not yet consumed
+        // when the snapshot was taken lived only in the lost broker. Every
+        // record event still kept is published again; a subscriber that had
+        // it drops it (its inbox, kept as long as the outbox), one that had
+        // not handles it now. Declarations need none of this: the sections'
+        // catch-up re-sends what a node lacks.
+        let mut conn = PgConnection::connect(&admin_url)
+            .await
+            .map_err(pg(format!("connecting to {}", names.database)))?;
+        for s in &opened.manifest.schemas {
+            let outbox = format!("{}.outbox", s.name);
+            let has: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(&outbox)
+                .fetch_one(&mut conn)
+                .await
+                .map_err(pg(outbox.clone()))?;
+            if !has {
+                continue;
+            }
+            let sql = format!(
+                "UPDATE {}.outbox SET sent_at = NULL WHERE exchange = $1 AND sent_at IS NOT NULL",
+                s.name
+            );
+            let again = sqlx::query(AssertSqlSafe(sql))
+                .bind(mesh_protocol::topology::RECORD_EXCHANGE)
+                .execute(&mut conn)
+                .await
+                .map_err(pg(format!("{}.outbox", s.name)))?
+                .rows_affected();
+            if again > 0 {
+                done.push(format!(
+                    "changed  schema {}: {again} record event(s) to publish again (the broker's copies were not in the backup)",
+                    s.name
+                ));
+            }
+        }
+        let _ = conn.close().await;
         let defs: Value = serde_json::from_str(&opened.text(FileKind::BrokerDefinitions)?)
             .map_err(|e| content(FileKind::BrokerDefinitions, e))?;
         Rabbit::new(&opts.admin).post("definitions", &defs).await?;

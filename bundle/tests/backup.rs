@@ -18,7 +18,14 @@ async fn a_backup_restores_over_its_source_only_with_force() -> anyhow::Result<(
              name varchar(255), applied_on varchar(255), checksum varchar(255)); \
          INSERT INTO inventory.refinery_schema_history VALUES (1, 'init', 'now', '42'); \
          CREATE TABLE inventory.t (k text PRIMARY KEY, v text NOT NULL); \
-         INSERT INTO inventory.t VALUES ('a', 'before');",
+         INSERT INTO inventory.t VALUES ('a', 'before'); \
+         CREATE TABLE inventory.outbox (id bigserial PRIMARY KEY, message_id uuid NOT NULL UNIQUE, \
+             exchange text NOT NULL, routing_key text NOT NULL, kind text NOT NULL, node text, \
+             payload bytea NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), sent_at timestamptz); \
+         INSERT INTO inventory.outbox (message_id, exchange, routing_key, kind, payload, sent_at) VALUES \
+             (gen_random_uuid(), 'record', 'inventory.node.joined', 'node.joined', '\\x00', now()), \
+             (gen_random_uuid(), 'declarations', 'n1', 'section', '\\x00', now()), \
+             (gen_random_uuid(), 'record', 'inventory.node.left', 'node.left', '\\x00', NULL);",
     )
     .execute(&pool)
     .await?;
@@ -64,7 +71,7 @@ async fn a_backup_restores_over_its_source_only_with_force() -> anyhow::Result<(
     let err = backup::restore(&opened, &opts).await.unwrap_err();
     assert!(matches!(err, BackupError::HoldsData(_)), "{err}");
     assert!(
-        err.to_string().contains("schema inventory has 2 table(s)"),
+        err.to_string().contains("schema inventory has 3 table(s)"),
         "{err}"
     );
     assert!(!opts.etc.exists(), "a refused restore wrote its etc");
@@ -88,9 +95,30 @@ async fn a_backup_restores_over_its_source_only_with_force() -> anyhow::Result<(
     )
     .fetch_one(&pool)
     .await?;
-    pool.close().await;
     assert_eq!(v, "before");
     assert_eq!(owner, env.names().role("inventory"));
+    // The record events the relay had published are to be published again
+    // (the broker's copies were not in the backup); declarations are not
+    // (the sections' catch-up re-sends them).
+    let unsent: Vec<(String, bool)> =
+        sqlx::query_as("SELECT exchange, sent_at IS NULL FROM inventory.outbox ORDER BY id")
+            .fetch_all(&pool)
+            .await?;
+    assert_eq!(
+        unsent,
+        vec![
+            ("record".to_owned(), true),
+            ("declarations".to_owned(), false),
+            ("record".to_owned(), true),
+        ]
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("schema inventory: 1 record event(s) to publish again")),
+        "{lines:?}"
+    );
+    pool.close().await;
     // The broker's vhost is back.
     let rabbit = mesh_bundle::provision::Rabbit::new(env.admin_credentials());
     assert!(rabbit.vhost_exists(env.vhost()).await?);
