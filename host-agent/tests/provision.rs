@@ -747,9 +747,10 @@ async fn rabbitmq_grant_lifecycle() {
     let held = OpenAmqp::open(server.port, "app-a-user", PW_A, "app-a").await;
     let other = OpenAmqp::open(server.port, "app-b-user", PW_B, "app-b").await;
     let ra = amqp_item(&server, &node, "app-a", ResourceState::Revoked);
+    // (The revoked item last, so that the pass returns as its revoke does.)
     let revoked_at = Instant::now();
-    let st2 = p.pass(&[ra.clone(), b.clone()], creds).await;
-    assert_eq!(st2[0].state, ResourceStatusState::Revoked, "{:?}", st2[0]);
+    let st2 = p.pass(&[b.clone(), ra.clone()], creds).await;
+    assert_eq!(st2[1].state, ResourceStatusState::Revoked, "{:?}", st2[1]);
     let pass_took = revoked_at.elapsed();
     let how = held.cut_within(Duration::from_secs(10)).await;
     eprintln!(
