@@ -171,6 +171,75 @@ fn tcp_query_at(
     }
 }
 
+/// A session of `user` over TCP that stays open: `psql` holding the
+/// connection, busy in `SELECT pg_sleep(60)` once `open` has returned
+/// (its stdin kept open, so psql waits for more rather than exiting).
+struct OpenSession {
+    child: tokio::process::Child,
+    _stdin: tokio::process::ChildStdin,
+    // Kept open: psql does not die of a closed stdout.
+    _stdout: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl OpenSession {
+    async fn open(port: u16, user: &str, password: &str, db: &str) -> OpenSession {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let mut child = tokio::process::Command::new("psql")
+            .args([
+                "-X",
+                "-A",
+                "-t",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-h",
+                "127.0.0.1",
+                "-p",
+            ])
+            .arg(port.to_string())
+            .args(["-U", user, "-d", db])
+            .env("PGPASSWORD", password)
+            .env("PGCONNECT_TIMEOUT", "5")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin
+            .write_all(b"SELECT 'open';\nSELECT pg_sleep(60);\n")
+            .await
+            .unwrap();
+        stdin.flush().await.unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let first = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+            .await
+            .expect("the session opens within 10 s")
+            .unwrap();
+        assert_eq!(first.as_deref(), Some("open"), "the session is open");
+        OpenSession {
+            child,
+            _stdin: stdin,
+            _stdout: lines,
+        }
+    }
+
+    /// Waits for psql to exit (the server cut the session), at most
+    /// `deadline`: its exit status and what it wrote on stderr.
+    async fn cut_within(mut self, deadline: Duration) -> (std::process::ExitStatus, String) {
+        use tokio::io::AsyncReadExt;
+        let status = tokio::time::timeout(deadline, self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("the open session is still there after {deadline:?}"))
+            .unwrap();
+        let mut err = String::new();
+        if let Some(mut stderr) = self.child.stderr.take() {
+            stderr.read_to_string(&mut err).await.unwrap();
+        }
+        (status, err)
+    }
+}
+
 fn admin_query(server: &Server, sql: &str) -> String {
     admin_query_at(&server.base.join("sock"), server.port, sql)
 }
@@ -305,10 +374,51 @@ async fn postgres_grant_lifecycle() {
     assert_eq!(st5[0].credential_version, Some(2));
     assert!(!st5[0].recreated);
 
-    // Revoked: login refused, data kept.
+    // Revoked: a session open with the credential is cut at once, a new
+    // login refused, data kept.
+    let session = OpenSession::open(server.port, "app-a-user", PW_A, "app-a").await;
+    let other = OpenSession::open(server.port, "app-b-user", PW_B, "app-b").await;
     let ra = pg_item(&server, "app-a", ResourceState::Revoked, 2);
+    let revoked_at = Instant::now();
     let st6 = p.pass(&[ra.clone(), b.clone()], creds2).await;
     assert_eq!(st6[0].state, ResourceStatusState::Revoked, "{:?}", st6[0]);
+    let pass_took = revoked_at.elapsed();
+    let (status, err) = session.cut_within(Duration::from_secs(10)).await;
+    eprintln!(
+        "postgres: the revoking pass took {pass_took:?}; the open session was cut {:?} after it returned",
+        revoked_at.elapsed() - pass_took
+    );
+    assert!(!status.success(), "{status}: {err}");
+    assert!(
+        err.contains("terminating connection due to administrator command"),
+        "{err}"
+    );
+    // (The backend leaves pg_stat_activity as it exits, about when psql
+    // sees the connection go.)
+    wait_until(
+        "no session of the revoked role",
+        Duration::from_secs(5),
+        || {
+            admin_query(
+                &server,
+                "SELECT count(*) FROM pg_stat_activity WHERE usename = 'app-a-user'",
+            ) == "0"
+        },
+    );
+    assert_eq!(
+        admin_query(
+            &server,
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = 'app-b-user'"
+        ),
+        "1",
+        "another grant's session is left alone"
+    );
+    // Ended here, or its pg_sleep would hold the server's smart shutdown.
+    admin_query(
+        &server,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'app-b-user'",
+    );
+    other.cut_within(Duration::from_secs(10)).await;
     let refused = tcp_query(&server, "app-a-user", PW_A, "app-a", "SELECT 1").unwrap_err();
     assert!(refused.contains("not permitted to log in"), "{refused}");
     assert!(provision::exists(&ra).await.unwrap());
@@ -524,6 +634,74 @@ async fn amqp_roundtrip(port: u16, user: &str, password: &str, vhost: &str) -> R
     Ok(())
 }
 
+/// A connection of `user` to `vhost` that stays open, consuming from a queue
+/// of its own.
+struct OpenAmqp {
+    conn: lapin::Connection,
+    consumer: lapin::Consumer,
+}
+
+impl OpenAmqp {
+    async fn open(port: u16, user: &str, password: &str, vhost: &str) -> OpenAmqp {
+        use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+        use lapin::types::FieldTable;
+        use lapin::{Connection, ConnectionProperties};
+        let url = format!("amqp://{user}:{password}@127.0.0.1:{port}/{vhost}");
+        let conn = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.queue_declare(
+            "held".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        let consumer = ch
+            .basic_consume(
+                "held".into(),
+                "held".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        OpenAmqp { conn, consumer }
+    }
+
+    /// Waits for the broker to close the connection (the consumer's stream
+    /// ends or errs), at most `deadline`: how it ended.
+    async fn cut_within(mut self, deadline: Duration) -> String {
+        use futures_util::StreamExt;
+        let how = match tokio::time::timeout(deadline, self.consumer.next()).await {
+            Err(_) => panic!("the open connection is still there after {deadline:?}"),
+            Ok(None) => "the consumer ended".to_owned(),
+            Ok(Some(Err(e))) => e.to_string(),
+            Ok(Some(Ok(d))) => panic!("a delivery instead of the close: {d:?}"),
+        };
+        assert!(
+            !self.conn.status().connected(),
+            "the connection is closed ({how})"
+        );
+        how
+    }
+}
+
+fn amqp_connections(node: &str, home: &Path) -> Vec<String> {
+    let out = Command::new(RABBITMQCTL)
+        .env("HOME", home)
+        .args(["-n", node, "-q", "list_connections", "user"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .map(|l| l.trim().to_owned())
+        .collect()
+}
+
 #[tokio::test]
 async fn rabbitmq_grant_lifecycle() {
     let (mut server, node) = start_rabbitmq();
@@ -564,10 +742,28 @@ async fn rabbitmq_grant_lifecycle() {
         ResourceStatusState::Failed
     );
 
-    // Revoked: refused, vhost kept; idempotent.
+    // Revoked: a connection open with the credential is closed by the
+    // broker at once, a new one refused, vhost kept; idempotent.
+    let held = OpenAmqp::open(server.port, "app-a-user", PW_A, "app-a").await;
+    let other = OpenAmqp::open(server.port, "app-b-user", PW_B, "app-b").await;
     let ra = amqp_item(&server, &node, "app-a", ResourceState::Revoked);
-    let st2 = p.pass(&[ra.clone(), b.clone()], creds).await;
-    assert_eq!(st2[0].state, ResourceStatusState::Revoked, "{:?}", st2[0]);
+    // (The revoked item last, so that the pass returns as its revoke does.)
+    let revoked_at = Instant::now();
+    let st2 = p.pass(&[b.clone(), ra.clone()], creds).await;
+    assert_eq!(st2[1].state, ResourceStatusState::Revoked, "{:?}", st2[1]);
+    let pass_took = revoked_at.elapsed();
+    let how = held.cut_within(Duration::from_secs(10)).await;
+    eprintln!(
+        "rabbitmq: the revoking pass took {pass_took:?}; the open connection was closed {:?} after it returned: {how}",
+        revoked_at.elapsed() - pass_took
+    );
+    assert_eq!(
+        amqp_connections(&node, &server.base),
+        vec!["app-b-user".to_owned()],
+        "no connection of the deleted user is left; another grant's is"
+    );
+    assert!(other.conn.status().connected());
+    other.conn.close(200, "done".into()).await.unwrap();
     assert!(
         amqp_roundtrip(server.port, "app-a-user", PW_A, "app-a")
             .await

@@ -129,7 +129,9 @@ pub(super) async fn ensure(
 }
 
 /// Deleting the user closes its connections (the broker does it when an
-/// internal user is deleted) and keeps the vhost and its queues.
+/// internal user is deleted: `320 CONNECTION_FORCED - user '…' is deleted`,
+/// before `delete_user` returns; tests/provision.rs holds one open) and
+/// keeps the vhost and its queues.
 pub(super) async fn revoke(item: &ResourceItem) -> Result<(), DriverError> {
     if user_exists(item).await? {
         ctl(item, &["delete_user", &item.user], "").await?;
