@@ -1592,6 +1592,11 @@ pub type Done = Vec<String>;
 /// it issues the broker's certificate, so the broker's certificate is the
 /// restored CA's). A different CA already there is refused unless `force`.
 pub fn install_ca(opened: &Opened, etc: &Path, force: bool) -> Result<Done> {
+    // As a fresh bundle/up makes it (and `restore` below): the directory
+    // readable, its secrets 0600. Left to write_secret_file it would be 0700,
+    // and the registry bundle/up starts next (its own user) could not read
+    // its registry.yml there.
+    std::fs::create_dir_all(etc).map_err(io(etc))?;
     let (cert, key) = crate::tls::ca_paths(etc);
     let mut done = Vec::new();
     for (kind, to, mode) in [
