@@ -25,6 +25,7 @@ pub(crate) async fn handle(
     tx: &mut PgConnection,
     reports: &[Envelope<Report>],
     settings: &InventorySettings,
+    plan: &crate::fleet::Carried,
 ) -> Result<(), Error> {
     // The controller's clock when it handled the batch: liveness is judged on it,
     // never on the node's clock.
@@ -51,6 +52,7 @@ pub(crate) async fn handle(
     // New nodes first, all at once; the rest one by one, in the batch's order.
     // They are disjoint sets of nodes, so the order between them changes nothing.
     let joined = crate::join::new_nodes(tx, &crate::join::candidates(&hellos), heard_at).await?;
+    declare_joined(tx, &joined, plan).await?;
     for (env, h) in hellos {
         if joined.contains(env.node.as_str()) {
             continue;
@@ -68,6 +70,35 @@ pub(crate) async fn handle(
     heartbeat_batch(tx, &heartbeats, heard_at, settings.resend_after).await?;
     applied_batch(tx, &applied).await?;
     crate::units::record(tx, &units, heard_at).await?;
+    Ok(())
+}
+
+/// Nodes that joined now are declared what every node's section carries
+/// (the mesh's endpoints, the heartbeat plan) at once, not at the next
+/// reconcile that places on them or the next resync. They run nothing yet;
+/// no other writer sees their rows before this transaction commits, so this
+/// declare needs no fleet lock. Nothing to carry: nothing declared.
+async fn declare_joined(
+    tx: &mut PgConnection,
+    joined: &std::collections::HashSet<String>,
+    plan: &crate::fleet::Carried,
+) -> Result<(), Error> {
+    if joined.is_empty() {
+        return Ok(());
+    }
+    let bare = mesh_plumbing::section::Items::new(plan.bare())?;
+    if bare.is_empty() {
+        return Ok(());
+    }
+    let mut desired = Vec::with_capacity(joined.len());
+    for node in joined {
+        let id = NodeId::parse(node).map_err(|e| Error::Corrupt {
+            node: node.clone(),
+            reason: e.to_string(),
+        })?;
+        desired.push((id, bare.clone()));
+    }
+    SECTIONS.declare(tx, desired).await?;
     Ok(())
 }
 
