@@ -837,9 +837,13 @@ pub(crate) async fn desired_sections(
         .into_iter()
         .map(|a| ((a.node.clone(), a.name.clone()), a))
         .collect();
-    let nodes: Vec<String> = sqlx::query_scalar("SELECT id FROM inventory.nodes ORDER BY id")
-        .fetch_all(&mut *tx)
-        .await?;
+    // A refused agent is declared nothing until it says hello in a protocol
+    // this controller speaks (decision 0020): not even what every node's
+    // section carries.
+    let nodes: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM inventory.nodes WHERE refused IS NULL ORDER BY id")
+            .fetch_all(&mut *tx)
+            .await?;
     // Nodes that run nothing share one computed section.
     let none = Items::new(plan.bare())?;
     let mut desired = Vec::with_capacity(nodes.len());

@@ -52,7 +52,6 @@ pub(crate) async fn handle(
     // New nodes first, all at once; the rest one by one, in the batch's order.
     // They are disjoint sets of nodes, so the order between them changes nothing.
     let joined = crate::join::new_nodes(tx, &crate::join::candidates(&hellos), heard_at).await?;
-    declare_joined(tx, &joined, plan).await?;
     for (env, h) in hellos {
         if joined.contains(env.node.as_str()) {
             continue;
@@ -67,6 +66,9 @@ pub(crate) async fn handle(
     }
     // Nodes behind or ahead on their inventory section: caught up at once.
     SECTIONS.on_hello(tx, reports).await?;
+    // After the catch-up, which knows no section of theirs yet (before it,
+    // the catch-up would send the new section a second time).
+    declare_joined(tx, &joined, plan).await?;
     heartbeat_batch(tx, &heartbeats, heard_at, settings.resend_after).await?;
     applied_batch(tx, &applied).await?;
     crate::units::record(tx, &units, heard_at).await?;
@@ -77,7 +79,10 @@ pub(crate) async fn handle(
 /// (the mesh's endpoints, the heartbeat plan) at once, not at the next
 /// reconcile that places on them or the next resync. They run nothing yet;
 /// no other writer sees their rows before this transaction commits, so this
-/// declare needs no fleet lock. Nothing to carry: nothing declared.
+/// declare needs no fleet lock. Nothing to carry: nothing declared. A node
+/// that reports a generation above 1 (its agent kept a store the database
+/// does not know) ignores this one as stale, and its next heartbeat lifts
+/// the section above its own (the section component's catch-up).
 async fn declare_joined(
     tx: &mut PgConnection,
     joined: &std::collections::HashSet<String>,
