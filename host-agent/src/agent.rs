@@ -1029,8 +1029,10 @@ impl Agent {
         if let (Some(plan), Outcome::Applied, false) = (plan, report.outcome, report.stale) {
             self.set_plan(plan);
         }
-        if let (Some(endpoints), Outcome::Applied, false) =
-            (endpoints, report.outcome, report.stale)
+        // A valid, newer section's endpoints are kept even when an item of it
+        // failed (a unit): they do not depend on the rest.
+        if let (Some(endpoints), false, false) =
+            (endpoints, report.stale, report.outcome == Outcome::Rejected)
         {
             self.set_endpoints(endpoints);
         }
