@@ -113,6 +113,19 @@ pub fn url_endpoint(url: &str) -> Option<String> {
     Some(format!("{}:{}", uri.authority.host, uri.authority.port))
 }
 
+/// The host (without brackets) and port of a broker URL; none when it does
+/// not parse.
+pub fn url_host_port(url: &str) -> Option<(String, u16)> {
+    let uri: lapin::uri::AMQPUri = url.parse().ok()?;
+    let host = uri
+        .authority
+        .host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    Some((host, uri.authority.port))
+}
+
 /// A channel in confirm mode, for publishing.
 pub async fn confirm_channel(conn: &Connection) -> AmqpResult<Channel> {
     let ch = conn.create_channel().await?;

@@ -243,7 +243,9 @@ pub struct Settings {
     /// (round-robin, the URL's own endpoint first, with the usual backoff),
     /// with the URL's user, password, vhost and scheme; a plain `amqp://` URL
     /// reaches loopback endpoints only (docs/decisions/0043). Checked at
-    /// start, an invalid entry named by its index. Default: none.
+    /// start, an invalid entry named by its index. Nodes are told them too,
+    /// after the advertised broker, in their inventory section: they must be
+    /// addresses nodes reach (docs/decisions/0044). Default: none.
     pub broker_endpoints: Vec<String>,
     /// The type of the queues whose loss would lose something: the hello,
     /// applied and certificates report queues, every node's declaration
@@ -744,6 +746,47 @@ impl Advertised {
         })
     }
 
+    /// The mesh's endpoints every node's inventory section carries (decision
+    /// 0044): the broker endpoint a joining node is handed (the advertised
+    /// one when the credentials name a mesh CA, else the controller's own,
+    /// `broker_url`'s), then each of `broker_endpoints`, without repeats; the
+    /// advertised API (with a CA: without one the API is loopback-only). None
+    /// when there is nothing to tell.
+    pub fn endpoints(
+        &self,
+        settings: &Settings,
+        broker_url: &str,
+        tls: bool,
+    ) -> Option<mesh_protocol::Endpoints> {
+        let own = crate::amqp::url_host_port(broker_url)
+            .map(|(h, p)| mesh_protocol::format_host_port(&h, p));
+        let first = if tls { self.broker.clone() } else { None }.or(own);
+        let mut brokers: Vec<String> = Vec::new();
+        let rest = settings
+            .broker_endpoint_list()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(h, p)| mesh_protocol::format_host_port(&h, p));
+        for e in first.into_iter().chain(rest) {
+            // Written the one way, so that a repeat is seen.
+            let Ok((h, p)) = mesh_protocol::parse_host_port(&e) else {
+                continue;
+            };
+            let e = mesh_protocol::format_host_port(&h, p);
+            if !brokers.contains(&e) {
+                brokers.push(e);
+            }
+        }
+        brokers.truncate(mesh_protocol::MAX_ENDPOINTS);
+        let api: Vec<String> = if tls { self.api.clone() } else { None }
+            .map(|a| a.trim_end_matches('/').to_owned())
+            .filter(|a| mesh_protocol::check_api_endpoint(a).is_ok())
+            .into_iter()
+            .collect();
+        (!brokers.is_empty() || !api.is_empty())
+            .then_some(mesh_protocol::Endpoints { brokers, api })
+    }
+
     /// The API's host (a name or an IP address): a name in its certificate.
     pub fn api_host(&self) -> Option<String> {
         let url = url::Url::parse(self.api.as_deref()?).ok()?;
@@ -864,6 +907,41 @@ mod tests {
         assert!(
             err.contains("queue_type") && err.contains("stream"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn endpoints_told_to_nodes() {
+        let settings = Settings {
+            broker_endpoints: vec![
+                "10.0.0.2:5671".into(),
+                "10.0.0.1:5671".into(),
+                "[2001:db8::3]:5671".into(),
+            ],
+            ..Settings::default()
+        };
+        let advertised = Advertised {
+            api: Some("https://10.0.0.1:7443/".into()),
+            broker: Some("10.0.0.1:5671".into()),
+        };
+        let url = "amqp://mesh_controller:pw@127.0.0.1:5672/mesh";
+        // With a CA: the advertised broker first, no repeat, the API.
+        let e = advertised.endpoints(&settings, url, true).unwrap();
+        assert_eq!(
+            e.brokers,
+            vec!["10.0.0.1:5671", "10.0.0.2:5671", "[2001:db8::3]:5671"]
+        );
+        assert_eq!(e.api, vec!["https://10.0.0.1:7443"]);
+        e.validate("endpoints").unwrap();
+        // Without: the controller's own broker, no API.
+        let e = advertised.endpoints(&settings, url, false).unwrap();
+        assert_eq!(e.brokers[0], "127.0.0.1:5672");
+        assert!(e.api.is_empty());
+        assert!(!e.to_owned().brokers.iter().any(|b| b.contains("pw")));
+        // Nothing to tell: none.
+        assert_eq!(
+            Advertised::default().endpoints(&Settings::default(), "not a url", false),
+            None
         );
     }
 

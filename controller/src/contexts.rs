@@ -119,6 +119,13 @@ impl Contexts {
         signal: OutboxSignal,
     ) -> Result<Contexts, ContextsError> {
         let replicas = Arc::new(crate::replica::Replicas::new(settings));
+        let ca = creds.mesh_ca()?;
+        // The mesh's endpoints every node is told (decision 0044).
+        let endpoints = crate::config::Advertised::of(settings, creds).endpoints(
+            settings,
+            creds.broker_url.expose(),
+            ca.is_some(),
+        );
         let inventory = Inventory::new(
             pool(creds, Inventory::SCHEMA, settings.pool_size).await?,
             signal.clone(),
@@ -139,6 +146,7 @@ impl Contexts {
                 heartbeat_budget: settings.heartbeat_budget_per_sec,
                 liveness_write: settings.liveness_write(),
                 sweep_interval: settings.sweep_interval(),
+                endpoints,
                 ..mesh_inventory::InventorySettings::default()
             },
         );
@@ -166,7 +174,6 @@ impl Contexts {
             config_settings,
             keyring,
         );
-        let ca = creds.mesh_ca()?;
         if ca.is_none() {
             tracing::warn!(
                 "no mesh CA in the credentials: certificate requests wait until there is one"

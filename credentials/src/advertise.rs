@@ -44,36 +44,10 @@ pub fn check_api_url(value: &str) -> Result<url::Url, String> {
 
 /// Checks an advertised `<host>:<port>` (an IPv6 address in brackets): a host
 /// and a port, no scheme. Returns `(host, port)`; the error says what is wrong.
+/// The one definition is the protocol's ([`mesh_protocol::parse_host_port`]):
+/// the endpoints the controller declares to nodes are read by it.
 pub fn check_host_port(value: &str) -> Result<(String, u16), String> {
-    if value.contains("://") {
-        return Err(format!(
-            "`{value}`: must be <host>:<port>, without a scheme"
-        ));
-    }
-    let (host, port) = value
-        .rsplit_once(':')
-        .ok_or_else(|| format!("`{value}`: must be <host>:<port> (the port is missing)"))?;
-    let port: u16 = port
-        .parse()
-        .ok()
-        .filter(|p| *p != 0)
-        .ok_or_else(|| format!("`{value}`: `{port}` is not a port (1 to 65535)"))?;
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    let ok = if host.starts_with('[') {
-        bare.parse::<std::net::Ipv6Addr>().is_ok()
-    } else {
-        !host.is_empty()
-            && !host.contains(':')
-            && host
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
-    };
-    if !ok {
-        return Err(format!(
-            "`{value}`: `{host}` is not a host name or an IP address"
-        ));
-    }
-    Ok((bare.to_owned(), port))
+    mesh_protocol::parse_host_port(value)
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Broker endpoints (docs/decisions/0043): the broker the credentials name
+//! Broker endpoints (docs/decisions/0043, 0044): the broker the credentials name
 //! does not answer (a port nobody listens on), and the controller (setting
 //! `broker_endpoints`) and an agent (config `brokers`) reach the broker
 //! through their alternate endpoint, with the same user, password and vhost;
@@ -122,4 +122,185 @@ async fn controller_and_agent_reach_the_broker_through_their_alternate_endpoint(
     })
     .await?;
     mesh.teardown().await
+}
+
+/// A TCP forwarder on loopback to the broker: a network path to it the test
+/// can cut (its listener and every connection through it closed at once),
+/// as a controller's old home that stops answering.
+struct Forwarder {
+    port: u16,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Forwarder {
+    async fn start(upstream: u16) -> anyhow::Result<Forwarder> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                tokio::select! {
+                    _ = stopped.changed() => break,
+                    accepted = listener.accept() => {
+                        let Ok((mut inbound, _)) = accepted else { continue };
+                        let mut stopped = stopped.clone();
+                        conns.spawn(async move {
+                            let Ok(mut outbound) =
+                                tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                            else {
+                                return;
+                            };
+                            tokio::select! {
+                                _ = stopped.changed() => {}
+                                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                            }
+                        });
+                    }
+                }
+            }
+            // The listener first (new connections are refused), then every
+            // open connection.
+            drop(listener);
+            conns.shutdown().await;
+        });
+        Ok(Forwarder { port, stop, task })
+    }
+
+    fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Stop answering: the listener and every connection through it closed.
+    async fn kill(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+/// The broker endpoints an agent's store keeps (`endpoints.brokers`).
+fn stored_brokers(state_dir: &std::path::Path) -> Option<Vec<String>> {
+    let text = std::fs::read_to_string(state_dir.join("store.json")).ok()?;
+    let store: serde_json::Value = serde_json::from_str(&text).ok()?;
+    serde_json::from_value(store["endpoints"]["brokers"].clone()).ok()
+}
+
+/// Whether `log` has a line holding every one of `words`.
+fn logged(log: &str, words: &[&str]) -> bool {
+    log.lines().any(|l| words.iter().all(|w| l.contains(w)))
+}
+
+/// Decision 0044: the controller tells every node the mesh's endpoints (its
+/// own broker endpoint P1 and `broker_endpoints` P2); an agent whose
+/// credentials name only P1 keeps them in its store; P1 stops answering and
+/// the agent reconnects through P2, where a declaration change reaches it;
+/// restarted with its credentials still naming only the dead P1, it comes up
+/// through the P2 it kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_follows_the_mesh_to_an_endpoint_it_was_told() -> anyhow::Result<()> {
+    let mut mesh = Mesh::prepare().await?;
+    let mut creds = mesh.env.controller_credentials();
+    let broker = url::Url::parse(creds.broker_url.expose())
+        .context("the environment's broker URL")?
+        .port()
+        .unwrap_or(5672);
+    let p1 = Forwarder::start(broker).await?;
+    let p2 = Forwarder::start(broker).await?;
+    let (p1_text, p2_text) = (p1.endpoint(), p2.endpoint());
+
+    // The controller reaches the broker through P1, P2 its alternate: the
+    // endpoints it tells nodes are [P1, P2].
+    let (url, _) = with_port(creds.broker_url.expose(), p1.port)?;
+    creds.broker_url = mesh_credentials::Secret::new(url);
+    creds.write(&mesh.dir.path().join("credentials.toml"))?;
+    let toml_path = mesh.dir.path().join("controller.toml");
+    let mut settings = std::fs::read_to_string(&toml_path)?;
+    settings.push_str(&format!("broker_endpoints = [\"{p2_text}\"]\n"));
+    std::fs::write(&toml_path, settings)?;
+    mesh.start_controller(&[]).await?;
+
+    // The agent's credentials name P1; it has no `brokers` setting.
+    let node = mesh.add_agent("follow", &[("role", "follow")]).await?;
+    mesh.stop_agent(&node);
+    let state_dir = mesh.agent(&node).state_dir.clone();
+    let mut agent_creds = mesh.agent(&node).creds.agent_credentials()?;
+    let (url, _) = with_port(agent_creds.broker_url.expose(), p1.port)?;
+    agent_creds.broker_url = mesh_credentials::Secret::new(url);
+    agent_creds.write(&state_dir)?;
+    let log_name = format!("agent-{node}");
+    let before = mesh.log_of(&log_name).len();
+    mesh.start_agent(&node)?;
+    wait_for("the agent connected through P1", WITHIN, || async {
+        let log = mesh.log_of(&log_name);
+        let log = log.get(before..).unwrap_or_default();
+        Ok(logged(log, &["connected to the broker", &p1_text, "credentials"]).then_some(()))
+    })
+    .await?;
+    let told = vec![p1_text.clone(), p2_text.clone()];
+    wait_for(
+        "the agent to keep the endpoints [P1, P2]",
+        WITHIN,
+        || async { Ok((stored_brokers(&state_dir).as_ref() == Some(&told)).then_some(())) },
+    )
+    .await?;
+
+    // P1 stops answering: the agent reconnects through P2, which it was told.
+    let before = mesh.log_of(&log_name).len();
+    p1.kill().await;
+    wait_for("the agent to reconnect through P2", WITHIN, || async {
+        let log = mesh.log_of(&log_name);
+        let log = log.get(before..).unwrap_or_default();
+        Ok(logged(log, &["connected to the broker", &p2_text, "learned"]).then_some(()))
+    })
+    .await?;
+    // A declaration change reaches it there (the controller followed its
+    // own `broker_endpoints` to P2).
+    let path = mesh.agent(&node).file("/etc/follow");
+    for (round, content) in ["through P2\n", "after the restart\n"]
+        .into_iter()
+        .enumerate()
+    {
+        if round == 1 {
+            // Restarted with its credentials still naming only the dead P1:
+            // it tries P1, then comes up through the P2 its store kept.
+            mesh.stop_agent(&node);
+            let before = mesh.log_of(&log_name).len();
+            mesh.start_agent(&node)?;
+            wait_for(
+                "the restarted agent to fail on P1 and connect through the kept P2",
+                WITHIN,
+                || async {
+                    let log = mesh.log_of(&log_name);
+                    let log = log.get(before..).unwrap_or_default();
+                    let failed = logged(log, &["cannot connect to the broker", &p1_text]);
+                    let connected = logged(log, &["connected to the broker", &p2_text, "learned"]);
+                    Ok((failed && connected).then_some(()))
+                },
+            )
+            .await?;
+        }
+        let (status, body) = mesh
+            .put(
+                "/v1/files/follow",
+                &json!({"path": "/etc/follow", "content": content, "mode": "0644", "selector": {"role": "follow"}}),
+            )
+            .await?;
+        assert!(status == 200 || status == 201, "{status} {body}");
+        wait_for("the declared file on the agent", WITHIN, || {
+            let path = path.clone();
+            async move {
+                Ok((std::fs::read_to_string(&path).ok().as_deref() == Some(content)).then_some(()))
+            }
+        })
+        .await?;
+    }
+    let password = mesh.agent(&node).creds.password.clone();
+    assert!(
+        !mesh.log_of(&log_name).contains(&password),
+        "the agent's log holds its broker password"
+    );
+    let done = mesh.teardown().await;
+    p2.kill().await;
+    done
 }

@@ -245,26 +245,32 @@ impl Agent {
         heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut backoff = Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
         let mut connected_before = false;
-        // The credentials' own endpoint (None), then each of `brokers`: a
-        // failed attempt or a lost session moves on to the next one.
-        let mut endpoints: Vec<Option<(String, u16)>> = vec![None];
-        match self.config.broker_endpoints() {
-            Ok(list) => endpoints.extend(list.into_iter().map(Some)),
-            Err(e) => warn!(error = %e, "ignoring the brokers setting"),
-        }
+        // The credentials' own endpoint, then each of `brokers`, then the
+        // mesh's endpoints the controller declared and the store keeps
+        // (decision 0044), each once: a failed attempt or a lost session
+        // moves on to the next one. The list is taken again before every
+        // attempt (what the controller declared meanwhile counts).
+        let configured = match self.config.broker_endpoints() {
+            Ok(list) => list,
+            Err(e) => {
+                warn!(error = %e, "ignoring the brokers setting");
+                Vec::new()
+            }
+        };
         let mut at = 0usize;
-        let url_endpoint = crate::broker::url_endpoint(&self.creds)
-            .unwrap_or_else(|| "the credentials' broker".to_owned());
 
         loop {
             let props = ConnectionProperties::default()
                 .with_connection_name(format!("mesh-agent {}", self.creds.node).into());
             let creds = self.creds.clone();
-            let target = endpoints[at % endpoints.len()].clone();
-            let endpoint = target
-                .as_ref()
-                .map(|(h, p)| format!("{h}:{p}"))
-                .unwrap_or_else(|| url_endpoint.clone());
+            let endpoints =
+                crate::broker::candidates(&self.creds, &configured, &self.store.broker_endpoints());
+            let crate::broker::Candidate {
+                target,
+                endpoint,
+                source,
+            } = endpoints[at % endpoints.len()].clone();
+            let source = source.as_str();
             let connect = tokio::time::timeout(
                 CONNECT_TIMEOUT,
                 crate::broker::connect(&creds, target.as_ref(), self.config.amqp_heartbeat, props),
@@ -284,7 +290,7 @@ impl Agent {
             let conn = match attempt {
                 Ok(Ok(conn)) => conn,
                 Ok(Err(e)) => {
-                    warn!(url = %self.creds.redacted_url(), %endpoint, error = %e, "cannot connect to the broker");
+                    warn!(url = %self.creds.redacted_url(), %endpoint, source, error = %e, "cannot connect to the broker");
                     at = (at + 1) % endpoints.len();
                     if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
                         return;
@@ -292,7 +298,7 @@ impl Agent {
                     continue;
                 }
                 Err(_) => {
-                    warn!(url = %self.creds.redacted_url(), %endpoint, "connecting to the broker timed out");
+                    warn!(url = %self.creds.redacted_url(), %endpoint, source, "connecting to the broker timed out");
                     at = (at + 1) % endpoints.len();
                     if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
                         return;
@@ -309,7 +315,7 @@ impl Agent {
             self.metrics.set_connected(true);
             connected_before = true;
             backoff.reset();
-            info!(url = %self.creds.redacted_url(), %endpoint, "connected to the broker");
+            info!(url = %self.creds.redacted_url(), %endpoint, source, "connected to the broker");
             match self.session(&conn, &mut heartbeat, &mut shutdown).await {
                 SessionEnd::Shutdown => {
                     let _ = conn.close(200, "agent shutting down".into()).await;
@@ -317,7 +323,7 @@ impl Agent {
                     return;
                 }
                 SessionEnd::Lost(reason) => {
-                    warn!(%reason, %endpoint, "lost the broker connection");
+                    warn!(%reason, %endpoint, source, "lost the broker connection");
                     at = (at + 1) % endpoints.len();
                     self.lost_broker();
                     let _ = conn.close(200, "agent reconnecting".into()).await;
@@ -871,6 +877,7 @@ impl Agent {
         };
         let decl = env.body;
         let plan = (decl.section == Section::Inventory).then_some(decl.items.heartbeat);
+        let endpoints = (decl.section == Section::Inventory).then(|| decl.items.endpoints.clone());
         let plans = (decl.section == Section::Connectivity)
             .then(|| (decl.items.overlay.clone(), decl.items.firewall.clone()));
         let certs_declared = decl.items.certificates.clone();
@@ -1021,6 +1028,13 @@ impl Agent {
         }
         if let (Some(plan), Outcome::Applied, false) = (plan, report.outcome, report.stale) {
             self.set_plan(plan);
+        }
+        // A valid, newer section's endpoints are kept even when an item of it
+        // failed (a unit): they do not depend on the rest.
+        if let (Some(endpoints), false, false) =
+            (endpoints, report.stale, report.outcome == Outcome::Rejected)
+        {
+            self.set_endpoints(endpoints);
         }
         // A config section may bring a grant's credential file.
         if section == Section::Config && !report.stale && report.outcome == Outcome::Applied {
@@ -1278,6 +1292,25 @@ impl Agent {
             interval_ms = self.interval().as_millis() as u64,
             "heartbeat interval changed"
         );
+    }
+
+    /// Keep the mesh's endpoints an applied inventory section declared
+    /// (none: it declared none, and none are kept). They were validated
+    /// with the declaration (an invalid one rejects it: nothing is kept).
+    fn set_endpoints(&mut self, endpoints: Option<mesh_protocol::Endpoints>) {
+        let shown = endpoints
+            .as_ref()
+            .map(|e| (e.brokers.join(","), e.api.join(",")));
+        match self.store.set_endpoints(endpoints) {
+            Ok(false) => {}
+            Ok(true) => {
+                let (brokers, api) = shown.unwrap_or_default();
+                info!(%brokers, %api, "kept the mesh's endpoints the controller declared");
+            }
+            Err(e) => {
+                error!(error = %e, "cannot keep the mesh's endpoints; the ones kept before stay");
+            }
+        }
     }
 
     /// A heartbeat while disconnected: nothing to send it on, and liveness

@@ -118,6 +118,85 @@ pub fn url_endpoint(creds: &AgentCredentials) -> Option<String> {
     Some(format!("{}:{}", uri.authority.host, uri.authority.port))
 }
 
+/// Where a broker endpoint the agent tries comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndpointSource {
+    /// The credentials' broker URL (written at join).
+    Credentials,
+    /// The config's `brokers`.
+    Config,
+    /// The mesh's endpoints the controller declared, kept in the store
+    /// (decision 0044).
+    Learned,
+}
+
+impl EndpointSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointSource::Credentials => "credentials",
+            EndpointSource::Config => "config",
+            EndpointSource::Learned => "learned",
+        }
+    }
+}
+
+/// One broker endpoint to try: `target` none for the credentials' URL as it
+/// is, else a host and port to connect to with the URL's user, password,
+/// vhost and scheme ([`connect`]); `endpoint` as logged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub target: Option<(String, u16)>,
+    pub endpoint: String,
+    pub source: EndpointSource,
+}
+
+/// The endpoints to try, in order, each once: the credentials' URL, the
+/// configured `brokers`, then the `learned` ones (an endpoint named twice is
+/// tried where it first appears).
+pub fn candidates(
+    creds: &AgentCredentials,
+    configured: &[(String, u16)],
+    learned: &[(String, u16)],
+) -> Vec<Candidate> {
+    let own = url_host_port(creds);
+    let mut out = vec![Candidate {
+        target: None,
+        endpoint: own.as_ref().map_or_else(
+            || "the credentials' broker".to_owned(),
+            |(h, p)| mesh_protocol::format_host_port(h, *p),
+        ),
+        source: EndpointSource::Credentials,
+    }];
+    let named = configured
+        .iter()
+        .map(|e| (e, EndpointSource::Config))
+        .chain(learned.iter().map(|e| (e, EndpointSource::Learned)));
+    for ((host, port), source) in named {
+        let endpoint = mesh_protocol::format_host_port(host, *port);
+        if out.iter().any(|c| c.endpoint == endpoint) {
+            continue;
+        }
+        out.push(Candidate {
+            target: Some((host.clone(), *port)),
+            endpoint,
+            source,
+        });
+    }
+    out
+}
+
+/// The host (without brackets) and port the credentials' broker URL names.
+fn url_host_port(creds: &AgentCredentials) -> Option<(String, u16)> {
+    let uri: AMQPUri = creds.broker_url.expose().parse().ok()?;
+    let host = uri
+        .authority
+        .host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    Some((host, uri.authority.port))
+}
+
 /// lapin's URL parse errors may quote the URL: keep only the words before it.
 fn scrub(e: &str) -> String {
     match e.find("amqp") {
@@ -142,6 +221,37 @@ mod tests {
             ca_certificate: ca,
             api_url: None,
         }
+    }
+
+    #[test]
+    fn candidates_are_the_url_then_configured_then_learned_each_once() {
+        let c = creds("amqp://node-a:pw@127.0.0.1:5672/mesh", None);
+        let list = candidates(
+            &c,
+            &[("127.0.0.1".into(), 5673)],
+            &[
+                ("127.0.0.1".into(), 5672),
+                ("127.0.0.1".into(), 5674),
+                ("127.0.0.1".into(), 5673),
+                ("::1".into(), 5675),
+            ],
+        );
+        let shown: Vec<(&str, &str)> = list
+            .iter()
+            .map(|c| (c.endpoint.as_str(), c.source.as_str()))
+            .collect();
+        assert_eq!(
+            shown,
+            vec![
+                ("127.0.0.1:5672", "credentials"),
+                ("127.0.0.1:5673", "config"),
+                ("127.0.0.1:5674", "learned"),
+                ("[::1]:5675", "learned"),
+            ]
+        );
+        assert_eq!(list[0].target, None);
+        assert_eq!(list[2].target, Some(("127.0.0.1".into(), 5674)));
+        assert!(list.iter().all(|c| !c.endpoint.contains("pw")));
     }
 
     #[tokio::test]

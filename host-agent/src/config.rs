@@ -126,7 +126,10 @@ pub struct Config {
     /// usual backoff), with the URL's user, password, vhost and scheme: an
     /// `amqps://` URL verifies each endpoint's certificate against the mesh CA
     /// and the endpoint's host; a plain `amqp://` URL reaches loopback
-    /// endpoints only (docs/decisions/0043). Default: none (the URL's only).
+    /// endpoints only (docs/decisions/0043). After them come the mesh's
+    /// broker endpoints the controller declared and the store keeps, each
+    /// endpoint tried once per round (docs/decisions/0044). Default: none
+    /// (the URL's only, then the kept ones).
     pub brokers: Vec<String>,
 }
 

@@ -11,7 +11,10 @@
 //! it holds the provisioning section's declared resources and what the agent
 //! last found of them (the last `resources` report's body), so that a restarted
 //! agent reconciles them before it hears from anyone, creates nothing that
-//! exists, and states them again at once.
+//! exists, and states them again at once. Since version 4 it holds the
+//! mesh's endpoints its inventory section last declared (decision 0044), so
+//! that a restarted agent whose configured brokers are gone reaches the
+//! controller's new home.
 //!
 //! The format is versioned: a store with a `version` this agent does not know is
 //! refused, never guessed at. Older versions are migrated when read (and written
@@ -19,13 +22,17 @@
 //! - 1 → 2: sections gained `units` (absent in version 1: none).
 //! - 2 → 3: sections gained `resources` and the store `resources` (absent in
 //!   versions 1 and 2: none, nothing found yet).
+//! - 3 → 4: the store gained `endpoints` (absent in versions 1 to 3: none
+//!   learned yet).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
-use mesh_protocol::{AppliedGenerations, Outcome, ResourceItem, Resources, Section, UnitItem};
+use mesh_protocol::{
+    AppliedGenerations, Endpoints, Outcome, ResourceItem, Resources, Section, UnitItem,
+};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -33,7 +40,7 @@ use uuid::Uuid;
 pub const STORE_FILE: &str = "store.json";
 
 /// The store format this agent reads and writes.
-pub const STORE_VERSION: u32 = 3;
+pub const STORE_VERSION: u32 = 4;
 
 /// Sequence numbers are reserved in blocks so that the store is not rewritten for
 /// every heartbeat; a restart skips the rest of the block (seq stays monotonic,
@@ -116,6 +123,11 @@ pub struct StoreData {
     /// pass, and in version 1 and 2 stores). Never a credential.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<Resources>,
+    /// The mesh's broker and API endpoints, as the inventory section applied
+    /// last declared them (absent: none declared, and in version 1 to 3
+    /// stores). Validated when declared; checked again when read back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<Endpoints>,
 }
 
 impl Default for StoreData {
@@ -126,6 +138,7 @@ impl Default for StoreData {
             sections: BTreeMap::new(),
             pending_reports: Vec::new(),
             resources: None,
+            endpoints: None,
         }
     }
 }
@@ -240,6 +253,35 @@ impl Store {
         self.save()
     }
 
+    /// Keep the endpoints an applied inventory section declared (none: it
+    /// declared none). Saves only if they changed; true if they did. A
+    /// failed save keeps the ones before.
+    pub fn set_endpoints(&mut self, endpoints: Option<Endpoints>) -> Result<bool, StoreError> {
+        if self.data.endpoints == endpoints {
+            return Ok(false);
+        }
+        let before = std::mem::replace(&mut self.data.endpoints, endpoints);
+        match self.save() {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                // Not kept: what was kept before holds, in memory as on disk.
+                self.data.endpoints = before;
+                Err(e)
+            }
+        }
+    }
+
+    /// The broker endpoints kept (`(host, port)`, in the declared order);
+    /// an entry that does not read as one is left out.
+    pub fn broker_endpoints(&self) -> Vec<(String, u16)> {
+        self.data
+            .endpoints
+            .iter()
+            .flat_map(|e| e.brokers.iter())
+            .filter_map(|b| mesh_protocol::parse_host_port(b).ok())
+            .collect()
+    }
+
     /// Forget reports that were confirmed or dropped. Saves only if one was kept.
     pub fn remove_pending(&mut self, ids: &[Uuid]) -> Result<(), StoreError> {
         let before = self.data.pending_reports.len();
@@ -276,8 +318,9 @@ fn parse(bytes: &[u8], path: &Path) -> Result<StoreData, StoreError> {
             serde_json::from_value(value).map_err(malformed)
         }
         // Version 1 is version 2 without units, version 2 is version 3
-        // without resources: read them as they are, then say 3.
-        Some(1 | 2) => {
+        // without resources, version 3 is version 4 without endpoints: read
+        // them as they are, then say 4.
+        Some(1..=3) => {
             let mut data: StoreData = serde_json::from_value(value).map_err(malformed)?;
             data.version = STORE_VERSION;
             Ok(data)
@@ -441,7 +484,7 @@ mod tests {
         assert!(s.next_seq() > 2048);
         // The next save writes the current version.
         let text = std::fs::read_to_string(dir.path().join(STORE_FILE)).unwrap();
-        assert!(text.contains("\"version\": 3"), "{text}");
+        assert!(text.contains("\"version\": 4"), "{text}");
         assert_eq!(Store::open(dir.path()).unwrap().section(Section::Config), c);
     }
 
@@ -488,7 +531,7 @@ mod tests {
         assert!(s.section(Section::Provisioning).resources.is_empty());
         assert_eq!(s.data().resources, None);
         assert_eq!(s.data().pending_reports.len(), 1);
-        // The next save writes version 3, which reads back the same.
+        // The next save writes version 4, which reads back the same.
         let found = mesh_protocol::Resources {
             generation: 2,
             resources: vec![mesh_protocol::ResourceStatus {
@@ -501,10 +544,51 @@ mod tests {
         };
         s.set_resources(found.clone()).unwrap();
         let text = std::fs::read_to_string(dir.path().join(STORE_FILE)).unwrap();
-        assert!(text.contains("\"version\": 3"), "{text}");
+        assert!(text.contains("\"version\": 4"), "{text}");
         let again = Store::open(dir.path()).unwrap();
         assert_eq!(again.section(Section::Inventory), inv);
         assert_eq!(again.data().resources, Some(found));
+    }
+
+    #[test]
+    fn version_3_is_migrated_and_endpoints_are_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        // Exactly what a version-3 agent wrote: no endpoints.
+        let v3 = r#"{
+  "version": 3,
+  "seq_reserved": 1024,
+  "sections": {
+    "inventory": {
+      "generation": 2,
+      "digest": "d",
+      "paths": [],
+      "last_generation": 2,
+      "last_outcome": "applied",
+      "updated_at": "2025-01-01T00:00:00Z"
+    }
+  },
+  "pending_reports": []
+}"#;
+        std::fs::write(dir.path().join(STORE_FILE), v3).unwrap();
+        let mut s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.data().version, STORE_VERSION);
+        assert_eq!(s.data().endpoints, None);
+        assert!(s.broker_endpoints().is_empty());
+        assert_eq!(s.section(Section::Inventory).generation, 2);
+        let e = Endpoints {
+            brokers: vec!["127.0.0.1:5673".into(), "[::1]:5674".into()],
+            api: vec!["https://ctl.example:7443".into()],
+        };
+        assert!(s.set_endpoints(Some(e.clone())).unwrap());
+        assert!(!s.set_endpoints(Some(e.clone())).unwrap());
+        let text = std::fs::read_to_string(dir.path().join(STORE_FILE)).unwrap();
+        assert!(text.contains("\"version\": 4"), "{text}");
+        let again = Store::open(dir.path()).unwrap();
+        assert_eq!(again.data().endpoints, Some(e));
+        assert_eq!(
+            again.broker_endpoints(),
+            vec![("127.0.0.1".to_owned(), 5673), ("::1".to_owned(), 5674)]
+        );
     }
 
     #[test]

@@ -1152,3 +1152,82 @@ async fn a_sealed_secret_arrives_and_is_written_0600() -> anyhow::Result<()> {
     let _ = admin.close(200, "done".into()).await;
     env.teardown().await
 }
+
+/// The mesh's endpoints (decision 0044): an inventory section's `endpoints`
+/// is kept in the store once applied; a later one naming an endpoint that is
+/// not a host:port is rejected whole, naming it, and nothing of it is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declared_endpoints_are_kept_and_an_invalid_one_is_rejected() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("ep").await?;
+    let node = creds.node.clone();
+    let (admin, ch, mut reports) = controller_side(&env).await?;
+    let state = tempfile::tempdir()?;
+    let root = tempfile::tempdir()?;
+    creds.write_to(state.path())?;
+    let config = Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        heartbeat_interval: Duration::from_millis(300),
+        hostname: Some("test-host".into()),
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config, async {
+        let _ = stopped.await;
+    }));
+    wait_report(&mut reports, "hello", |r| {
+        r.kind.as_deref() == Some("hello")
+    })
+    .await?;
+    declaration_queue_for(&ch, &node).await?;
+    let kept = || -> anyhow::Result<serde_json::Value> {
+        let store: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(state.path().join("store.json"))?)?;
+        Ok(store["endpoints"].clone())
+    };
+    let inventory = |generation: u64, brokers: serde_json::Value| {
+        serde_json::json!({
+            "v": 1, "id": uuid::Uuid::now_v7(), "kind": "declaration", "node": node.as_str(),
+            "seq": generation, "sent_at": "2026-11-30T12:00:00Z",
+            "body": {"section": "inventory", "generation": generation,
+                     "items": {"files": [], "endpoints": {
+                         "brokers": brokers, "api": ["https://ctl.example:7443"]}}},
+        })
+    };
+
+    let first = inventory(1, serde_json::json!(["127.0.0.1:5673", "[::1]:5674"]));
+    publish_raw(&ch, env.signer(), &node, first.to_string().as_bytes()).await?;
+    let r = wait_report(&mut reports, "applied inventory generation 1", |r| {
+        applied(r).is_some_and(|a| a.section == Some(Section::Inventory))
+    })
+    .await?;
+    assert_eq!(applied(&r).unwrap().outcome, Outcome::Applied);
+    let want = serde_json::json!({
+        "brokers": ["127.0.0.1:5673", "[::1]:5674"],
+        "api": ["https://ctl.example:7443"],
+    });
+    assert_eq!(kept()?, want);
+
+    let bad = inventory(2, serde_json::json!(["127.0.0.1:5675", "amqp://h:1"]));
+    publish_raw(&ch, env.signer(), &node, bad.to_string().as_bytes()).await?;
+    let r = wait_report(&mut reports, "inventory generation 2 rejected", |r| {
+        applied(r).is_some_and(|a| a.outcome == Outcome::Rejected)
+    })
+    .await?;
+    let a = applied(&r).unwrap();
+    let error = a.error.as_deref().unwrap_or_default();
+    assert!(
+        error.contains("body.items.endpoints.brokers[1]") && error.contains("amqp://h:1"),
+        "{error}"
+    );
+    assert_eq!(kept()?, want, "nothing of a rejected declaration is kept");
+
+    let _ = stop.send(());
+    timeout(Duration::from_secs(15), agent)
+        .await
+        .context("agent did not stop")???;
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}

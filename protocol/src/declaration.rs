@@ -243,6 +243,12 @@ pub struct DeclarationItems {
     /// ignores the field.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub resources: Vec<crate::ResourceItem>,
+    /// The mesh's current broker and API endpoints (the inventory section;
+    /// decision 0044): the agent keeps them and tries them when its
+    /// configured brokers do not answer. Absent when the controller declares
+    /// none, so older digests stay; an agent older than endpoints ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<crate::Endpoints>,
 }
 
 /// The heartbeat interval and grace the controller asks of a node.
@@ -306,6 +312,9 @@ impl DeclarationItems {
         }
         if let Some(plan) = &self.firewall {
             plan.validate("body.items.firewall")?;
+        }
+        if let Some(endpoints) = &self.endpoints {
+            endpoints.validate("body.items.endpoints")?;
         }
         if self.certificates.len() > crate::MAX_CERTIFICATES {
             return Err(DecodeError::invalid(

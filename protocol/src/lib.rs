@@ -15,6 +15,7 @@
 mod artifact;
 mod connectivity;
 mod declaration;
+mod endpoints;
 mod envelope;
 mod error;
 mod health;
@@ -46,6 +47,10 @@ pub use connectivity::{
 pub use declaration::{
     Declaration, DeclarationItems, FileItem, FileMode, HeartbeatPlan, MAX_SEALED_BYTES,
     SealedFileItem, Section, digest_items, validate_path, validate_section_name,
+};
+pub use endpoints::{
+    Endpoints, MAX_ENDPOINT_BYTES, MAX_ENDPOINTS, check_api_endpoint, format_host_port,
+    parse_host_port,
 };
 pub use envelope::Body;
 pub use envelope::{Envelope, PROTOCOL_VERSION, ProtocolRange, RawEnvelope, UnknownFields};

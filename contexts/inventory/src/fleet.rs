@@ -16,8 +16,8 @@ use chrono::{DateTime, Utc};
 use mesh_plumbing::outbox;
 use mesh_plumbing::section::Items;
 use mesh_protocol::{
-    DeclarationItems, HeartbeatPlan, ModulePlacement, ModulePort, ModuleRemoved, NodeId, Provides,
-    RecordEvent, RecordKind, Requirement, SettingsFile,
+    DeclarationItems, Endpoints, HeartbeatPlan, ModulePlacement, ModulePort, ModuleRemoved, NodeId,
+    Provides, RecordEvent, RecordKind, Requirement, SettingsFile,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -43,8 +43,28 @@ pub(crate) struct Pass {
     pub not_observed: Option<String>,
     pub controller_node: Option<String>,
     pub max_unreachable_share: f64,
-    /// The heartbeat plan every node's inventory section carries (none: the floor).
-    pub plan: Option<HeartbeatPlan>,
+    /// What every node's inventory section carries besides its units.
+    pub plan: Carried,
+}
+
+/// What every node's inventory section carries besides its units: the
+/// heartbeat plan (none: the floor) and the mesh's endpoints (none: the
+/// controller knows none to tell; decision 0044).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Carried {
+    pub heartbeat: Option<HeartbeatPlan>,
+    pub endpoints: Option<Endpoints>,
+}
+
+impl Carried {
+    /// The items of a node that runs nothing.
+    pub(crate) fn bare(&self) -> DeclarationItems {
+        DeclarationItems {
+            heartbeat: self.heartbeat,
+            endpoints: self.endpoints.clone(),
+            ..DeclarationItems::default()
+        }
+    }
 }
 
 #[derive(sqlx::FromRow)]
@@ -162,7 +182,7 @@ pub(crate) async fn reconcile(
     // Sections of every node that holds or held units.
     let mut touched: BTreeSet<String> = before.iter().map(|a| a.node.clone()).collect();
     touched.extend(after.keys().map(|(node, _)| node.clone()));
-    report.declared = declare(tx, &touched, &after, &modules, pass.plan).await?;
+    report.declared = declare(tx, &touched, &after, &modules, &pass.plan).await?;
     report.conditions = conditions::tell(tx, found).await?;
     Ok(report)
 }
@@ -722,12 +742,9 @@ fn units_of(
     node: &str,
     assignments: &BTreeMap<(String, String), Assignment>,
     modules: &BTreeMap<String, Module>,
-    plan: Option<HeartbeatPlan>,
+    plan: &Carried,
 ) -> DeclarationItems {
-    let mut items = DeclarationItems {
-        heartbeat: plan,
-        ..DeclarationItems::default()
-    };
+    let mut items = plan.bare();
     let held = assignments
         .range((node.to_owned(), String::new())..)
         .take_while(|((n, _), _)| n == node);
@@ -757,7 +774,7 @@ async fn declare(
     touched: &BTreeSet<String>,
     after: &BTreeMap<(String, String), Assignment>,
     modules: &BTreeMap<String, Module>,
-    plan: Option<HeartbeatPlan>,
+    plan: &Carried,
 ) -> Result<usize, Error> {
     let mut desired = Vec::with_capacity(touched.len());
     for node in touched {
@@ -775,7 +792,7 @@ pub(crate) async fn declare_holders(
     tx: &mut PgConnection,
     module: &str,
     nodes: &BTreeSet<String>,
-    plan: Option<HeartbeatPlan>,
+    plan: &Carried,
 ) -> Result<usize, Error> {
     let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
     let held: Vec<Assignment> = sqlx::query_as(
@@ -806,7 +823,7 @@ pub(crate) async fn declare_holders(
 /// stored. Takes the fleet reconcile's lock.
 pub(crate) async fn desired_sections(
     tx: &mut PgConnection,
-    plan: Option<HeartbeatPlan>,
+    plan: &Carried,
 ) -> Result<Vec<(NodeId, Items)>, Error> {
     lock(tx).await?;
     let modules = load_modules(tx).await?;
@@ -820,14 +837,19 @@ pub(crate) async fn desired_sections(
         .into_iter()
         .map(|a| ((a.node.clone(), a.name.clone()), a))
         .collect();
-    let nodes: Vec<String> = sqlx::query_scalar("SELECT id FROM inventory.nodes ORDER BY id")
-        .fetch_all(&mut *tx)
-        .await?;
-    let none = Items::new(DeclarationItems::default())?;
+    // A refused agent is declared nothing until it says hello in a protocol
+    // this controller speaks (decision 0020): not even what every node's
+    // section carries.
+    let nodes: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM inventory.nodes WHERE refused IS NULL ORDER BY id")
+            .fetch_all(&mut *tx)
+            .await?;
+    // Nodes that run nothing share one computed section.
+    let none = Items::new(plan.bare())?;
     let mut desired = Vec::with_capacity(nodes.len());
     for node in nodes {
         let units = units_of(&node, &assignments, &modules, plan);
-        let items = if units.units.is_empty() && units.heartbeat.is_none() {
+        let items = if units.units.is_empty() {
             none.clone()
         } else {
             Items::new(units)?

@@ -120,6 +120,11 @@ pub struct InventorySettings {
     /// How often the sweeper runs (part of the detection time the API shows).
     /// Default 2 s.
     pub sweep_interval: Duration,
+    /// The mesh's endpoints every node's inventory section carries (decision
+    /// 0044): declared to a node when it joins, to the whole fleet at the
+    /// first sweep after start (a controller in a new home tells every node
+    /// at once), and kept by the periodic resync. Default none (no field).
+    pub endpoints: Option<mesh_protocol::Endpoints>,
 }
 
 impl Default for InventorySettings {
@@ -134,6 +139,7 @@ impl Default for InventorySettings {
             heartbeat_budget: 1000.0,
             liveness_write: Duration::from_secs(5),
             sweep_interval: Duration::from_secs(2),
+            endpoints: None,
         }
     }
 }
@@ -151,6 +157,9 @@ pub struct Inventory {
     observing_since: Mutex<Option<DateTime<Utc>>>,
     /// Last heard times not yet written, and the fleet's heartbeat interval.
     liveness: liveness::Liveness,
+    /// Whether a sweep since start has declared the whole fleet's sections
+    /// with the settings' endpoints.
+    endpoints_told: std::sync::atomic::AtomicBool,
 }
 
 impl Inventory {
@@ -164,6 +173,7 @@ impl Inventory {
             liveness: liveness::Liveness::new(settings.heartbeat_floor),
             settings,
             observing_since: Mutex::new(None),
+            endpoints_told: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -243,7 +253,7 @@ impl SectionOwner for Inventory {
     }
 
     async fn desired(&self, tx: &mut PgConnection) -> Result<Vec<(NodeId, Items)>, Error> {
-        fleet::desired_sections(tx, self.declared_plan()).await
+        fleet::desired_sections(tx, &self.carried()).await
     }
 }
 
@@ -259,7 +269,7 @@ impl Context for Inventory {
         tx: &mut PgConnection,
         reports: &[Envelope<Report>],
     ) -> Result<(), HandlerError> {
-        reports::handle(tx, reports, &self.settings)
+        reports::handle(tx, reports, &self.settings, &self.carried())
             .await
             .map_err(HandlerError::from)
     }
@@ -293,7 +303,7 @@ impl Context for Inventory {
                     .map_err(HandlerError::from);
             }
             RecordKind::ModuleTargets(body) => {
-                let declared = targets::record(tx, body, self.declared_plan()).await?;
+                let declared = targets::record(tx, body, &self.carried()).await?;
                 tracing::debug!(module = %body.module, version = body.version, declared, "module targets");
                 return Ok(());
             }

@@ -195,6 +195,15 @@ impl Inventory {
         })
     }
 
+    /// What every node's inventory section carries besides its units: the
+    /// declared plan and the mesh's endpoints (the settings').
+    pub(crate) fn carried(&self) -> crate::fleet::Carried {
+        crate::fleet::Carried {
+            heartbeat: self.declared_plan(),
+            endpoints: self.settings.endpoints.clone(),
+        }
+    }
+
     /// Count the fleet and choose its interval. True when it changed (every
     /// node's inventory section must then be declared again).
     pub(crate) async fn choose_interval(&self, tx: &mut PgConnection) -> Result<bool, Error> {

@@ -25,6 +25,7 @@ pub(crate) async fn handle(
     tx: &mut PgConnection,
     reports: &[Envelope<Report>],
     settings: &InventorySettings,
+    plan: &crate::fleet::Carried,
 ) -> Result<(), Error> {
     // The controller's clock when it handled the batch: liveness is judged on it,
     // never on the node's clock.
@@ -65,9 +66,44 @@ pub(crate) async fn handle(
     }
     // Nodes behind or ahead on their inventory section: caught up at once.
     SECTIONS.on_hello(tx, reports).await?;
+    // After the catch-up, which knows no section of theirs yet (before it,
+    // the catch-up would send the new section a second time).
+    declare_joined(tx, &joined, plan).await?;
     heartbeat_batch(tx, &heartbeats, heard_at, settings.resend_after).await?;
     applied_batch(tx, &applied).await?;
     crate::units::record(tx, &units, heard_at).await?;
+    Ok(())
+}
+
+/// Nodes that joined now are declared what every node's section carries
+/// (the mesh's endpoints, the heartbeat plan) at once, not at the next
+/// reconcile that places on them or the next resync. They run nothing yet;
+/// no other writer sees their rows before this transaction commits, so this
+/// declare needs no fleet lock. Nothing to carry: nothing declared. A node
+/// that reports a generation above 1 (its agent kept a store the database
+/// does not know) ignores this one as stale, and its next heartbeat lifts
+/// the section above its own (the section component's catch-up).
+async fn declare_joined(
+    tx: &mut PgConnection,
+    joined: &std::collections::HashSet<String>,
+    plan: &crate::fleet::Carried,
+) -> Result<(), Error> {
+    if joined.is_empty() {
+        return Ok(());
+    }
+    let bare = mesh_plumbing::section::Items::new(plan.bare())?;
+    if bare.is_empty() {
+        return Ok(());
+    }
+    let mut desired = Vec::with_capacity(joined.len());
+    for node in joined {
+        let id = NodeId::parse(node).map_err(|e| Error::Corrupt {
+            node: node.clone(),
+            reason: e.to_string(),
+        })?;
+        desired.push((id, bare.clone()));
+    }
+    SECTIONS.declare(tx, desired).await?;
     Ok(())
 }
 

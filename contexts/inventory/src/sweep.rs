@@ -33,7 +33,7 @@ impl Inventory {
                 .as_ref()
                 .map(|n| n.as_str().to_owned()),
             max_unreachable_share: self.settings.max_unreachable_share,
-            plan: self.declared_plan(),
+            plan: self.carried(),
         }
     }
 
@@ -55,6 +55,12 @@ impl Inventory {
         let mut tx = self.pool.begin().await?;
         state::lock(&mut tx).await?;
         let replan = self.choose_interval(&mut tx).await?;
+        // The first sweep after start tells every node the endpoints of the
+        // settings (a controller restored in a new home, or reconfigured).
+        let announce = self.settings.endpoints.is_some()
+            && !self
+                .endpoints_told
+                .load(std::sync::atomic::Ordering::Relaxed);
         let pass = self.pass(now);
         let mut report = SweepReport {
             not_judged: pass.not_observed.clone(),
@@ -97,12 +103,16 @@ impl Inventory {
             }
         }
         report.reconcile = fleet::reconcile(&mut tx, &pass).await?;
-        if replan {
-            let desired = fleet::desired_sections(&mut tx, pass.plan).await?;
+        if replan || announce {
+            let desired = fleet::desired_sections(&mut tx, &pass.plan).await?;
             let declared = crate::SECTIONS.declare(&mut tx, desired).await?;
             report.reconcile.declared += declared.declared;
         }
         tx.commit().await?;
+        if announce {
+            self.endpoints_told
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         self.judged_unreachable(&report.unreachable);
         if !report.unreachable.is_empty() || report.reconcile.changed() {
             self.signal.notify();

@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use mesh_protocol::{HeartbeatPlan, ModuleTargets, NodeTarget, RevisionUnit};
+use mesh_protocol::{ModuleTargets, NodeTarget, RevisionUnit};
 use sqlx::PgConnection;
 use sqlx::types::Json;
 use uuid::Uuid;
@@ -94,7 +94,7 @@ pub(crate) async fn load(tx: &mut PgConnection) -> Result<BTreeMap<String, Targe
 pub(crate) async fn record(
     tx: &mut PgConnection,
     body: &ModuleTargets,
-    plan: Option<HeartbeatPlan>,
+    plan: &fleet::Carried,
 ) -> Result<usize, Error> {
     crate::state::lock(tx).await?;
     let exists: Option<String> =

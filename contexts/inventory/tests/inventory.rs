@@ -1120,3 +1120,59 @@ async fn labels_have_etags_two_writers_one_wins() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     f.env.teardown().await.unwrap();
 }
+
+/// Decision 0044: the mesh's endpoints in the settings are declared in the
+/// inventory section of a node that joins (in the join's transaction) and,
+/// at the first sweep after start, of every node; once, and only where the
+/// section differs. Without endpoints a node that runs nothing is declared
+/// nothing.
+#[tokio::test]
+async fn the_mesh_endpoints_are_declared_at_join_and_at_the_first_sweep() {
+    let f = setup().await;
+    let (a, b) = (node(&f, "a"), node(&f, "b"));
+    handle(&f, &[hello(&a, 1, labels(&[]), &[])]).await;
+    assert!(inventory_declarations(&f).await.is_empty());
+
+    // The controller starts again, knowing the mesh's endpoints.
+    let endpoints = mesh_protocol::Endpoints {
+        brokers: vec!["10.0.0.1:5671".into(), "10.0.0.2:5671".into()],
+        api: vec!["https://10.0.0.1:7443".into()],
+    };
+    let inventory = Inventory::new(
+        f.pool.clone(),
+        OutboxSignal::default(),
+        InventorySettings {
+            endpoints: Some(endpoints.clone()),
+            ..InventorySettings::default()
+        },
+    );
+    let mut tx = f.pool.begin().await.unwrap();
+    inventory
+        .handle_reports(&mut tx, &[hello(&b, 1, labels(&[]), &[])])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        inventory_declarations(&f).await,
+        vec![(b.as_str().to_owned(), 1)]
+    );
+    inventory.sweep(Utc::now()).await.unwrap();
+    inventory.sweep(Utc::now()).await.unwrap();
+    assert_eq!(
+        inventory_declarations(&f).await,
+        vec![(b.as_str().to_owned(), 1), (a.as_str().to_owned(), 1)]
+    );
+    let payloads: Vec<Vec<u8>> = sqlx::query_scalar(
+        "SELECT payload FROM inventory.outbox WHERE exchange = 'declarations' ORDER BY id",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    for p in payloads {
+        let v: serde_json::Value = serde_json::from_slice(&p).unwrap();
+        let told: mesh_protocol::Endpoints =
+            serde_json::from_value(v["body"]["items"]["endpoints"].clone()).unwrap();
+        assert_eq!(told, endpoints, "{v}");
+    }
+    f.env.teardown().await.unwrap();
+}

@@ -178,7 +178,8 @@ impl Items {
     }
 
     /// No files, no secrets, no units, no heartbeat plan, no overlay, no
-    /// packet filter, no certificates, no artifacts and no resources.
+    /// packet filter, no certificates, no artifacts, no resources and no
+    /// endpoints.
     pub fn is_empty(&self) -> bool {
         self.items.files.is_empty()
             && self.items.secrets.is_empty()
@@ -189,6 +190,7 @@ impl Items {
             && self.items.certificates.is_empty()
             && self.items.artifacts.is_empty()
             && self.items.resources.is_empty()
+            && self.items.endpoints.is_none()
     }
 
     /// Why an agent would refuse these items (too many, too large); none: it
