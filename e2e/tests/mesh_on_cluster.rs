@@ -204,8 +204,25 @@ async fn declare_motd(mesh: &Mesh, content: &str) -> anyhow::Result<()> {
 }
 
 /// `node` has the file with `content` and reports config `generation`
-/// applied == declared.
+/// applied == declared; if not in time, the error carries the end of the
+/// node's agent log and of the controller's.
 async fn converged(mesh: &Mesh, node: &str, content: &str, generation: u64) -> anyhow::Result<()> {
+    converging(mesh, node, content, generation)
+        .await
+        .map_err(|e| {
+            let tail = |log: String| {
+                let lines: Vec<&str> = log.lines().collect();
+                lines[lines.len().saturating_sub(40)..].join("\n")
+            };
+            e.context(format!(
+                "agent {node}'s log ends:\n{}\ncontroller's log ends:\n{}",
+                tail(mesh.log_of(&format!("agent-{node}"))),
+                tail(mesh.controller_log())
+            ))
+        })
+}
+
+async fn converging(mesh: &Mesh, node: &str, content: &str, generation: u64) -> anyhow::Result<()> {
     let path = mesh.agent(node).file("/etc/motd");
     wait_for(
         &format!("{node} to apply config generation {generation}"),
