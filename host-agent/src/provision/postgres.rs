@@ -1,5 +1,7 @@
 //! PostgreSQL: a database and a login role with rights on it alone, through
-//! `psql` over the server's Unix socket as its local administrator.
+//! `psql` over the server's Unix socket as its local administrator. PUBLIC's
+//! CONNECT and TEMPORARY on `postgres` and `template1` are revoked on every
+//! pass, so that no grant's login opens the server's own databases.
 //!
 //! The SQL goes on stdin (never argv). The password is a string literal in
 //! that SQL; it stays out of every reason and log because the session runs
@@ -89,8 +91,13 @@ pub(super) async fn ensure(
         .map(|e| format!(" ENCODING {} TEMPLATE template0", literal(e)))
         .unwrap_or_default();
     let pw = literal(password.expose());
+    // The server is the provider module's own: by PostgreSQL's defaults
+    // PUBLIC may connect to (and make temporary tables in) `postgres` and
+    // `template1`, so every grant's login could. Taken away first, on every
+    // pass (idempotent); the local administrator keeps them as superuser.
     let sql = format!(
-        "SELECT count(*) > 0 AS role_exists FROM pg_roles WHERE rolname = {user} \\gset\n\
+        "REVOKE CONNECT, TEMPORARY ON DATABASE postgres, template1 FROM PUBLIC;\n\
+         SELECT count(*) > 0 AS role_exists FROM pg_roles WHERE rolname = {user} \\gset\n\
          \\if :role_exists\n\
          ALTER ROLE {role} LOGIN PASSWORD {pw} CONNECTION LIMIT {connection_limit};\n\
          \\else\n\
