@@ -37,9 +37,27 @@ async fn psql(item: &ResourceItem, sql: &str) -> Result<String, DriverError> {
     let (code, stdout, stderr) = run(cmd, &script).await?;
     match code {
         Some(0) => Ok(stdout),
+        Some(3) if transient(&stderr) => Err(DriverError::Transient(truncate_reason(&stderr))),
         Some(3) => Err(DriverError::Refused(truncate_reason(&stderr))),
         _ => Err(DriverError::Unavailable(truncate_reason(&stderr))),
     }
+}
+
+/// A refusal that says nothing of the request: the catalog row a statement
+/// changes was changed or removed by another session meanwhile (e.g. the
+/// database dropped between the pass's look and its `ALTER DATABASE`), a
+/// deadlock, a serialization failure. The first is an internal error whose
+/// words are never translated; the others match the server's English
+/// messages only (`lc_messages` other than English: they fail the grant).
+fn transient(stderr: &str) -> bool {
+    [
+        "tuple concurrently updated",
+        "tuple concurrently deleted",
+        "deadlock detected",
+        "could not serialize access",
+    ]
+    .iter()
+    .any(|w| stderr.contains(w))
 }
 
 /// `"name"` (names are `[a-z0-9-]`, but quote whatever comes).
@@ -137,4 +155,22 @@ pub(super) async fn delete(item: &ResourceItem) -> Result<(), DriverError> {
         role = ident(&item.user),
     );
     psql(item, &sql).await.map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transient;
+
+    #[test]
+    fn a_concurrent_catalog_change_is_transient_a_bad_option_is_not() {
+        assert!(transient(
+            "psql:<stdin>:12: ERROR:  tuple concurrently deleted\n"
+        ));
+        assert!(transient("ERROR:  tuple concurrently updated"));
+        assert!(transient("ERROR:  deadlock detected"));
+        assert!(!transient(
+            "ERROR:  BOGUS is not a valid encoding name at character 41"
+        ));
+        assert!(!transient("ERROR:  permission denied to create database"));
+    }
 }
