@@ -24,10 +24,20 @@
 //!   schema (outboxes included: what crossed the broker), in clear or
 //!   hex-encoded, and not in any log.
 //!
+//! - The failure modes: a request the provider refuses is `failed` in
+//!   PostgreSQL's words with a `grant_failed` alert; a database dropped on
+//!   the provider is re-created and the consumer's credential rotated (the
+//!   old password refused); the provider's module stopped, the grant waits
+//!   with a `grant_waiting` alert, and started again it is ready and the
+//!   alert resolves. A grant's login is refused on the server's own
+//!   `postgres` and `template1` too.
+//!
 //! Skipped, saying why, where not root, where the bundle's TLS is not
 //! advertised beyond loopback, or where PostgreSQL's, RabbitMQ's or Garage's
 //! binaries are missing (bundle/up installs the first two, bundle/garage
-//! builds the third).
+//! builds the third). With `MESH_REQUIRE_ALL` set (to anything but empty or
+//! `0`; bundle/test sets it) each of these fails the test instead, so that CI
+//! cannot pass without running it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -90,6 +100,11 @@ fn unavailable() -> Option<String> {
     }
 }
 
+/// `MESH_REQUIRE_ALL` is set (not empty, not `0`): what cannot run fails.
+fn require_all() -> bool {
+    std::env::var("MESH_REQUIRE_ALL").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
 fn providers() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("providers")
 }
@@ -97,6 +112,9 @@ fn providers() -> PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grants_reach_exactly_their_consumer_follow_it_and_are_revoked() -> anyhow::Result<()> {
     if let Some(why) = unavailable() {
+        if require_all() {
+            bail!("MESH_REQUIRE_ALL is set and this machine cannot run the test: {why}");
+        }
         eprintln!("skipped: {why}");
         return Ok(());
     }
@@ -547,20 +565,16 @@ async fn grants(
         ],
     );
     let provides = |kind: &str, port: u16, admin: Value| json!({"provides": [{"kind": kind, "host": b_addr, "port": port, "admin": admin}]});
-    put_module(
-        mesh,
-        "pg",
-        &module(
-            &b.node,
-            pg_unit,
-            provides(
-                "postgres.database",
-                PG_PORT,
-                json!({"server": "postgres", "socket_dir": pg_dir.join("sock").display().to_string()}),
-            ),
+    let pg_spec = module(
+        &b.node,
+        pg_unit,
+        provides(
+            "postgres.database",
+            PG_PORT,
+            json!({"server": "postgres", "socket_dir": pg_dir.join("sock").display().to_string()}),
         ),
-    )
-    .await?;
+    );
+    put_module(mesh, "pg", &pg_spec).await?;
     put_module(
         mesh,
         "mq",
@@ -631,6 +645,15 @@ async fn grants(
     let (ok, out) = psql_in(lan.ns(0), &db, "other-db", "SELECT 1");
     ensure!(!ok, "app's login opened other-db: {out}");
     ensure!(!out.contains(&db["PGPASSWORD"]), "psql echoed the password");
+    // Nor the provider server's own databases.
+    for own in ["postgres", "template1"] {
+        let (ok, out) = psql_in(lan.ns(0), &db, own, "SELECT 1");
+        ensure!(
+            !ok && out.contains("permission denied"),
+            "app's login on {own}: {}",
+            redact(&out, &db["PGPASSWORD"])
+        );
+    }
 
     let vhost = mq.get("AMQP_VHOST").context("AMQP_VHOST")?.clone();
     ensure!(vhost == "app-mq", "AMQP_VHOST {vhost}");
@@ -652,6 +675,8 @@ async fn grants(
     ensure!(get == 200, "GET from app-files: {get}");
     let other = s3(&b_addr, &files, "PUT", "/other-files/x.txt", b"x").await?;
     ensure!(other == 403, "PUT into other-files with app's key: {other}");
+    let other = s3(&b_addr, &files, "GET", "/other-files/x.txt", b"").await?;
+    ensure!(other == 403, "GET from other-files with app's key: {other}");
 
     // 4. Each node holds exactly its modules' secrets.
     let on_b = files_under(&b.root.join("modules"));
@@ -819,5 +844,136 @@ async fn grants(
             }
         }
     }
+
+    // 10. The failure modes, through the agents, the API and the alerts.
+    failure_modes(mesh, lan, c, &pg_dir, &pg_spec).await
+}
+
+/// The grant of consumer `module` for `requirement`, as the API has it.
+async fn grant_of(mesh: &Mesh, module: &str, requirement: &str) -> anyhow::Result<Value> {
+    grants_of(mesh, module)
+        .await?
+        .into_iter()
+        .find(|g| g["consumer"] == module && g["requirement"] == requirement)
+        .with_context(|| format!("no grant {module}/{requirement}"))
+}
+
+/// Until an open alert of `kind` names grant `name` (`module/requirement`),
+/// or (`open` false) none does.
+async fn wait_grant_alert(mesh: &Mesh, kind: &str, name: &str, open: bool) -> anyhow::Result<()> {
+    let what = format!(
+        "{kind} for {name} {}",
+        if open { "open" } else { "resolved" }
+    );
+    wait_for(&what, WITHIN, || async {
+        let named = open_alerts(mesh, kind)
+            .await?
+            .iter()
+            .any(|a| a["message"].as_str().is_some_and(|m| m.contains(name)));
+        Ok((named == open).then_some(()))
+    })
+    .await
+}
+
+/// Issue 16's failure modes, on `other`'s database grant (its consumer on
+/// host c) and on a third consumer's: a request the provider refuses, a
+/// resource the provider lost, and the provider down.
+async fn failure_modes(
+    mesh: &Mesh,
+    lan: &Lan,
+    c: &Host,
+    pg_dir: &Path,
+    pg_spec: &Value,
+) -> anyhow::Result<()> {
+    let sock = pg_dir.join("sock");
+
+    // a. A request the provider refuses: failed, in PostgreSQL's words, and
+    //    alerted.
+    put_module(
+        mesh,
+        "bad",
+        &module(
+            &c.node,
+            sleeper(),
+            json!({"requires": [{"kind": "postgres.database", "name": "db", "options": {"encoding": "BOGUS"}}]}),
+        ),
+    )
+    .await?;
+    let failed = wait_grants(mesh, "bad", 1, "failed").await?;
+    ensure!(
+        failed[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("BOGUS is not a valid encoding name")),
+        "the refusal's reason: {}",
+        failed[0]
+    );
+    wait_grant_alert(mesh, "grant_failed", "bad/db", true).await?;
+
+    // b. A provider that lost a resource: re-created, and the consumer's
+    //    credential rotated (the old password refused, the new one opens it).
+    let path = c.file("/modules/other/secrets/grant-db.env");
+    let before = grant_of(mesh, "other", "db").await?;
+    let version = before["credential_version"]
+        .as_i64()
+        .context("credential_version")?;
+    let old = wait_credentials(&path, version).await?;
+    psql_admin(&sock, "postgres", "DROP DATABASE \"other-db\" WITH (FORCE)")?;
+    let new = wait_credentials(&path, version + 1).await?;
+    ensure!(
+        new["PGPASSWORD"] != old["PGPASSWORD"],
+        "the rotated credential has the old password"
+    );
+    wait_for(
+        "other's rotated credential to open other-db",
+        WITHIN,
+        || async {
+            let (ok, _) = psql_in(lan.ns(2), &new, "other-db", "SELECT 1");
+            Ok(ok.then_some(()))
+        },
+    )
+    .await?;
+    let (ok, out) = psql_in(lan.ns(2), &old, "other-db", "SELECT 1");
+    ensure!(
+        !ok,
+        "the rotated-out password still opens other-db: {}",
+        redact(&out, &old["PGPASSWORD"])
+    );
+    wait_for("other/db ready at the new version", WITHIN, || async {
+        let g = grant_of(mesh, "other", "db").await?;
+        Ok(
+            (g["state"] == "ready" && g["credential_version"].as_i64() > Some(version))
+                .then_some(()),
+        )
+    })
+    .await?;
+
+    // c. The provider down (its module stopped by the operator): the grant
+    //    waits, alerted; started again, it is ready and the alert resolves.
+    let mut stopped = pg_spec.clone();
+    stopped["desired"] = json!("stopped");
+    put_module(mesh, "pg", &stopped).await?;
+    wait_for("other/db to wait for its provider", WITHIN, || async {
+        let g = grant_of(mesh, "other", "db").await?;
+        ensure!(
+            g["state"] == "provisioning" || g["state"] == "requested",
+            "other/db is {} ({})",
+            g["state"],
+            g["reason"]
+        );
+        Ok(Some(()))
+    })
+    .await?;
+    wait_grant_alert(mesh, "grant_waiting", "other/db", true).await?;
+    let (ok, _) = psql_in(lan.ns(2), &new, "other-db", "SELECT 1");
+    ensure!(!ok, "other-db answered with its provider stopped");
+    put_module(mesh, "pg", pg_spec).await?;
+    wait_grants(mesh, "other", 3, "ready").await?;
+    wait_grant_alert(mesh, "grant_waiting", "other/db", false).await?;
+    let (ok, out) = psql_in(lan.ns(2), &new, "other-db", "SELECT 1");
+    ensure!(
+        ok,
+        "other's login after the provider's return: {}",
+        redact(&out, &new["PGPASSWORD"])
+    );
     Ok(())
 }

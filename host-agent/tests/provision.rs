@@ -311,6 +311,11 @@ async fn postgres_grant_lifecycle() {
     .unwrap();
     let refused = tcp_query(&server, "app-a-user", PW_A, "app-b", "SELECT 1").unwrap_err();
     assert!(refused.contains("permission denied"), "{refused}");
+    // Nor the server's own databases (PUBLIC's CONNECT on them is revoked).
+    for db in ["postgres", "template1"] {
+        let refused = tcp_query(&server, "app-a-user", PW_A, db, "SELECT 1").unwrap_err();
+        assert!(refused.contains("permission denied"), "{db}: {refused}");
+    }
     let refused = tcp_query(&server, "app-a-user", "wrong", "app-a", "SELECT 1").unwrap_err();
     assert!(
         refused.contains("password authentication failed"),

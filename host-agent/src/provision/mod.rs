@@ -42,12 +42,17 @@ pub enum DriverError {
     /// grant fails until its declaration changes.
     #[error("{0}")]
     Refused(String),
+    /// The server refused for a passing reason (its catalog changed under
+    /// the statement, a deadlock): the grant waits and is tried again on the
+    /// next pass, which looks afresh.
+    #[error("{0} (tried again)")]
+    Transient(String),
 }
 
 impl DriverError {
     fn state(&self) -> ResourceStatusState {
         match self {
-            DriverError::Unavailable(_) => ResourceStatusState::Waiting,
+            DriverError::Unavailable(_) | DriverError::Transient(_) => ResourceStatusState::Waiting,
             DriverError::Refused(_) => ResourceStatusState::Failed,
         }
     }

@@ -1,5 +1,7 @@
 //! PostgreSQL: a database and a login role with rights on it alone, through
-//! `psql` over the server's Unix socket as its local administrator.
+//! `psql` over the server's Unix socket as its local administrator. PUBLIC's
+//! CONNECT and TEMPORARY on `postgres` and `template1` are revoked on every
+//! pass, so that no grant's login opens the server's own databases.
 //!
 //! The SQL goes on stdin (never argv). The password is a string literal in
 //! that SQL; it stays out of every reason and log because the session runs
@@ -35,9 +37,27 @@ async fn psql(item: &ResourceItem, sql: &str) -> Result<String, DriverError> {
     let (code, stdout, stderr) = run(cmd, &script).await?;
     match code {
         Some(0) => Ok(stdout),
+        Some(3) if transient(&stderr) => Err(DriverError::Transient(truncate_reason(&stderr))),
         Some(3) => Err(DriverError::Refused(truncate_reason(&stderr))),
         _ => Err(DriverError::Unavailable(truncate_reason(&stderr))),
     }
+}
+
+/// A refusal that says nothing of the request: the catalog row a statement
+/// changes was changed or removed by another session meanwhile (e.g. the
+/// database dropped between the pass's look and its `ALTER DATABASE`), a
+/// deadlock, a serialization failure. The first is an internal error whose
+/// words are never translated; the others match the server's English
+/// messages only (`lc_messages` other than English: they fail the grant).
+fn transient(stderr: &str) -> bool {
+    [
+        "tuple concurrently updated",
+        "tuple concurrently deleted",
+        "deadlock detected",
+        "could not serialize access",
+    ]
+    .iter()
+    .any(|w| stderr.contains(w))
 }
 
 /// `"name"` (names are `[a-z0-9-]`, but quote whatever comes).
@@ -89,8 +109,13 @@ pub(super) async fn ensure(
         .map(|e| format!(" ENCODING {} TEMPLATE template0", literal(e)))
         .unwrap_or_default();
     let pw = literal(password.expose());
+    // The server is the provider module's own: by PostgreSQL's defaults
+    // PUBLIC may connect to (and make temporary tables in) `postgres` and
+    // `template1`, so every grant's login could. Taken away first, on every
+    // pass (idempotent); the local administrator keeps them as superuser.
     let sql = format!(
-        "SELECT count(*) > 0 AS role_exists FROM pg_roles WHERE rolname = {user} \\gset\n\
+        "REVOKE CONNECT, TEMPORARY ON DATABASE postgres, template1 FROM PUBLIC;\n\
+         SELECT count(*) > 0 AS role_exists FROM pg_roles WHERE rolname = {user} \\gset\n\
          \\if :role_exists\n\
          ALTER ROLE {role} LOGIN PASSWORD {pw} CONNECTION LIMIT {connection_limit};\n\
          \\else\n\
@@ -130,4 +155,22 @@ pub(super) async fn delete(item: &ResourceItem) -> Result<(), DriverError> {
         role = ident(&item.user),
     );
     psql(item, &sql).await.map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transient;
+
+    #[test]
+    fn a_concurrent_catalog_change_is_transient_a_bad_option_is_not() {
+        assert!(transient(
+            "psql:<stdin>:12: ERROR:  tuple concurrently deleted\n"
+        ));
+        assert!(transient("ERROR:  tuple concurrently updated"));
+        assert!(transient("ERROR:  deadlock detected"));
+        assert!(!transient(
+            "ERROR:  BOGUS is not a valid encoding name at character 41"
+        ));
+        assert!(!transient("ERROR:  permission denied to create database"));
+    }
 }
