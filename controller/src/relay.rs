@@ -97,7 +97,13 @@ impl Relay {
         conn: Arc<Connection>,
         shutdown: CancellationToken,
     ) -> Result<(), lapin::Error> {
-        let ch = amqp::confirm_channel(&conn).await?;
+        let mut ch = amqp::confirm_channel(&conn).await?;
+        // A round the broker refused part of opens a fresh channel for the
+        // rounds after it: a channel that published to a quorum queue whose
+        // leader's node died can keep being refused for that queue after a
+        // new leader is elected (seen on a three-node cluster, RabbitMQ 3.10,
+        // e2e/tests/mesh_on_cluster.rs), while a new channel finds the leader.
+        let mut reopen = false;
         let schemas = self.contexts.schemas();
         // Per schema, the highest id handed to the broker while rounds are in
         // flight: the next round reads on past it instead of waiting for the
@@ -107,6 +113,14 @@ impl Relay {
         let mut more = true;
         loop {
             if more && in_flight.len() < WINDOW {
+                if std::mem::take(&mut reopen) {
+                    tracing::info!("a publish was refused: the relay opens a fresh channel");
+                    let old = std::mem::replace(&mut ch, amqp::confirm_channel(&conn).await?);
+                    // Rounds still in flight hold their confirms, not the channel.
+                    tokio::spawn(async move {
+                        let _ = old.close(200, "replaced after a refused publish".into()).await;
+                    });
+                }
                 if in_flight.is_empty() {
                     // Nothing in flight: read from the oldest unsent row again,
                     // which picks up rows committed out of id order and rows
@@ -141,6 +155,7 @@ impl Relay {
                     // A refused publish waits for the next wake-up instead of spinning.
                     if settled.refused {
                         more = false;
+                        reopen = true;
                     }
                 }
                 _ = shutdown.cancelled() => return Ok(()),
