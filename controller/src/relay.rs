@@ -118,7 +118,9 @@ impl Relay {
                     let old = std::mem::replace(&mut ch, amqp::confirm_channel(&conn).await?);
                     // Rounds still in flight hold their confirms, not the channel.
                     tokio::spawn(async move {
-                        let _ = old.close(200, "replaced after a refused publish".into()).await;
+                        let _ = old
+                            .close(200, "replaced after a refused publish".into())
+                            .await;
                     });
                 }
                 if in_flight.is_empty() {
