@@ -440,7 +440,7 @@ fn advertised(address: &str, api_port: u16, amqps_port: u16) -> anyhow::Result<(
     let broker = format!("{host}:{amqps_port}");
     mesh_credentials::advertise::check_api_url(&api)
         .map_err(|e| anyhow::anyhow!("MESH_ADVERTISE / --advertise: {e}"))?;
-    mesh_credentials::advertise::check_host_port(&broker)
+    mesh_protocol::parse_host_port(&broker)
         .map_err(|e| anyhow::anyhow!("MESH_ADVERTISE / --advertise: {e}"))?;
     Ok((api, broker))
 }

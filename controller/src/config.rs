@@ -377,11 +377,9 @@ impl Settings {
             })?;
         }
         if let Some(broker) = &self.advertise_broker {
-            mesh_credentials::advertise::check_host_port(broker).map_err(|message| {
-                ConfigError::Invalid {
-                    field: "advertise_broker",
-                    message,
-                }
+            mesh_protocol::parse_host_port(broker).map_err(|message| ConfigError::Invalid {
+                field: "advertise_broker",
+                message,
             })?;
         }
         if !(60..=365 * 86_400).contains(&self.api_certificate_lifetime_secs) {
@@ -507,7 +505,7 @@ impl Settings {
             .iter()
             .enumerate()
             .map(|(i, e)| {
-                mesh_credentials::advertise::check_host_port(e).map_err(|m| ConfigError::Invalid {
+                mesh_protocol::parse_host_port(e).map_err(|m| ConfigError::Invalid {
                     field: "broker_endpoints",
                     message: format!("entry {i}: {m}"),
                 })

@@ -42,14 +42,6 @@ pub fn check_api_url(value: &str) -> Result<url::Url, String> {
     Ok(u)
 }
 
-/// Checks an advertised `<host>:<port>` (an IPv6 address in brackets): a host
-/// and a port, no scheme. Returns `(host, port)`; the error says what is wrong.
-/// The one definition is the protocol's ([`mesh_protocol::parse_host_port`]):
-/// the endpoints the controller declares to nodes are read by it.
-pub fn check_host_port(value: &str) -> Result<(String, u16), String> {
-    mesh_protocol::parse_host_port(value)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,31 +78,6 @@ mod tests {
             "192.0.2.2:7443",
         ] {
             assert!(check_api_url(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn host_ports() {
-        assert_eq!(
-            check_host_port("192.0.2.2:5671").unwrap(),
-            ("192.0.2.2".into(), 5671)
-        );
-        assert_eq!(
-            check_host_port("[2001:db8::1]:5671").unwrap(),
-            ("2001:db8::1".into(), 5671)
-        );
-        assert!(check_host_port("broker.example.org:5671").is_ok());
-        for bad in [
-            "192.0.2.2",
-            "192.0.2.2:0",
-            "192.0.2.2:x",
-            "amqps://192.0.2.2:5671",
-            ":5671",
-            "2001:db8::1:5671",
-            "a b:1",
-        ] {
-            let err = check_host_port(bad).unwrap_err();
-            assert!(err.contains(bad), "{bad}: {err}");
         }
     }
 }

@@ -208,7 +208,7 @@ impl ControllerCredentials {
                 .map_err(|reason| CredentialsError::invalid(path, "advertise_api", reason))?;
         }
         if let Some(broker) = &self.advertise_broker {
-            crate::advertise::check_host_port(broker)
+            mesh_protocol::parse_host_port(broker)
                 .map_err(|reason| CredentialsError::invalid(path, "advertise_broker", reason))?;
         }
         if let Some(hash) = &self.bootstrap_admin_token_sha256

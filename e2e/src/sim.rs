@@ -136,6 +136,35 @@ impl SimNode {
     }
 }
 
+/// As the node of `creds`, ask for its certificate `name` with `csr` (a
+/// `certificates` report with sequence number `seq`), confirmed by the broker.
+pub async fn request_certificate(
+    creds: NodeCredentials,
+    seq: u64,
+    name: &str,
+    csr: String,
+) -> anyhow::Result<()> {
+    let sim = SimNode::connect(creds).await?;
+    let report = Envelope::new(
+        sim.node().clone(),
+        seq,
+        Report::Certificates(mesh_protocol::Certificates {
+            requests: vec![mesh_protocol::CertificateRequest {
+                name: name.into(),
+                csr,
+            }],
+            held: vec![],
+        }),
+    );
+    let sent = sim.send(&report).await;
+    let done = match sent {
+        Ok(confirm) => confirmed(vec![confirm]).await,
+        Err(e) => Err(e),
+    };
+    sim.close().await;
+    done
+}
+
 /// Wait for confirms; fail on the first one the broker did not ack.
 pub async fn confirmed(confirms: Vec<PublisherConfirm>) -> anyhow::Result<()> {
     for c in confirms {

@@ -12,11 +12,10 @@ use std::time::{Duration, Instant};
 
 use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use mesh_e2e::sim::{SimNode, confirmed};
+use mesh_e2e::sim::{SimNode, confirmed, request_certificate};
 use mesh_e2e::{Mesh, wait_for};
 use mesh_protocol::{
-    CertificateRequest, Certificates, Declaration, DeclarationItems, Envelope,
-    MAX_DECLARATION_BYTES, OverlayFacts, Report, Section,
+    Declaration, DeclarationItems, Envelope, MAX_DECLARATION_BYTES, OverlayFacts, Report, Section,
 };
 use mesh_testkit::NodeCredentials;
 
@@ -190,20 +189,7 @@ async fn five_nodes_peer_with_the_other_four_and_a_revoked_one_leaves_every_conf
     for (i, cn) in [(0usize, n0.as_str()), (1, n0.as_str())] {
         let key = mesh_credentials::pki::new_key()?;
         let csr = mesh_credentials::pki::csr(key.expose(), cn, &[cn.to_owned()])?;
-        let sim = SimNode::connect(nodes[i].1.clone()).await?;
-        let report = Envelope::new(
-            sim.node().clone(),
-            2,
-            Report::Certificates(Certificates {
-                requests: vec![CertificateRequest {
-                    name: "node".into(),
-                    csr,
-                }],
-                held: vec![],
-            }),
-        );
-        confirmed(vec![sim.send(&report).await?]).await?;
-        sim.close().await;
+        request_certificate(nodes[i].1.clone(), 2, "node", csr).await?;
     }
     let view = wait_for("both certificate requests handled", WITHIN, || async {
         let (status, view) = mesh.get("/v1/certificates").await?;

@@ -27,9 +27,8 @@ use std::time::{Duration, Instant};
 
 use mesh_bundle::provision::{self, Rabbit};
 use mesh_credentials::AdminCredentials;
-use mesh_e2e::sim::{SimNode, confirmed};
+use mesh_e2e::sim::request_certificate;
 use mesh_e2e::{GRACE, Mesh, bin, output, wait_for};
-use mesh_protocol::{CertificateRequest, Certificates, Envelope, Report};
 use serde_json::{Value, json};
 
 const WITHIN: Duration = Duration::from_secs(60);
@@ -650,20 +649,7 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     .await?;
     let key_pem = mesh_credentials::pki::new_key()?;
     let csr = mesh_credentials::pki::csr(key_pem.expose(), &a, std::slice::from_ref(&a))?;
-    let sim = SimNode::connect(mesh.agent(&a).creds.clone()).await?;
-    let report = Envelope::new(
-        sim.node().clone(),
-        1_000_000,
-        Report::Certificates(Certificates {
-            requests: vec![CertificateRequest {
-                name: "node".into(),
-                csr,
-            }],
-            held: vec![],
-        }),
-    );
-    confirmed(vec![sim.send(&report).await?]).await?;
-    sim.close().await;
+    request_certificate(mesh.agent(&a).creds.clone(), 1_000_000, "node", csr).await?;
     wait_for("the node's certificate signed", WITHIN, || async {
         Ok((!listing(&mesh, "/v1/certificates", "certificates")
             .await?
@@ -1103,20 +1089,7 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
         .ok_or_else(|| anyhow::anyhow!("no domain in {overlay}"))?;
     let a_key = std::fs::read_to_string(mesh.agent(&a).state_dir.join("certs/node.key"))?;
     let csr = mesh_credentials::pki::csr(&a_key, &a, &[a.clone(), format!("{a}.{domain}")])?;
-    let sim = SimNode::connect(mesh.agent(&a).creds.clone()).await?;
-    let report = Envelope::new(
-        sim.node().clone(),
-        2_000_000,
-        Report::Certificates(Certificates {
-            requests: vec![CertificateRequest {
-                name: "node".into(),
-                csr,
-            }],
-            held: vec![],
-        }),
-    );
-    confirmed(vec![sim.send(&report).await?]).await?;
-    sim.close().await;
+    request_certificate(mesh.agent(&a).creds.clone(), 2_000_000, "node", csr).await?;
     // A new serial, and a holds it: its agent checked it against the CA it
     // was declared with and installed it.
     let installed = mesh.agent(&a).file("/etc/mesh/tls/node.pem");

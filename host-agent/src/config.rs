@@ -395,7 +395,7 @@ impl Config {
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                mesh_credentials::advertise::check_host_port(b)
+                mesh_protocol::parse_host_port(b)
                     .map_err(|reason| ConfigError::invalid(format!("brokers[{i}]"), reason))
             })
             .collect()

@@ -114,7 +114,7 @@ pub fn bundle_tls() -> anyhow::Result<BundleTls> {
             creds_path.display()
         )
     })?;
-    let (advertise_host, amqps_port) = mesh_credentials::advertise::check_host_port(&broker)
+    let (advertise_host, amqps_port) = mesh_protocol::parse_host_port(&broker)
         .map_err(|e| anyhow::anyhow!("{}: advertise_broker: {e}", creds_path.display()))?;
     Ok(BundleTls {
         ca_certificate_file,
