@@ -531,37 +531,53 @@ fn free_rabbitmq_port() -> u16 {
     panic!("no free port pair for rabbitmq");
 }
 
+/// A RabbitMQ of its own on free ports. A broker that has not booted within
+/// a minute (a port taken between the check and the start, a loaded
+/// machine) is stopped and another started on other ports, three times at
+/// most; the last one's log is in the failure.
 fn start_rabbitmq() -> (Server, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let base = dir.path().join("rmq");
-    let port = free_rabbitmq_port();
-    let node = format!("mesh-prov-{port}@localhost");
-    let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
-    let child = Command::new("bash")
-        .arg(providers().join("rabbitmq.sh"))
-        .arg(&base)
-        .arg(port.to_string())
-        .arg(&node)
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let server = Server {
-        child: Some(child),
-        _dir: dir,
-        base,
-        port,
-    };
-    wait_until("rabbitmq", Duration::from_secs(90), || {
-        Command::new(RABBITMQCTL)
-            .env("HOME", &server.base)
-            .args(["-n", &node, "-q", "await_startup", "--timeout", "5"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    });
-    (server, node)
+    let mut last_log = String::new();
+    for _ in 0..3 {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("rmq");
+        let port = free_rabbitmq_port();
+        let node = format!("mesh-prov-{port}@localhost");
+        let log_path = dir.path().join("server.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let child = Command::new("bash")
+            .arg(providers().join("rabbitmq.sh"))
+            .arg(&base)
+            .arg(port.to_string())
+            .arg(&node)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let mut server = Server {
+            child: Some(child),
+            _dir: dir,
+            base,
+            port,
+        };
+        let end = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < end {
+            let booted = Command::new(RABBITMQCTL)
+                .env("HOME", &server.base)
+                .args(["-n", &node, "-q", "await_startup", "--timeout", "5"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if booted {
+                return (server, node);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        last_log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        eprintln!("rabbitmq on {port} not booted within 60 s: trying other ports");
+        server.stop();
+    }
+    panic!("rabbitmq not ready in three attempts; the last one's log:\n{last_log}");
 }
 
 fn amqp_item(server: &Server, node: &str, name: &str, state: ResourceState) -> ResourceItem {
