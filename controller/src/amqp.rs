@@ -3,11 +3,13 @@
 
 use std::collections::HashSet;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions,
 };
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use mesh_protocol::topology::{self, *};
@@ -15,19 +17,34 @@ use mesh_protocol::{NodeId, ReportKind};
 
 pub type AmqpResult<T> = Result<T, lapin::Error>;
 
+/// Connects to the URL's own host and port, within the default attempt
+/// deadline and heartbeat (tests and tools; the session uses [`connect_to`]).
 pub async fn connect(url: &str) -> AmqpResult<Connection> {
-    connect_to(url, None).await
+    let defaults = crate::config::Settings::default();
+    connect_to(
+        url,
+        None,
+        Duration::from_secs(defaults.amqp_heartbeat_secs),
+        defaults.connect_timeout(),
+    )
+    .await
 }
 
 /// Connects with the user, password, vhost and scheme of `url` to `endpoint`
 /// (`(host, port)`, one of `broker_endpoints`: another node of the same
-/// cluster) or, without one, to the URL's own host and port.
+/// cluster) or, without one, to the URL's own host and port; asking for an
+/// AMQP heartbeat of `heartbeat` unless the URL names one; the whole attempt
+/// (TCP connect, TLS and AMQP handshakes) within `deadline`
+/// ([`mesh_amqp::connect`]: a silent peer fails the attempt and leaves no
+/// socket or thread behind).
 /// A plain `amqp://` URL reaches loopback endpoints only, as its own host.
-pub async fn connect_to(url: &str, endpoint: Option<&(String, u16)>) -> AmqpResult<Connection> {
+pub async fn connect_to(
+    url: &str,
+    endpoint: Option<&(String, u16)>,
+    heartbeat: Duration,
+    deadline: Duration,
+) -> AmqpResult<Connection> {
     let props = ConnectionProperties::default().with_connection_name("mesh-controller".into());
-    let Some((host, port)) = endpoint else {
-        return Connection::connect(url, props).await;
-    };
     let mut uri: lapin::uri::AMQPUri = url
         .parse()
         // lapin's parse error may quote the URL (its password): not kept.
@@ -36,16 +53,27 @@ pub async fn connect_to(url: &str, endpoint: Option<&(String, u16)>) -> AmqpResu
                 "the broker URL in the credentials is not an AMQP URL",
             ))
         })?;
-    if uri.scheme == lapin::uri::AMQPScheme::AMQP
-        && !mesh_credentials::advertise::is_loopback_host(host)
-    {
-        return Err(lapin::Error::from(std::io::Error::other(format!(
-            "plain amqp:// to {host}:{port} refused: plain AMQP is for a loopback broker only"
-        ))));
+    if uri.query.heartbeat.is_none() {
+        uri.query.heartbeat = Some(u16::try_from(heartbeat.as_secs()).unwrap_or(u16::MAX));
     }
-    uri.authority.host = host.clone();
-    uri.authority.port = *port;
-    Connection::connect_uri(uri, props).await
+    if let Some((host, port)) = endpoint {
+        if uri.scheme == lapin::uri::AMQPScheme::AMQP
+            && !mesh_credentials::advertise::is_loopback_host(host)
+        {
+            return Err(lapin::Error::from(std::io::Error::other(format!(
+                "plain amqp:// to {host}:{port} refused: plain AMQP is for a loopback broker only"
+            ))));
+        }
+        uri.authority.host = host.clone();
+        uri.authority.port = *port;
+    }
+    match mesh_amqp::connect(uri, props, OwnedTLSConfig::default(), deadline).await {
+        Ok(conn) => Ok(conn),
+        Err(mesh_amqp::ConnectError::Amqp(e)) => Err(e),
+        Err(timed_out @ mesh_amqp::ConnectError::TimedOut(_)) => Err(lapin::Error::from(
+            std::io::Error::new(std::io::ErrorKind::TimedOut, timed_out.to_string()),
+        )),
+    }
 }
 
 /// The type of the queues whose loss would lose something (setting

@@ -49,6 +49,9 @@ pub enum AppError {
     Tls(String),
 }
 
+/// How long a graceful close of a broker connection waits for the broker's
+/// answer (a dead peer never answers).
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The HTTPS listener and its certificate, when the credentials name the
 /// mesh CA and an address to listen on is known (`api_listen_tls`, else the
 /// advertised API's port); otherwise `None`, with a log line saying why.
@@ -592,20 +595,45 @@ impl Session {
         failpoint: Option<String>,
         shutdown: &CancellationToken,
     ) -> Result<(), PipelineError> {
-        let conn = Arc::new(amqp::connect_to(&self.broker_url, target).await?);
+        let deadline = self.settings.connect_timeout();
+        let conn = Arc::new(
+            amqp::connect_to(
+                &self.broker_url,
+                target,
+                Duration::from_secs(self.settings.amqp_heartbeat_secs),
+                deadline,
+            )
+            .await?,
+        );
         self.metrics.broker_connects.inc();
         // Report queues an older controller declared get today's arguments
         // (single-active-consumer) here, or are drained first (crate::upgrade).
         let queue_type = self.settings.queue_type().unwrap_or_default();
-        let upgrading = upgrade::prepare(&conn, queue_type).await?;
-        let ch = conn.create_channel().await?;
-        amqp::declare_topology(
-            &ch,
-            &self.contexts.record_subscriptions(),
-            &upgrading,
-            queue_type,
-        )
-        .await?;
+        // The start within the attempt's deadline: a broker that accepted the
+        // connection and then stalls is given up, not waited on.
+        let started = tokio::time::timeout(deadline, async {
+            let upgrading = upgrade::prepare(&conn, queue_type).await?;
+            let ch = conn.create_channel().await?;
+            amqp::declare_topology(
+                &ch,
+                &self.contexts.record_subscriptions(),
+                &upgrading,
+                queue_type,
+            )
+            .await?;
+            Ok::<_, lapin::Error>((upgrading, ch))
+        })
+        .await;
+        let (upgrading, _topology) = match started {
+            Ok(result) => result?,
+            Err(_) => {
+                mesh_amqp::close(&conn, "session start timed out", CLOSE_TIMEOUT).await;
+                return Err(PipelineError::Cancelled(format!(
+                    "the broker at {endpoint} did not declare the topology within {}s",
+                    deadline.as_secs_f64()
+                )));
+            }
+        };
         declaration_queues.clear();
         tracing::info!(broker = %redact_url(&self.broker_url), %endpoint, "broker session started");
         self.broker_up.store(true, Ordering::Relaxed);
@@ -694,8 +722,18 @@ impl Session {
         self.logs.attach(None);
         self.contexts.inventory.observe_stop();
         session_end.cancel();
-        while tasks.join_next().await.is_some() {}
-        let _ = conn.close(200, "controller session ending".into()).await;
+        // Every task heeds the cancel; one stuck on a stalled peer is aborted
+        // after the shutdown deadline rather than holding the next session.
+        let joined = tokio::time::timeout(
+            Duration::from_secs(self.settings.shutdown_deadline_secs),
+            async { while tasks.join_next().await.is_some() {} },
+        )
+        .await;
+        if joined.is_err() {
+            tracing::warn!(%endpoint, "session tasks did not end in time; aborted");
+            tasks.shutdown().await;
+        }
+        mesh_amqp::close(&conn, "controller session ending", CLOSE_TIMEOUT).await;
         match first {
             Some(Ok(result)) => result,
             Some(Err(join)) => Err(PipelineError::Cancelled(format!(

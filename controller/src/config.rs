@@ -86,6 +86,20 @@ pub struct Settings {
     /// Longest wait between reconnect attempts to the broker, in milliseconds
     /// (full jitter, doubling from 200 ms). Default 10000.
     pub reconnect_max_ms: u64,
+    /// How long one attempt to reach a broker endpoint may take, all of it
+    /// (the TCP connect, the TLS and AMQP handshakes), and then each step of
+    /// starting a session (declaring the topology, opening channels), in
+    /// milliseconds. An endpoint that has not answered by then is given up
+    /// and the next of `broker_endpoints` tried: a dead broker behind a load
+    /// balancer accepts the connection and never answers. Default 10000; at
+    /// least 100.
+    pub connect_timeout_ms: u64,
+    /// The AMQP heartbeat the controller asks the broker for, in seconds (a
+    /// `heartbeat` in the broker URL wins): a connection silent for twice
+    /// this is given up (lapin) and the session starts again on the next
+    /// endpoint. One connection, so a short one costs nothing. Default 10;
+    /// 1 to 65535.
+    pub amqp_heartbeat_secs: u64,
     /// How long graceful shutdown may take before tasks are abandoned, in
     /// seconds. Default 10.
     pub shutdown_deadline_secs: u64,
@@ -283,6 +297,8 @@ impl Default for Settings {
             resend_after_secs: 30,
             pool_size: 4,
             reconnect_max_ms: 10_000,
+            connect_timeout_ms: 10_000,
+            amqp_heartbeat_secs: 10,
             shutdown_deadline_secs: 10,
             heartbeat_interval_ms: 10_000,
             heartbeat_budget_per_sec: 1000.0,
@@ -381,6 +397,18 @@ impl Settings {
                 field: "advertise_broker",
                 message,
             })?;
+        }
+        if self.connect_timeout_ms < 100 {
+            return Err(ConfigError::Invalid {
+                field: "connect_timeout_ms",
+                message: "must be at least 100".into(),
+            });
+        }
+        if !(1..=65_535).contains(&self.amqp_heartbeat_secs) {
+            return Err(ConfigError::Invalid {
+                field: "amqp_heartbeat_secs",
+                message: "must be 1 to 65535".into(),
+            });
         }
         if !(60..=365 * 86_400).contains(&self.api_certificate_lifetime_secs) {
             return Err(ConfigError::Invalid {
@@ -597,6 +625,11 @@ impl Settings {
 
     pub fn relay_poll(&self) -> Duration {
         Duration::from_millis(self.relay_poll_ms)
+    }
+
+    /// `connect_timeout_ms` as a duration.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
     }
 
     /// How long a node may stay silent before it is judged unreachable.
@@ -853,6 +886,9 @@ mod tests {
             ("replica_check_ms = 10", "replica_check_ms"),
             ("replica_max_lag_ms = 0", "replica_max_lag_ms"),
             ("replica_timeout_ms = 0", "replica_timeout_ms"),
+            ("connect_timeout_ms = 99", "connect_timeout_ms"),
+            ("amqp_heartbeat_secs = 0", "amqp_heartbeat_secs"),
+            ("amqp_heartbeat_secs = 65536", "amqp_heartbeat_secs"),
         ] {
             let settings: Settings = toml::from_str(text).unwrap();
             match settings.validate() {

@@ -189,23 +189,58 @@ impl Drop for AgentHandle {
     }
 }
 
-/// When a test panics, the tail of the controller's log goes to the test's
-/// output (shown with the failure), since the log's directory goes with it.
-struct LogOnPanic(PathBuf);
+/// How many lines of each process's log a failed test prints.
+const LOG_TAIL_LINES: usize = 150;
 
-impl Drop for LogOnPanic {
+/// A failed test prints the tail of every process log the harness kept in
+/// the mesh's directory (the controller's, each agent's, each join's), since
+/// the directory goes with it. A test failed when it panicked or when its
+/// mesh is dropped without [`Mesh::teardown`] (it returned an error).
+struct LogsOnFailure {
+    dir: PathBuf,
+    torn_down: bool,
+}
+
+impl LogsOnFailure {
+    fn controller_log(&self) -> PathBuf {
+        self.dir.join("controller.log")
+    }
+}
+
+impl Drop for LogsOnFailure {
     fn drop(&mut self) {
-        if !std::thread::panicking() {
+        if self.torn_down && !std::thread::panicking() {
             return;
         }
-        let log = std::fs::read_to_string(&self.0).unwrap_or_default();
+        print_logs(&self.dir, LOG_TAIL_LINES);
+    }
+}
+
+/// Print the last `tail` lines of every `*.log` in `dir` to stderr (the
+/// test's output), the controller's first.
+pub fn print_logs(dir: &Path, tail: usize) {
+    let mut logs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                .collect()
+        })
+        .unwrap_or_default();
+    logs.sort_by_key(|p| (p.file_stem().is_none_or(|s| s != "controller"), p.clone()));
+    for path in logs {
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let log = std::fs::read_to_string(&path).unwrap_or_default();
         let lines: Vec<&str> = log.lines().collect();
-        let tail = &lines[lines.len().saturating_sub(80)..];
+        let from = lines.len().saturating_sub(tail);
         eprintln!(
-            "--- the controller's log, last {} of {} lines ---\n{}\n--- end of the controller's log ---",
-            tail.len(),
+            "--- {name}.log, last {} of {} lines ---\n{}\n--- end of {name}.log ---",
+            lines.len() - from,
             lines.len(),
-            tail.join("\n")
+            lines[from..].join("\n")
         );
     }
 }
@@ -222,6 +257,11 @@ pub struct AgentHandle {
 impl AgentHandle {
     pub fn node(&self) -> &str {
         self.creds.node.as_str()
+    }
+
+    /// The agent's process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().map(Proc::pid)
     }
 
     /// The path under this agent's root where a declared absolute path lands.
@@ -248,9 +288,9 @@ pub const GRACE: Duration = Duration::from_secs(3);
 
 pub struct Mesh {
     pub env: TestEnv,
-    /// Declared before `dir`: it reads the controller's log before the
-    /// directory is removed.
-    _log_on_panic: LogOnPanic,
+    /// Declared before `dir`: it reads the logs before the directory is
+    /// removed.
+    logs_on_failure: LogsOnFailure,
     pub dir: tempfile::TempDir,
     pub api: String,
     api_port: u16,
@@ -291,7 +331,10 @@ impl Mesh {
         )?;
         Ok(Mesh {
             env,
-            _log_on_panic: LogOnPanic(dir.path().join("controller.log")),
+            logs_on_failure: LogsOnFailure {
+                dir: dir.path().to_owned(),
+                torn_down: false,
+            },
             dir,
             api: format!("http://127.0.0.1:{api_port}"),
             api_port,
@@ -660,11 +703,12 @@ impl Mesh {
 
     /// The controller's log so far, for assertions and failure messages.
     pub fn controller_log(&self) -> String {
-        std::fs::read_to_string(&self._log_on_panic.0).unwrap_or_default()
+        std::fs::read_to_string(self.logs_on_failure.controller_log()).unwrap_or_default()
     }
 
     /// Stop every process and remove the environment.
     pub async fn teardown(mut self) -> anyhow::Result<()> {
+        self.logs_on_failure.torn_down = true;
         for a in self.agents.values_mut() {
             if let Some(mut p) = a.proc.take() {
                 p.terminate(Duration::from_secs(5));

@@ -46,8 +46,9 @@ use crate::units::{Reporter, Supervisor};
 
 /// Reports handed to the broker and not yet confirmed, at most.
 const PUBLISH_WINDOW: usize = 64;
-/// How long a connection attempt may take before it counts as failed.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a graceful close waits for the broker's answer before the
+/// connection is let go (a dead peer never answers).
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Capped exponential backoff with full jitter: each wait is uniform in
 /// `0..=cap`, the cap doubling per failure from `min` up to `max`.
@@ -271,9 +272,12 @@ impl Agent {
                 source,
             } = endpoints[at % endpoints.len()].clone();
             let source = source.as_str();
-            let connect = tokio::time::timeout(
-                CONNECT_TIMEOUT,
-                crate::broker::connect(&creds, target.as_ref(), self.config.amqp_heartbeat, props),
+            let connect = crate::broker::connect(
+                &creds,
+                target.as_ref(),
+                self.config.amqp_heartbeat,
+                self.config.connect_timeout,
+                props,
             );
             tokio::pin!(connect);
             let attempt = loop {
@@ -288,17 +292,14 @@ impl Agent {
                 }
             };
             let conn = match attempt {
-                Ok(Ok(conn)) => conn,
-                Ok(Err(e)) => {
-                    warn!(url = %self.creds.redacted_url(), %endpoint, source, error = %e, "cannot connect to the broker");
-                    at = (at + 1) % endpoints.len();
-                    if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
-                        return;
+                Ok(conn) => conn,
+                Err(e) => {
+                    let timed_out = matches!(e, crate::broker::BrokerError::TimedOut { .. });
+                    if timed_out {
+                        warn!(url = %self.creds.redacted_url(), %endpoint, source, error = %e, "connecting to the broker timed out; trying the next endpoint");
+                    } else {
+                        warn!(url = %self.creds.redacted_url(), %endpoint, source, error = %e, "cannot connect to the broker");
                     }
-                    continue;
-                }
-                Err(_) => {
-                    warn!(url = %self.creds.redacted_url(), %endpoint, source, "connecting to the broker timed out");
                     at = (at + 1) % endpoints.len();
                     if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
                         return;
@@ -318,7 +319,7 @@ impl Agent {
             info!(url = %self.creds.redacted_url(), %endpoint, source, "connected to the broker");
             match self.session(&conn, &mut heartbeat, &mut shutdown).await {
                 SessionEnd::Shutdown => {
-                    let _ = conn.close(200, "agent shutting down".into()).await;
+                    mesh_amqp::close(&conn, "agent shutting down", CLOSE_TIMEOUT).await;
                     info!("shut down; {} reports left unsent", self.buffer.len());
                     return;
                 }
@@ -326,7 +327,7 @@ impl Agent {
                     warn!(%reason, %endpoint, source, "lost the broker connection");
                     at = (at + 1) % endpoints.len();
                     self.lost_broker();
-                    let _ = conn.close(200, "agent reconnecting".into()).await;
+                    mesh_amqp::close(&conn, "agent reconnecting", CLOSE_TIMEOUT).await;
                     self.buffer.reset_in_flight();
                     if !self.wait(&mut backoff, &mut heartbeat, &mut shutdown).await {
                         return;
@@ -379,7 +380,7 @@ impl Agent {
         heartbeat: &mut Interval,
         shutdown: &mut Shutdown<'_>,
     ) -> SessionEnd {
-        let mut publisher = match open_publisher(conn).await {
+        let mut publisher = match open_publisher(conn, self.config.connect_timeout).await {
             Ok(ch) => ch,
             Err(e) => return SessionEnd::Lost(format!("cannot open the publishing channel: {e}")),
         };
@@ -425,7 +426,7 @@ impl Agent {
                             if !conn.status().connected() {
                                 return SessionEnd::Lost(e.to_string());
                             }
-                            match open_publisher(conn).await {
+                            match open_publisher(conn, self.config.connect_timeout).await {
                                 Ok(ch) => publisher = ch,
                                 Err(e) => {
                                     return SessionEnd::Lost(format!(
@@ -445,7 +446,7 @@ impl Agent {
                 () = &mut *shutdown => {
                     if let Some((ch, _)) = consumer.take() {
                         // Unacked deliveries (there are none mid-apply) go back to the queue.
-                        let _ = ch.close(200, "agent shutting down".into()).await;
+                        let _ = tokio::time::timeout(CLOSE_TIMEOUT, ch.close(200, "agent shutting down".into())).await;
                     }
                     self.flush(&publisher, confirms).await;
                     return SessionEnd::Shutdown;
@@ -461,7 +462,7 @@ impl Agent {
                                 return SessionEnd::Lost(reason);
                             }
                             if !publisher.status().connected() {
-                                match open_publisher(conn).await {
+                                match open_publisher(conn, self.config.connect_timeout).await {
                                     Ok(ch) => publisher = ch,
                                     Err(e) => return SessionEnd::Lost(format!("cannot reopen the publishing channel: {e}")),
                                 }
@@ -502,7 +503,7 @@ impl Agent {
                     None => return SessionEnd::Lost("connection event stream ended".into()),
                 },
                 () = sleep_until(consume_at), if consumer.is_none() => {
-                    match start_consumer(conn, &queue, self.config.prefetch).await {
+                    match start_consumer(conn, &queue, self.config.prefetch, self.config.connect_timeout).await {
                         Ok(c) => {
                             info!(%queue, "consuming declarations");
                             consume_backoff.reset();
@@ -1530,34 +1531,65 @@ fn truncate(s: &str, max_chars: usize) -> String {
     }
 }
 
-async fn open_publisher(conn: &Connection) -> Result<Channel, lapin::Error> {
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
-    Ok(ch)
+/// `step` within `deadline`: past it, an error saying the broker did not
+/// answer (a stalled peer would otherwise hold the session forever; the
+/// AMQP heartbeat ends such a connection later).
+async fn within<T>(
+    deadline: Duration,
+    what: &str,
+    step: impl std::future::Future<Output = Result<T, lapin::Error>>,
+) -> Result<T, lapin::Error> {
+    match tokio::time::timeout(deadline, step).await {
+        Ok(result) => result,
+        Err(_) => Err(lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "the broker did not answer {what} within {}s",
+                deadline.as_secs_f64()
+            ),
+        ))),
+    }
+}
+
+async fn open_publisher(conn: &Connection, deadline: Duration) -> Result<Channel, lapin::Error> {
+    within(deadline, "opening the publishing channel", async {
+        let ch = conn.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        Ok(ch)
+    })
+    .await
 }
 
 async fn start_consumer(
     conn: &Connection,
     queue: &str,
     prefetch: u16,
+    deadline: Duration,
 ) -> Result<(Channel, Consumer), lapin::Error> {
-    let ch = conn.create_channel().await?;
-    ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
+    let ch = within(deadline, "opening the declarations channel", async {
+        let ch = conn.create_channel().await?;
+        ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
+        Ok(ch)
+    })
+    .await?;
     let tag = format!("mesh-agent-{}", Uuid::now_v7());
-    let consumer = ch
-        .basic_consume(
+    let consumer = within(
+        deadline,
+        "the consume of the declaration queue",
+        ch.basic_consume(
             queue.into(),
             tag.as_str().into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
-        )
-        .await;
+        ),
+    )
+    .await;
     match consumer {
         Ok(c) => Ok((ch, c)),
         Err(e) => {
             // The broker closed the channel (404 when the queue is missing); make sure
             // it is gone on our side too.
-            let _ = ch.close(200, "retrying".into()).await;
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, ch.close(200, "retrying".into())).await;
             Err(e)
         }
     }

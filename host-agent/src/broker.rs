@@ -37,6 +37,13 @@ pub enum BrokerError {
         "the broker at {endpoint} presented a certificate that does not verify against the mesh CA ({detail}): refused, nothing was sent"
     )]
     Untrusted { endpoint: String, detail: String },
+    /// Nothing answered in time (`connect_timeout`): the TCP connect, the
+    /// TLS handshake or the AMQP handshake was still waiting.
+    #[error(
+        "broker at {endpoint}: no answer within {}s (TCP connect, TLS and AMQP handshakes)",
+        .within.as_secs_f64()
+    )]
+    TimedOut { endpoint: String, within: Duration },
     #[error("broker at {endpoint}: {source}")]
     Amqp {
         endpoint: String,
@@ -45,7 +52,8 @@ pub enum BrokerError {
 }
 
 /// Connects as the node of `creds`, asking for an AMQP heartbeat of
-/// `heartbeat` unless the URL names one. With `endpoint`, the broker at that
+/// `heartbeat` unless the URL names one, the whole attempt (TCP connect, TLS
+/// and AMQP handshakes) within `deadline` ([`mesh_amqp::connect`]). With `endpoint`, the broker at that
 /// host and port (one of the agent's `brokers`, a node of the same cluster)
 /// instead of the URL's: the same user, password, vhost and scheme, and the
 /// same rules (amqps verifies the certificate against the mesh CA and the
@@ -54,6 +62,7 @@ pub async fn connect(
     creds: &AgentCredentials,
     endpoint: Option<&(String, u16)>,
     heartbeat: Duration,
+    deadline: Duration,
     props: ConnectionProperties,
 ) -> Result<Connection, BrokerError> {
     let mut uri: AMQPUri = creds
@@ -90,13 +99,13 @@ pub async fn connect(
             }
         }
     };
-    let runtime = lapin::runtime::default_runtime().map_err(|source| BrokerError::Amqp {
-        endpoint: endpoint.clone(),
-        source,
-    })?;
-    Connection::connect_uri_with_config(uri, props, tls, runtime)
-        .await
-        .map_err(|source| classify(endpoint, source))
+    match mesh_amqp::connect(uri, props, tls, deadline).await {
+        Ok(conn) => Ok(conn),
+        Err(mesh_amqp::ConnectError::TimedOut(within)) => {
+            Err(BrokerError::TimedOut { endpoint, within })
+        }
+        Err(mesh_amqp::ConnectError::Amqp(source)) => Err(classify(endpoint, source)),
+    }
 }
 
 /// A handshake refused on the certificate reads as [`BrokerError::Untrusted`].
@@ -260,6 +269,7 @@ mod tests {
             &creds("amqp://node-a:pw@192.0.2.2:5672/mesh", None),
             None,
             Duration::from_secs(10),
+            Duration::from_secs(10),
             ConnectionProperties::default(),
         )
         .await
@@ -269,6 +279,7 @@ mod tests {
         let err = connect(
             &creds("amqps://node-a:pw@192.0.2.2:5671/mesh", None),
             None,
+            Duration::from_secs(10),
             Duration::from_secs(10),
             ConnectionProperties::default(),
         )
@@ -280,6 +291,7 @@ mod tests {
         let err = connect(
             &creds("amqp://node-a:pw@127.0.0.1:5672/mesh", None),
             Some(&("192.0.2.3".to_owned(), 5672)),
+            Duration::from_secs(10),
             Duration::from_secs(10),
             ConnectionProperties::default(),
         )

@@ -66,6 +66,16 @@ pub struct Config {
     /// `"60s"`; whole seconds, 1 to 65535. Default 60 s.
     #[serde(deserialize_with = "de_duration")]
     pub amqp_heartbeat: Duration,
+    /// How long one attempt to reach a broker endpoint may take, all of it:
+    /// the TCP connect, the TLS handshake and the AMQP handshake; also the
+    /// longest wait for the broker to open a channel in a new session. An
+    /// endpoint that has not answered by then is given up and the next one
+    /// tried (a dead broker behind a load balancer accepts the connection and
+    /// never answers). Seconds or a string such as `"10s"`; at least 100 ms.
+    /// Default 10 s. How long a node can be cut off in all is bounded in
+    /// docs/protocol.md ("Reaching the broker").
+    #[serde(deserialize_with = "de_duration")]
+    pub connect_timeout: Duration,
     /// Most reports kept while they cannot be published (disconnected, or not yet
     /// confirmed by the broker): hellos, units, health, resources and `applied`
     /// reports (heartbeats are never kept: a missed one is skipped, the next
@@ -276,6 +286,7 @@ impl Default for Config {
             labels: BTreeMap::new(),
             heartbeat_interval: Duration::from_secs(10),
             amqp_heartbeat: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(10),
             report_buffer: 10_000,
             reconnect_min: Duration::from_millis(500),
             reconnect_max: Duration::from_secs(30),
@@ -331,6 +342,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "amqp_heartbeat",
                 "must be 1 to 65535 whole seconds",
+            ));
+        }
+        if self.connect_timeout < Duration::from_millis(100) {
+            return Err(ConfigError::invalid(
+                "connect_timeout",
+                "must be at least 100ms",
             ));
         }
         if self.report_buffer == 0 {
@@ -529,6 +546,7 @@ mod tests {
             ("metrics_listen = \"nowhere\"", "metrics_listen"),
             ("[labels]\n\"Bad Key\" = \"x\"", "labels.Bad Key"),
             ("reconnect_min = 5\nreconnect_max = 1", "reconnect_max"),
+            ("connect_timeout = \"50ms\"", "connect_timeout"),
             ("root = \"relative\"", "root"),
             ("[units]\nlog_files = 5000", "units.log_files"),
             ("[units]\nstop_timeuot = 1", "stop_timeuot"),

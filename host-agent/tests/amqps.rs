@@ -42,6 +42,7 @@ async fn connect(creds: &AgentCredentials) -> Result<lapin::Connection, BrokerEr
             creds,
             None,
             Duration::from_secs(10),
+            DEADLINE,
             ConnectionProperties::default(),
         ),
     )
