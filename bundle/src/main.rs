@@ -828,6 +828,15 @@ async fn up(
                 token_path.display()
             );
             println!("    {}", t.expose());
+            println!(
+                "  it ends 90 days after the controller first starts (`meshctl get tokens` shows when);"
+            );
+            println!(
+                "  before then make one of your own and revoke this one: `meshctl token create --role admin --name <you>`,"
+            );
+            println!(
+                "  then `meshctl token revoke <id of bootstrap-admin>` (or `meshctl token rotate <id>` for a new secret)."
+            );
             println!();
             changes += 1;
             t

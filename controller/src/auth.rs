@@ -31,7 +31,7 @@ use axum::http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
 use axum::http::{HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use mesh_identity::Identity;
+use mesh_identity::{Authenticated, Identity};
 use mesh_plumbing::OutboxSignal;
 use mesh_plumbing::api::{Problem, Role};
 use mesh_plumbing::audit::{self, Audit};
@@ -68,7 +68,9 @@ pub fn required(method: &Method, route: Option<&str>) -> Access {
     match (method, route) {
         (_, Some("/healthz" | "/metrics" | "/v1/openapi.json")) => Access::Open,
         (&Method::POST, Some("/v1/join")) => Access::Open,
-        (_, Some("/v1/tokens" | "/v1/tokens/{id}" | "/v1/audit")) => Access::Role(Role::Admin),
+        (_, Some("/v1/tokens" | "/v1/tokens/{id}" | "/v1/tokens/{id}/rotate" | "/v1/audit")) => {
+            Access::Role(Role::Admin)
+        }
         (_, Some("/v1/secrets/master-key/rotate")) => Access::Role(Role::Admin),
         (&Method::DELETE, Some("/v1/nodes/{id}")) => Access::Role(Role::Admin),
         // A unit's output may hold anything it prints (decision 0033).
@@ -164,11 +166,19 @@ async fn authorized(
         return unauthorized("this route needs an API token: `Authorization: Bearer <token>`");
     };
     let principal = match guard.identity.authenticate(token).await {
-        Ok(Some(p)) => p,
-        Ok(None) => {
+        Ok(Authenticated::Principal(p)) => p,
+        Ok(Authenticated::Unknown) => {
             guard.metrics.unauthenticated.inc();
             tracing::info!(%method, target, %request_id, "refused an unknown or revoked API token");
             return unauthorized("the API token is not known or was revoked");
+        }
+        Ok(Authenticated::Expired { name, at }) => {
+            guard.metrics.unauthenticated.inc();
+            tracing::info!(%method, target, %request_id, token = %name, expired_at = %at, "refused an expired API token");
+            return unauthorized(&format!(
+                "the API token `{name}` expired at {}: ask an admin for a new one (`meshctl token create`, or `meshctl token rotate <id>`)",
+                at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            ));
         }
         Err(e) => return Problem::internal(e).into_response(),
     };
@@ -283,6 +293,7 @@ mod tests {
             (Method::GET, "/v1/tokens", R(Role::Admin)),
             (Method::POST, "/v1/tokens", R(Role::Admin)),
             (Method::DELETE, "/v1/tokens/{id}", R(Role::Admin)),
+            (Method::POST, "/v1/tokens/{id}/rotate", R(Role::Admin)),
             (Method::GET, "/v1/audit", R(Role::Admin)),
             (Method::GET, "/v1/overlay", R(Role::Viewer)),
             (Method::GET, "/v1/certificates", R(Role::Viewer)),

@@ -218,15 +218,17 @@ fn logged(log: &str, words: &[&str]) -> bool {
     log.lines().any(|l| words.iter().all(|w| l.contains(w)))
 }
 
-/// Decision 0044: the controller tells every node the mesh's endpoints (its
-/// own broker endpoint P1 and `broker_endpoints` P2); an agent whose
-/// credentials name only P1 keeps them in its store; P1 stops answering and
-/// the agent reconnects through P2, where a declaration change reaches it;
-/// restarted with its credentials still naming only the dead P1, it comes up
-/// through the P2 it kept.
-#[tokio::test(flavor = "multi_thread")]
-async fn an_agent_follows_the_mesh_to_an_endpoint_it_was_told() -> anyhow::Result<()> {
-    let mut mesh = Mesh::prepare().await?;
+/// Two forwarders to the broker, P1 and P2; the controller started with
+/// credentials naming P1 and `broker_endpoints = [P2]` (plus
+/// `controller_toml`), so the endpoints it tells nodes are [P1, P2]; an agent
+/// labelled `role=<suffix>` (settings `mesh.agent_toml`) whose credentials
+/// name P1 only, connected through P1 and keeping [P1, P2]. Returns the
+/// forwarders, the node and its log's name.
+async fn two_endpoints(
+    mesh: &mut Mesh,
+    suffix: &str,
+    controller_toml: &str,
+) -> anyhow::Result<(Forwarder, Forwarder, String, String)> {
     let mut creds = mesh.env.controller_credentials();
     let broker = url::Url::parse(creds.broker_url.expose())
         .context("the environment's broker URL")?
@@ -236,19 +238,18 @@ async fn an_agent_follows_the_mesh_to_an_endpoint_it_was_told() -> anyhow::Resul
     let p2 = Forwarder::start(broker).await?;
     let (p1_text, p2_text) = (p1.endpoint(), p2.endpoint());
 
-    // The controller reaches the broker through P1, P2 its alternate: the
-    // endpoints it tells nodes are [P1, P2].
     let (url, _) = with_port(creds.broker_url.expose(), p1.port)?;
     creds.broker_url = mesh_credentials::Secret::new(url);
     creds.write(&mesh.dir.path().join("credentials.toml"))?;
     let toml_path = mesh.dir.path().join("controller.toml");
     let mut settings = std::fs::read_to_string(&toml_path)?;
-    settings.push_str(&format!("broker_endpoints = [\"{p2_text}\"]\n"));
+    settings.push_str(&format!(
+        "broker_endpoints = [\"{p2_text}\"]\n{controller_toml}"
+    ));
     std::fs::write(&toml_path, settings)?;
     mesh.start_controller(&[]).await?;
 
-    // The agent's credentials name P1; it has no `brokers` setting.
-    let node = mesh.add_agent("follow", &[("role", "follow")]).await?;
+    let node = mesh.add_agent(suffix, &[("role", suffix)]).await?;
     mesh.stop_agent(&node);
     let state_dir = mesh.agent(&node).state_dir.clone();
     let mut agent_creds = mesh.agent(&node).creds.agent_credentials()?;
@@ -264,13 +265,28 @@ async fn an_agent_follows_the_mesh_to_an_endpoint_it_was_told() -> anyhow::Resul
         Ok(logged(log, &["connected to the broker", &p1_text, "credentials"]).then_some(()))
     })
     .await?;
-    let told = vec![p1_text.clone(), p2_text.clone()];
+    let told = vec![p1_text, p2_text];
     wait_for(
         "the agent to keep the endpoints [P1, P2]",
         WITHIN,
         || async { Ok((stored_brokers(&state_dir).as_ref() == Some(&told)).then_some(())) },
     )
     .await?;
+    Ok((p1, p2, node, log_name))
+}
+
+/// Decision 0044: the controller tells every node the mesh's endpoints (its
+/// own broker endpoint P1 and `broker_endpoints` P2); an agent whose
+/// credentials name only P1 keeps them in its store; P1 stops answering and
+/// the agent reconnects through P2, where a declaration change reaches it;
+/// restarted with its credentials still naming only the dead P1, it comes up
+/// through the P2 it kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_follows_the_mesh_to_an_endpoint_it_was_told() -> anyhow::Result<()> {
+    let mut mesh = Mesh::prepare().await?;
+    // The agent's credentials name P1; it has no `brokers` setting.
+    let (p1, p2, node, log_name) = two_endpoints(&mut mesh, "follow", "").await?;
+    let (p1_text, p2_text) = (p1.endpoint(), p2.endpoint());
 
     // P1 stops answering: the agent reconnects through P2, which it was told.
     let before = mesh.log_of(&log_name).len();
@@ -365,53 +381,15 @@ fn io_threads(pid: u32) -> usize {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_agent_and_the_controller_give_up_an_endpoint_that_stalls() -> anyhow::Result<()> {
     let mut mesh = Mesh::prepare().await?;
-    let mut creds = mesh.env.controller_credentials();
-    let broker = url::Url::parse(creds.broker_url.expose())
-        .context("the environment's broker URL")?
-        .port()
-        .unwrap_or(5672);
-    let p1 = Forwarder::start(broker).await?;
-    let p2 = Forwarder::start(broker).await?;
-    let (p1_text, p2_text) = (p1.endpoint(), p2.endpoint());
-
-    let (url, _) = with_port(creds.broker_url.expose(), p1.port)?;
-    creds.broker_url = mesh_credentials::Secret::new(url);
-    creds.write(&mesh.dir.path().join("credentials.toml"))?;
-    let toml_path = mesh.dir.path().join("controller.toml");
-    let mut settings = std::fs::read_to_string(&toml_path)?;
-    settings.push_str(&format!(
-        "broker_endpoints = [\"{p2_text}\"]\namqp_heartbeat_secs = {STALL_HEARTBEAT}\nconnect_timeout_ms = {}\n",
-        STALL_CONNECT_TIMEOUT * 1000
-    ));
-    std::fs::write(&toml_path, settings)?;
-    mesh.start_controller(&[]).await?;
-
     mesh.agent_toml = Some(format!(
         "amqp_heartbeat = {STALL_HEARTBEAT}\nconnect_timeout = {STALL_CONNECT_TIMEOUT}\nreconnect_max = \"2s\"\n"
     ));
-    let node = mesh.add_agent("stall", &[("role", "stall")]).await?;
-    mesh.stop_agent(&node);
-    let state_dir = mesh.agent(&node).state_dir.clone();
-    let mut agent_creds = mesh.agent(&node).creds.agent_credentials()?;
-    let (url, _) = with_port(agent_creds.broker_url.expose(), p1.port)?;
-    agent_creds.broker_url = mesh_credentials::Secret::new(url);
-    agent_creds.write(&state_dir)?;
-    let log_name = format!("agent-{node}");
-    let before = mesh.log_of(&log_name).len();
-    mesh.start_agent(&node)?;
-    wait_for("the agent connected through P1", WITHIN, || async {
-        let log = mesh.log_of(&log_name);
-        let log = log.get(before..).unwrap_or_default();
-        Ok(logged(log, &["connected to the broker", &p1_text, "credentials"]).then_some(()))
-    })
-    .await?;
-    let told = vec![p1_text.clone(), p2_text.clone()];
-    wait_for(
-        "the agent to keep the endpoints [P1, P2]",
-        WITHIN,
-        || async { Ok((stored_brokers(&state_dir).as_ref() == Some(&told)).then_some(())) },
-    )
-    .await?;
+    let controller_toml = format!(
+        "amqp_heartbeat_secs = {STALL_HEARTBEAT}\nconnect_timeout_ms = {}\n",
+        STALL_CONNECT_TIMEOUT * 1000
+    );
+    let (p1, p2, node, log_name) = two_endpoints(&mut mesh, "stall", &controller_toml).await?;
+    let (p1_text, p2_text) = (p1.endpoint(), p2.endpoint());
 
     // docs/protocol.md's bound for one silent endpoint ahead of a live one:
     // 2 × heartbeat to notice, then at most one attempt deadline on the

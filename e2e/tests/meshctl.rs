@@ -862,3 +862,55 @@ fn completions_and_man_pages_are_well_formed() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Issue 29, point 2: `meshctl token create --ttl` makes a token that ends
+/// when asked, `get tokens` shows when, and `meshctl token rotate` prints a
+/// new secret of the same name and role while the old one stops working.
+#[tokio::test]
+async fn meshctl_tokens_end_and_rotate() -> anyhow::Result<()> {
+    let mesh = Mesh::start().await?;
+    let (code, secret, err) = mesh.meshctl(&[
+        "token",
+        "create",
+        "--role",
+        "viewer",
+        "--name",
+        "ci-reader",
+        "--ttl",
+        "2h",
+    ])?;
+    anyhow::ensure!(code == 0, "token create: exit {code}\n{err}");
+    let secret = secret.trim().to_owned();
+    assert!(err.contains("expires"), "{err}");
+    let (code, _, err) = mesh_e2e::meshctl_at(&mesh.api, &secret, &["get", "nodes"])?;
+    anyhow::ensure!(code == 0, "the new token reads: exit {code}\n{err}");
+    let tokens = json_of(&mesh, &["get", "tokens"])?;
+    let mine = tokens
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["name"] == "ci-reader"))
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("no ci-reader in {tokens}"))?;
+    let expires = chrono::DateTime::parse_from_rfc3339(mine["expires_at"].as_str().unwrap_or(""))?;
+    let left = expires.with_timezone(&chrono::Utc) - chrono::Utc::now();
+    assert!((7100..=7200).contains(&left.num_seconds()), "{left}");
+    let table = ok(&mesh, &["get", "tokens"])?;
+    assert!(
+        table.contains("EXPIRES") && (table.contains("in 2h") || table.contains("in 119m")),
+        "{table}"
+    );
+    let id = mine["id"].as_str().unwrap_or_default();
+    let (code, rotated, err) = mesh.meshctl(&["token", "rotate", id])?;
+    anyhow::ensure!(code == 0, "token rotate: exit {code}\n{err}");
+    let rotated = rotated.trim();
+    assert!(err.contains("rotated") && err.contains(id), "{err}");
+    assert_ne!(rotated, secret);
+    let (code, _, _) = mesh_e2e::meshctl_at(&mesh.api, rotated, &["get", "nodes"])?;
+    assert_eq!(code, 0, "the rotated token reads");
+    let (code, _, err) = mesh_e2e::meshctl_at(&mesh.api, &secret, &["get", "nodes"])?;
+    assert_ne!(code, 0, "the old secret still works");
+    assert!(err.contains("revoked"), "{err}");
+    let (code, _, err) = mesh.meshctl(&["token", "create", "--role", "viewer", "--ttl", "1w"])?;
+    assert_ne!(code, 0);
+    assert!(err.contains("not a lifetime"), "{err}");
+    mesh.teardown().await
+}

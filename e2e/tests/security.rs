@@ -904,6 +904,14 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
             "identity",
         ),
         (
+            Method::POST,
+            format!("/v1/tokens/{token_id}/rotate"),
+            Some(json!({"ttl_secs": 600})),
+            201,
+            "POST /v1/tokens/{id}/rotate",
+            "identity",
+        ),
+        (
             Method::DELETE,
             format!("/v1/tokens/{token_id}"),
             None,

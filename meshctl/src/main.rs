@@ -221,11 +221,41 @@ enum TokenCommand {
         /// A name for it (who or what uses it). Default: `<role>-token`.
         #[arg(long)]
         name: Option<String>,
+        /// Lifetime: seconds, or a number with `m`, `h` or `d` (`30d`).
+        /// Default 90 days, at most 366.
+        #[arg(long, value_parser = parse_ttl)]
+        ttl: Option<u64>,
     },
-    /// List API tokens (never their secrets).
+    /// List API tokens (never their secrets): their expiry and last use too.
     List,
+    /// Rotate an API token by id: a new secret with the same name and role
+    /// is printed (shown once) and the old one is revoked.
+    Rotate {
+        id: String,
+        /// The new token's lifetime, as at `create`. Default 90 days.
+        #[arg(long, value_parser = parse_ttl)]
+        ttl: Option<u64>,
+    },
     /// Revoke an API token by id.
     Revoke { id: String },
+}
+
+/// A token lifetime: seconds, or a number with `m`, `h` or `d`.
+fn parse_ttl(text: &str) -> Result<u64, String> {
+    let (digits, unit) = match text.char_indices().last() {
+        Some((at, 'm')) => (&text[..at], 60),
+        Some((at, 'h')) => (&text[..at], 3600),
+        Some((at, 'd')) => (&text[..at], 86_400),
+        Some((at, 's')) => (&text[..at], 1),
+        _ => (text, 1),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        .ok_or_else(|| {
+            format!("`{text}` is not a lifetime: seconds, or a number with m, h or d (30d)")
+        })
 }
 
 #[tokio::main]
@@ -416,18 +446,30 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
                 .await?;
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
-        Command::Token(TokenCommand::Create { role, name }) => {
+        Command::Token(TokenCommand::Create { role, name, ttl }) => {
             let name = name.unwrap_or_else(|| format!("{role}-token"));
+            let mut body = json!({ "name": name, "role": role });
+            if let Some(ttl) = ttl {
+                body["ttl_secs"] = json!(ttl);
+            }
+            let v = api.call(Method::POST, "/v1/tokens", Some(body)).await?;
+            eprintln!(
+                "API token `{name}` ({role}), id {}, expires {}; shown once:",
+                v["id"].as_str().unwrap_or("?"),
+                v["expires_at"].as_str().unwrap_or("?")
+            );
+            println!("{}", v["token"].as_str().context("no token in the answer")?);
+        }
+        Command::Token(TokenCommand::Rotate { id, ttl }) => {
+            let body = ttl.map(|ttl| json!({ "ttl_secs": ttl }));
             let v = api
-                .call(
-                    Method::POST,
-                    "/v1/tokens",
-                    Some(json!({ "name": name, "role": role })),
-                )
+                .call(Method::POST, &format!("/v1/tokens/{id}/rotate"), body)
                 .await?;
             eprintln!(
-                "API token `{name}` ({role}), id {}; shown once:",
-                v["id"].as_str().unwrap_or("?")
+                "API token `{}` rotated: new id {}, expires {}; the old one ({id}) is revoked; shown once:",
+                v["name"].as_str().unwrap_or("?"),
+                v["id"].as_str().unwrap_or("?"),
+                v["expires_at"].as_str().unwrap_or("?")
             );
             println!("{}", v["token"].as_str().context("no token in the answer")?);
         }
@@ -1001,5 +1043,18 @@ mod tests {
             assert!(help.contains(code), "{code} missing from\n{help}");
         }
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn a_token_lifetime_is_seconds_or_minutes_hours_days() {
+        assert_eq!(parse_ttl("3600"), Ok(3600));
+        assert_eq!(parse_ttl("90s"), Ok(90));
+        assert_eq!(parse_ttl("15m"), Ok(900));
+        assert_eq!(parse_ttl("12h"), Ok(43_200));
+        assert_eq!(parse_ttl("30d"), Ok(2_592_000));
+        for bad in ["", "d", "1w", "-5", "1.5d", "99999999999999999999d"] {
+            let err = parse_ttl(bad).unwrap_err();
+            assert!(err.contains("not a lifetime"), "{bad}: {err}");
+        }
     }
 }

@@ -101,8 +101,8 @@ impl Kind {
                 &["ROLLOUT", "REVISION", "LAST RECEIPT"],
             ),
             Kind::Tokens => (
-                &["ID", "NAME", "ROLE", "CREATED", "REVOKED"],
-                &["CREATED BY"],
+                &["ID", "NAME", "ROLE", "CREATED", "EXPIRES", "REVOKED"],
+                &["LAST USED", "CREATED BY", "ROTATED FROM"],
             ),
             Kind::Grants => (
                 &[
@@ -238,12 +238,13 @@ impl Kind {
                     s(v, "name"),
                     s(v, "role"),
                     at("created_at"),
+                    expires(v.get("expires_at").and_then(Value::as_str), now),
                     match v.get("revoked_at").and_then(Value::as_str) {
                         Some(t) => age(Some(t), now),
                         None => "-".to_owned(),
                     },
                 ],
-                vec![s(v, "created_by")],
+                vec![at("last_used_at"), s(v, "created_by"), s(v, "rotated_from")],
             ),
             Kind::Grants => (
                 vec![
@@ -564,6 +565,19 @@ pub async fn drain(api: &Api, node: &str, drain: bool) -> anyhow::Result<()> {
         println!("  blocked: {b}");
     }
     Ok(())
+}
+
+/// When a token ends, from `now`: `in 89d`, or `expired 2h ago`.
+fn expires(at: Option<&str>, now: chrono::DateTime<chrono::Utc>) -> String {
+    let Some(at) = at.and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok()) else {
+        return "-".to_owned();
+    };
+    let secs = (at.with_timezone(&chrono::Utc) - now).num_seconds();
+    if secs > 0 {
+        format!("in {}", crate::output::duration(secs))
+    } else {
+        format!("expired {} ago", crate::output::duration(-secs))
+    }
 }
 
 #[cfg(test)]

@@ -34,6 +34,7 @@ pub(crate) fn routes() -> OpenApiRouter<Arc<Identity>> {
         .routes(routes!(revoke_node))
         .routes(routes!(create_token, list_tokens))
         .routes(routes!(revoke_token))
+        .routes(routes!(rotate_token))
         .routes(routes!(audit))
 }
 
@@ -105,12 +106,7 @@ async fn create_join_token(
 ) -> Result<(StatusCode, Json<serde_json::Value>), Problem> {
     let node = node_id(&id)?;
     // The body is optional: no body means the default validity.
-    let body: JoinTokenBody = if body.iter().all(u8::is_ascii_whitespace) {
-        JoinTokenBody::default()
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| Problem::unprocessable("ttl_secs", e.to_string()))?
-    };
+    let body: JoinTokenBody = optional_body(&body)?;
     let created = identity
         .create_join_token(&node, body.ttl_secs.map(Duration::from_secs), &audit)
         .await?;
@@ -188,6 +184,19 @@ struct TokenBody {
     /// 1 to 64 of A-Z a-z 0-9 . _ @ -
     name: String,
     role: Role,
+    /// Lifetime in seconds: 60 to 31,622,400 (366 days). Default 7,776,000
+    /// (90 days).
+    #[schema(minimum = 60, maximum = 31_622_400)]
+    ttl_secs: Option<u64>,
+}
+
+/// Body of `POST /v1/tokens/{id}/rotate` (optional).
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct RotateBody {
+    /// The new token's lifetime in seconds, as at creation. Default 90 days.
+    #[schema(minimum = 60, maximum = 31_622_400)]
+    ttl_secs: Option<u64>,
 }
 
 #[derive(Serialize, utoipa::ToSchema)]
@@ -214,7 +223,14 @@ async fn create_token(
     audit: Audit,
     ApiJson(body): ApiJson<TokenBody>,
 ) -> Result<(StatusCode, Json<CreatedToken>), Problem> {
-    let created = identity.create_token(&body.name, body.role, &audit).await?;
+    let created = identity
+        .create_token(
+            &body.name,
+            body.role,
+            body.ttl_secs.map(std::time::Duration::from_secs),
+            &audit,
+        )
+        .await?;
     Ok((
         StatusCode::CREATED,
         Json(CreatedToken {
@@ -274,6 +290,45 @@ async fn list_tokens(
     Ok(Json(TokenList { tokens, next }))
 }
 
+/// Rotate an API token: a new secret with the same name and role (shown
+/// once), and the old one revoked.
+#[utoipa::path(
+    post,
+    path = "/v1/tokens/{id}/rotate",
+    tag = "identity",
+    params(("id" = String, Path, description = "The token's id (a UUID)")),
+    request_body(content = Option<RotateBody>, description = "Optional: the new token's lifetime"),
+    responses(
+        (status = 201, description = "The new token; its secret is shown once", body = CreatedToken),
+        NotFound,
+        BodyErrors,
+    )
+)]
+async fn rotate_token(
+    State(identity): State<Arc<Identity>>,
+    Path(id): Path<String>,
+    audit: Audit,
+    body: axum::body::Bytes,
+) -> Result<(StatusCode, Json<CreatedToken>), Problem> {
+    let id = token_id(&id)?;
+    // The body is optional: no body means the default lifetime.
+    let body: RotateBody = optional_body(&body)?;
+    let created = identity
+        .rotate_token(
+            id,
+            body.ttl_secs.map(std::time::Duration::from_secs),
+            &audit,
+        )
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedToken {
+            view: created.view,
+            token: created.token.expose().clone(),
+        }),
+    ))
+}
+
 /// Revoke an API token, for good.
 #[utoipa::path(
     delete,
@@ -290,12 +345,7 @@ async fn revoke_token(
     Path(id): Path<String>,
     audit: Audit,
 ) -> Result<Json<TokenView>, Problem> {
-    let id = Uuid::parse_str(&id).map_err(|_| {
-        Error::NotFound(format!(
-            "no token `{}`",
-            id.chars().take(40).collect::<String>()
-        ))
-    })?;
+    let id = token_id(&id)?;
     Ok(Json(identity.revoke_token(id, &audit).await?))
 }
 
@@ -348,4 +398,24 @@ async fn audit(
         limit: p.limit,
     };
     Ok(Json(identity.audit(&filter).await?))
+}
+
+/// A token id from the path; one that is no UUID is a token that does not
+/// exist (quoted, shortened).
+fn token_id(id: &str) -> Result<Uuid, Error> {
+    Uuid::parse_str(id).map_err(|_| {
+        Error::NotFound(format!(
+            "no token `{}`",
+            id.chars().take(40).collect::<String>()
+        ))
+    })
+}
+
+/// An optional JSON body whose only field is `ttl_secs`: none (or blank)
+/// means the defaults.
+fn optional_body<T: Default + serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Problem> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| Problem::unprocessable("ttl_secs", e.to_string()))
 }

@@ -32,13 +32,20 @@ pub use audit::{AuditFilter, AuditPage, AuditRow};
 pub use error::Error;
 pub use mesh_plumbing::api::{Principal, Role};
 pub use nodes::{Enrolled, JoinRequest, NewJoinToken, NodeIdentity, Revoked};
-pub use tokens::{NewToken, TokenView};
+pub use tokens::{Authenticated, NewToken, TokenView};
 
 /// The schema (and record context name) this crate owns.
 pub const SCHEMA: &str = "identity";
 
+#[allow(non_snake_case)]
 mod embedded {
     refinery::embed_migrations!("../../migrations/identity");
+}
+
+/// The identity migrations, for a test that stops at a version
+/// (`set_target`) to check what a later one keeps.
+pub fn migrations() -> refinery::Runner {
+    embedded::migrations::runner()
 }
 
 /// Apply the identity migrations, connected as the identity role (`url`).
@@ -82,6 +89,11 @@ pub struct IdentitySettings {
     pub join_token_ttl: Duration,
     /// Longest validity a join token may be given. Default 7 days.
     pub join_token_max_ttl: Duration,
+    /// How long an API token lives when its creator does not say (also the
+    /// bootstrap admin token's lifetime). Default 90 days.
+    pub api_token_ttl: Duration,
+    /// Longest lifetime an API token may be given. Default 366 days.
+    pub api_token_max_ttl: Duration,
     /// The controller's declaration-signing public key (hex), handed to every
     /// node at enrolment.
     pub controller_key: String,
@@ -104,6 +116,8 @@ impl IdentitySettings {
         IdentitySettings {
             join_token_ttl: Duration::from_secs(3600),
             join_token_max_ttl: Duration::from_secs(7 * 24 * 3600),
+            api_token_ttl: Duration::from_secs(90 * 24 * 3600),
+            api_token_max_ttl: Duration::from_secs(366 * 24 * 3600),
             controller_key,
             max_page: 1000,
             api_url: None,
