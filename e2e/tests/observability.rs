@@ -178,8 +178,7 @@ async fn module_health(mesh: &Mesh, module: &str) -> anyhow::Result<Value> {
 async fn a_failing_http_probe_degrades_its_module_and_recovery_clears_the_alert()
 -> anyhow::Result<()> {
     if !nix_root() {
-        eprintln!("skipped: network namespaces need root");
-        return Ok(());
+        return mesh_testkit::skip("network namespaces need root");
     }
     let mut mesh = Mesh::start().await?;
     let lan = Lan::create(mesh.env.id(), &HOSTS)?;

@@ -470,8 +470,7 @@ fn ifindex(lab: &Lab, i: usize) -> anyhow::Result<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hosts_overlay_firewall_restart_and_revocation() -> anyhow::Result<()> {
     if let Some(why) = unavailable() {
-        eprintln!("skipped: {why}");
-        return Ok(());
+        return mesh_testkit::skip(&why);
     }
     let env = TestEnv::new().await?;
     let dirs: Vec<tempfile::TempDir> = (0..3)

@@ -131,6 +131,23 @@ pub const REGISTRY_PORT_ENV: &str = "MESH_REGISTRY_PORT";
 /// The OCI registry's port when [`REGISTRY_PORT_ENV`] is not set.
 pub const DEFAULT_REGISTRY_PORT: u16 = 5000;
 
+/// Whether `MESH_REQUIRE_ALL` is set (not empty, not `0`): `bundle/test` sets
+/// it, so that in CI a test that cannot run here fails instead of skipping.
+pub fn require_all() -> bool {
+    std::env::var("MESH_REQUIRE_ALL").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// The one way a test gives up on a machine that cannot run it (not root, a
+/// tool missing): under [`require_all`] an error naming `why`, else a line
+/// saying it skipped and `Ok`. Use as `return mesh_testkit::skip(why);`.
+pub fn skip(why: &str) -> anyhow::Result<()> {
+    if require_all() {
+        anyhow::bail!("MESH_REQUIRE_ALL is set and this machine cannot run the test: {why}");
+    }
+    eprintln!("skipped: {why}");
+    Ok(())
+}
+
 /// The base URL (`http://127.0.0.1:<port>`) of the OCI registry `bundle/up`
 /// raised on loopback (Debian's docker-registry, docs/decisions/0031), for
 /// tests that push and pull artifacts. The port is `$MESH_REGISTRY_PORT`, else
