@@ -89,11 +89,11 @@ pub async fn connect(
         uri,
         runtime,
         async move |uri: AMQPUri, runtime| {
-            let addrs: Vec<SocketAddr> =
-                tokio::net::lookup_host((uri.authority.host.as_str(), uri.authority.port))
-                    .await
-                    .map_err(lapin::Error::from)?
-                    .collect();
+            let host = uri.authority.host.as_str();
+            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, uri.authority.port))
+                .await
+                .map_err(lapin::Error::from)?
+                .collect();
             let stream = AsyncTcpStream::connect(&runtime, addrs)
                 .await
                 .map_err(lapin::Error::from)?;
@@ -212,23 +212,26 @@ mod tests {
         Ok(())
     }
 
-    /// A port nobody listens on: refused at once, not at the deadline.
+    /// A port nobody listens on: refused at once, not at the deadline; an
+    /// IPv6 literal (in brackets in the URL) is reached the same way.
     #[tokio::test]
     async fn a_refused_connect_fails_at_once() -> anyhow::Result<()> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let uri: AMQPUri = format!("amqp://u:p@127.0.0.1:{port}/%2f")
-            .parse()
-            .map_err(anyhow::Error::msg)?;
-        let outcome = connect(
-            uri,
-            ConnectionProperties::default(),
-            OwnedTLSConfig::default(),
-            Duration::from_secs(60),
-        )
-        .await;
-        assert!(matches!(outcome, Err(ConnectError::Amqp(_))), "{outcome:?}");
+        for (bind, host) in [("127.0.0.1:0", "127.0.0.1"), ("[::1]:0", "[::1]")] {
+            let port = std::net::TcpListener::bind(bind)?.local_addr()?.port();
+            let uri: AMQPUri = format!("amqp://u:p@{host}:{port}/%2f")
+                .parse()
+                .map_err(anyhow::Error::msg)?;
+            let outcome = connect(
+                uri,
+                ConnectionProperties::default(),
+                OwnedTLSConfig::default(),
+                Duration::from_secs(60),
+            )
+            .await;
+            let refused =
+                matches!(&outcome, Err(ConnectError::Amqp(e)) if e.to_string().contains("refused"));
+            assert!(refused, "{host}: {outcome:?}");
+        }
         Ok(())
     }
 }
