@@ -643,11 +643,25 @@ async fn restart_controller(mesh: &mut Mesh, write_ms: u64) -> anyhow::Result<Op
     mesh.kill_controller();
     let dir = mesh.dir.path().to_owned();
     let path = dir.join("controller.toml");
-    let base = format!(
+    let mut base = format!(
         "credentials = {:?}\napi_listen = \"127.0.0.1:{}\"\nshutdown_deadline_secs = 3\n",
         dir.join("credentials.toml"),
         mesh.api_port()
     );
+    // The simulated nodes state `role=sim` and the benchmark selects by it:
+    // trusted, as the harness does (decision 0047), by a controller that
+    // knows the setting (an older one trusted every stated label).
+    std::fs::write(&path, format!("{base}{}", mesh_e2e::HARNESS_TRUST))?;
+    let knows_trust = std::process::Command::new(mesh_e2e::bin("mesh-controller")?)
+        .arg("--config")
+        .arg(&path)
+        .arg("migrate")
+        .output()?
+        .status
+        .success();
+    if knows_trust {
+        base.push_str(mesh_e2e::HARNESS_TRUST);
+    }
     std::fs::write(&path, format!("{base}liveness_write_ms = {write_ms}\n"))?;
     // `migrate` loads the settings as `run` does, and is idempotent.
     let check = std::process::Command::new(mesh_e2e::bin("mesh-controller")?)

@@ -278,6 +278,16 @@ pub struct Settings {
     /// report queues are migrated from classic to quorum by the controller
     /// itself (`crate::upgrade`).
     pub queue_type: String,
+    /// Keys of the labels a node states about itself (in its hello) that
+    /// select it like operator labels do: for placement, file and settings
+    /// selectors, connectivity roles (`mesh.hub`) and grants. Default none,
+    /// and that is the safe choice: a trusted key is one any node can claim
+    /// (an agent restarted with `--label role=db` is then a db node: it gets
+    /// db's files, settings, replicas and their secrets). Operator labels
+    /// (`meshctl label`, or bound to the join token: `meshctl node add
+    /// --label`) override a trusted stated label of the same key. Keys under
+    /// `mesh.io/` are reserved and refused (docs/security.md, issue 29).
+    pub trusted_stated_labels: Vec<String>,
 }
 
 impl Default for Settings {
@@ -339,6 +349,7 @@ impl Default for Settings {
             replica_timeout_ms: 2000,
             broker_endpoints: Vec::new(),
             queue_type: "classic".to_owned(),
+            trusted_stated_labels: Vec::new(),
         }
     }
 }
@@ -397,6 +408,26 @@ impl Settings {
                 field: "advertise_broker",
                 message,
             })?;
+        }
+        for (i, key) in self.trusted_stated_labels.iter().enumerate() {
+            let mut probe = mesh_protocol::Labels::new();
+            probe.insert(key.clone(), String::new());
+            if let Err(e) = mesh_protocol::validate_labels("trusted_stated_labels", &probe) {
+                return Err(ConfigError::Invalid {
+                    field: "trusted_stated_labels",
+                    message: format!("entry {}: {e}", i + 1),
+                });
+            }
+            if key.starts_with(mesh_protocol::RESERVED_LABEL_PREFIX) {
+                return Err(ConfigError::Invalid {
+                    field: "trusted_stated_labels",
+                    message: format!(
+                        "entry {} (`{key}`): keys under `{}` are reserved",
+                        i + 1,
+                        mesh_protocol::RESERVED_LABEL_PREFIX
+                    ),
+                });
+            }
         }
         if self.connect_timeout_ms < 100 {
             return Err(ConfigError::Invalid {

@@ -147,6 +147,9 @@ impl Contexts {
                 liveness_write: settings.liveness_write(),
                 sweep_interval: settings.sweep_interval(),
                 endpoints,
+                label_trust: mesh_inventory::LabelTrust::new(
+                    settings.trusted_stated_labels.iter().cloned(),
+                ),
                 ..mesh_inventory::InventorySettings::default()
             },
         );

@@ -283,6 +283,12 @@ pub const AGENT_OFF_THE_OVERLAY: &str =
 /// seconds.
 pub const FLEET_SETTINGS: &str = "heartbeat_interval_ms = 1000\ngrace_intervals = 3\nsweep_interval_ms = 250\nliveness_write_ms = 250\n";
 
+/// The harness's agents state their labels (`--label role=web`) and are
+/// selected by them, so the harness's controller trusts those keys, as a
+/// fleet may opt in to (issue 29; the default trusts none:
+/// `e2e/tests/security.rs` runs a controller without this line).
+pub const HARNESS_TRUST: &str = "trusted_stated_labels = [\"role\", \"zone\", \"tier\"]\n";
+
 /// The grace those settings give.
 pub const GRACE: Duration = Duration::from_secs(3);
 
@@ -325,7 +331,7 @@ impl Mesh {
         std::fs::write(
             dir.path().join("controller.toml"),
             format!(
-                "credentials = {:?}\napi_listen = \"127.0.0.1:{api_port}\"\nresend_after_secs = 2\nrelay_poll_ms = 200\nshutdown_deadline_secs = 3\nevaluate_ms = 500\nbroker_stats_secs = 1\n{FLEET_SETTINGS}",
+                "credentials = {:?}\napi_listen = \"127.0.0.1:{api_port}\"\nresend_after_secs = 2\nrelay_poll_ms = 200\nshutdown_deadline_secs = 3\nevaluate_ms = 500\nbroker_stats_secs = 1\n{FLEET_SETTINGS}{HARNESS_TRUST}",
                 dir.path().join("credentials.toml")
             ),
         )?;

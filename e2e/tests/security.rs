@@ -1182,3 +1182,172 @@ async fn a_controller_killed_between_a_change_and_its_answer_keeps_the_changes_a
     }
     mesh.teardown().await
 }
+
+/// Wait for `path` (as declared) on `node`'s agent to hold `content`.
+async fn wait_file(mesh: &Mesh, node: &str, path: &str, content: &str) -> anyhow::Result<()> {
+    let file = mesh.agent(node).file(path);
+    wait_for(&format!("{path} = {content:?} on {node}"), WITHIN, || {
+        let file = file.clone();
+        async move {
+            Ok((std::fs::read_to_string(&file).ok().as_deref() == Some(content)).then_some(()))
+        }
+    })
+    .await
+}
+
+/// PUT a node's operator labels (whatever is there), once the controller
+/// knows the node.
+async fn set_operator_labels(mesh: &Mesh, node: &str, labels: Value) -> anyhow::Result<()> {
+    wait_for("the operator labels to be set", WITHIN, || {
+        let labels = labels.clone();
+        async move {
+            let (status, _, _) = call(
+                mesh,
+                Method::PUT,
+                &format!("/v1/nodes/{node}/labels"),
+                &[("if-match", "*")],
+                Some(&json!({ "labels": labels })),
+            )
+            .await?;
+            Ok((status == 200).then_some(()))
+        }
+    })
+    .await
+}
+
+/// Issue 29: by default nothing a node says about itself selects it. Web-2
+/// (operator label `tier=front`, no `role` of the operator's) restarted
+/// stating `role=db` and `mesh.hub=true` gets none of db's files (a newer
+/// version reaches db, never web-2), no selector finds it as db, its stated
+/// labels show as stated and its effective ones are its operator's only; a
+/// node joined with a token bound to `tier=front`, stating `role=db`, is
+/// selected as front from its first hello and never as db; nobody sets a
+/// `mesh.io/` label.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_cannot_state_its_way_into_a_selector() -> anyhow::Result<()> {
+    let mut mesh = Mesh::prepare().await?;
+    // The default: no stated key trusted (the harness opts in; not here).
+    let toml = mesh.dir.path().join("controller.toml");
+    let text = std::fs::read_to_string(&toml)?.replace(mesh_e2e::HARNESS_TRUST, "");
+    std::fs::write(&toml, text)?;
+    mesh.start_controller(&[]).await?;
+    let db = mesh.add_agent("db", &[("role", "db")]).await?;
+    let web2 = mesh.add_agent("web-2", &[("role", "web")]).await?;
+    set_operator_labels(&mesh, &db, json!({"role": "db"})).await?;
+    set_operator_labels(&mesh, &web2, json!({"tier": "front"})).await?;
+    for (name, path, content, selector) in [
+        ("db-conf", "/etc/db.conf", "db 1\n", json!({"role": "db"})),
+        (
+            "web-conf",
+            "/etc/web.conf",
+            "web 1\n",
+            json!({"tier": "front"}),
+        ),
+    ] {
+        let (status, body) = mesh
+            .put(
+                &format!("/v1/files/{name}"),
+                &json!({"path": path, "content": content, "mode": "0644", "selector": selector}),
+            )
+            .await?;
+        assert!(status == 200 || status == 201, "{status} {body}");
+    }
+    wait_file(&mesh, &db, "/etc/db.conf", "db 1\n").await?;
+    wait_file(&mesh, &web2, "/etc/web.conf", "web 1\n").await?;
+
+    // Web-2 restarted stating that it is a db node and a hub.
+    mesh.stop_agent(&web2);
+    if let Some(agent) = mesh.agents.get_mut(&web2) {
+        agent.labels = [("role", "db"), ("mesh.hub", "true")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+    }
+    mesh.start_agent(&web2)?;
+    let stated = json!({"role": "db", "mesh.hub": "true"});
+    let view = wait_for("web-2's new statement to be heard", WITHIN, || async {
+        let (status, view) = mesh.get(&format!("/v1/nodes/{web2}")).await?;
+        anyhow::ensure!(status == 200, "{status} {view}");
+        Ok((view["labels"]["reported"] == stated).then_some(view))
+    })
+    .await?;
+    assert_eq!(
+        view["labels"]["effective"],
+        json!({"tier": "front"}),
+        "{view}"
+    );
+    // A newer db file reaches db and never web-2.
+    let (status, body) = mesh
+        .put(
+            "/v1/files/db-conf",
+            &json!({"path": "/etc/db.conf", "content": "db 2\n", "mode": "0644", "selector": {"role": "db"}}),
+        )
+        .await?;
+    assert!(status == 200 || status == 201, "{status} {body}");
+    wait_file(&mesh, &db, "/etc/db.conf", "db 2\n").await?;
+    let (status, body) = mesh.put("/v1/files/web-conf", &json!({"path": "/etc/web.conf", "content": "web 2\n", "mode": "0644", "selector": {"tier": "front"}})).await?;
+    assert!(status == 200 || status == 201, "{status} {body}");
+    wait_file(&mesh, &web2, "/etc/web.conf", "web 2\n").await?;
+    assert!(
+        !mesh.agent(&web2).file("/etc/db.conf").exists(),
+        "web-2 received db's file by stating role=db"
+    );
+    let (status, list) = mesh.get("/v1/nodes?selector=role=db").await?;
+    assert_eq!(status, 200, "{list}");
+    let ids: Vec<&str> = list["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n["id"].as_str())
+        .collect();
+    assert_eq!(ids, [db.as_str()], "{list}");
+
+    // A node joined with a token bound to role=web, stating role=db.
+    let web3 = format!("{}-web-3", mesh.env.id());
+    let (status, body) = mesh
+        .post_json(
+            &format!("/v1/nodes/{web3}/join-tokens"),
+            &json!({"labels": {"tier": "front"}}),
+        )
+        .await?;
+    assert_eq!(status, 201, "{body}");
+    let token = body["token"].as_str().unwrap_or_default().to_owned();
+    let state_dir = mesh.dir.path().join("agent-web-3/state");
+    let out = mesh.run_join(&web3, &token, &state_dir, "web-3").await?;
+    assert!(out.success(), "mesh-agent join: {out}");
+    mesh.add_joined_agent(&web3, state_dir, &[("role", "db")])?;
+    wait_file(&mesh, &web3, "/etc/web.conf", "web 2\n").await?;
+    let (_, view) = mesh.get(&format!("/v1/nodes/{web3}")).await?;
+    assert_eq!(
+        view["labels"]["operator"],
+        json!({"tier": "front"}),
+        "{view}"
+    );
+    assert_eq!(
+        view["labels"]["effective"],
+        json!({"tier": "front"}),
+        "{view}"
+    );
+    assert!(!mesh.agent(&web3).file("/etc/db.conf").exists());
+
+    // Nobody sets a reserved key: not an operator, not a join token.
+    let (status, _, problem) = call(
+        &mesh,
+        Method::PUT,
+        &format!("/v1/nodes/{db}/labels"),
+        &[("if-match", "*")],
+        Some(&json!({"labels": {"mesh.io/node": "web-2"}})),
+    )
+    .await?;
+    assert_eq!(status, 422, "{problem}");
+    assert!(problem.to_string().contains("mesh.io/node"), "{problem}");
+    let (status, problem) = mesh
+        .post_json(
+            &format!("/v1/nodes/{}-x/join-tokens", mesh.env.id()),
+            &json!({"labels": {"mesh.io/node": "db"}}),
+        )
+        .await?;
+    assert_eq!(status, 422, "{problem}");
+    assert!(problem.to_string().contains("mesh.io/node"), "{problem}");
+    mesh.teardown().await
+}

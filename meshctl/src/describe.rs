@@ -192,7 +192,7 @@ pub fn node_text(n: &Value, recent: &Result<Vec<events::SseEvent>, String>) -> S
     );
     let _ = writeln!(
         out,
-        "  reported:    {}",
+        "  stated:      {} (what the node says; selects nothing unless trusted)",
         labels(n["labels"].get("reported"))
     );
     let _ = writeln!(

@@ -203,6 +203,11 @@ enum NodeCommand {
         /// Validity in seconds (default 3600).
         #[arg(long)]
         ttl: Option<u64>,
+        /// Labels bound to the token, key=value[,key=value] (repeatable): the
+        /// node joins with them as its operator labels, what selects it
+        /// (what it says of itself does not).
+        #[arg(long = "label", short = 'l')]
+        labels: Vec<String>,
         /// Print the whole join command, token included, on stdout (instead
         /// of the token alone).
         #[arg(long)]
@@ -409,12 +414,13 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
         Command::Node(NodeCommand::Add {
             id,
             ttl,
+            labels,
             join_command,
         }) => {
-            let body = match ttl {
-                Some(t) => json!({ "ttl_secs": t }),
-                None => json!({}),
-            };
+            let mut body = json!({ "labels": resources::parse_selector(&labels)? });
+            if let Some(t) = ttl {
+                body["ttl_secs"] = json!(t);
+            }
             let v = api
                 .call(
                     Method::POST,

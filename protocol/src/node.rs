@@ -74,6 +74,11 @@ pub type Labels = BTreeMap<String, String>;
 
 pub const MAX_LABELS: usize = 64;
 
+/// Label keys under this prefix are reserved for facts the controller
+/// verifies itself: neither a node (in its hello) nor an operator (API, join
+/// token) can set one (issue 29; docs/security.md).
+pub const RESERVED_LABEL_PREFIX: &str = "mesh.io/";
+
 pub fn validate_labels(field: &str, labels: &Labels) -> Result<(), DecodeError> {
     if labels.len() > MAX_LABELS {
         return Err(DecodeError::invalid(

@@ -456,6 +456,12 @@ pub struct NodeIdentityChanged {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub public_key: Option<String>,
     pub at: DateTime<Utc>,
+    /// The labels the operator bound to the join token the node enrolled
+    /// with (`meshctl node add --label`): inventory makes them the node's
+    /// operator labels. Absent on revocation and for a token without labels
+    /// (and from an older controller: unknown fields are ignored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<Labels>,
 }
 
 #[cfg(test)]
@@ -486,6 +492,7 @@ mod tests {
                 node: node(),
                 public_key: None,
                 at,
+                labels: None,
             }),
             RecordKind::ModulePlaced(ModulePlacement {
                 module: "web".into(),

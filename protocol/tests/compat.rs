@@ -362,11 +362,13 @@ fn write_corpus() {
             node: node(),
             public_key: Some("cd".repeat(32)),
             at: at(),
+            labels: None,
         }),
         RecordKind::NodeRevoked(NodeIdentityChanged {
             node: node(),
             public_key: None,
             at: at(),
+            labels: None,
         }),
         RecordKind::OperatorAudit {
             context: "config".into(),

@@ -307,6 +307,7 @@ async fn five_nodes_peer_with_each_other_revoked_ones_leave_and_addresses_last()
         node: c.clone(),
         public_key: None,
         at: Utc::now(),
+        labels: None,
     }))
     .await;
     for n in nodes.iter().filter(|n| **n != c) {
@@ -367,6 +368,7 @@ async fn five_nodes_peer_with_each_other_revoked_ones_leave_and_addresses_last()
         node: c.clone(),
         public_key: Some("00".repeat(32)),
         at: Utc::now(),
+        labels: None,
     }))
     .await;
     let view = f.conn.overlay_view().await.unwrap();
@@ -868,6 +870,7 @@ async fn csrs_are_signed_for_the_sender_only_and_once() {
         node: a.clone(),
         public_key: None,
         at: Utc::now(),
+        labels: None,
     }))
     .await;
     let view = f.conn.certificates_view(Some(a.as_str())).await.unwrap();

@@ -84,6 +84,11 @@ struct JoinTokenBody {
     /// Validity in seconds (default 3600).
     #[schema(minimum = 1)]
     ttl_secs: Option<u64>,
+    /// Labels bound to the token: the node that enrols with it gets them as
+    /// its operator labels (what selects it), whatever it says of itself.
+    /// Keys under `mesh.io/` are reserved. Default none.
+    #[serde(default)]
+    labels: mesh_protocol::Labels,
 }
 
 /// Create a join token for a node (the body is optional).
@@ -108,7 +113,12 @@ async fn create_join_token(
     // The body is optional: no body means the default validity.
     let body: JoinTokenBody = optional_body(&body)?;
     let created = identity
-        .create_join_token(&node, body.ttl_secs.map(Duration::from_secs), &audit)
+        .create_join_token(
+            &node,
+            body.ttl_secs.map(Duration::from_secs),
+            &body.labels,
+            &audit,
+        )
         .await?;
     Ok((
         StatusCode::CREATED,

@@ -7,8 +7,8 @@ use chrono::{DateTime, Utc};
 use mesh_plumbing::audit::{self, Audit};
 use mesh_plumbing::outbox;
 use mesh_protocol::{
-    NodeId, NodeIdentityChanged, PublicKey, RecordEvent, RecordKind, Secret, new_token,
-    token_sha256_hex,
+    Labels, NodeId, NodeIdentityChanged, PublicKey, RESERVED_LABEL_PREFIX, RecordEvent, RecordKind,
+    Secret, new_token, token_sha256_hex, validate_labels,
 };
 use serde::{Deserialize, Serialize};
 
@@ -73,8 +73,16 @@ pub struct Revoked {
     pub connections_closed: usize,
 }
 
-/// A join token's row: node, expires_at, used_at, created_by, expired now.
-type JoinTokenRow = (String, DateTime<Utc>, Option<DateTime<Utc>>, String, bool);
+/// A join token's row: node, expires_at, used_at, created_by, expired now,
+/// the labels bound to it.
+type JoinTokenRow = (
+    String,
+    DateTime<Utc>,
+    Option<DateTime<Utc>>,
+    String,
+    bool,
+    sqlx::types::Json<Labels>,
+);
 
 fn ttl_secs(d: Duration) -> f64 {
     d.as_secs_f64()
@@ -83,13 +91,28 @@ fn ttl_secs(d: Duration) -> f64 {
 impl Identity {
     /// A single-use join token for `node`, valid for `ttl` (default and maximum
     /// from the settings), created by the request's principal, with its audit
-    /// entry in the same transaction.
+    /// entry in the same transaction. `labels` are bound to it: the node that
+    /// enrols with it gets them as its operator labels (inventory), whatever
+    /// it says of itself. Keys under `mesh.io/` are reserved and refused.
     pub async fn create_join_token(
         &self,
         node: &NodeId,
         ttl: Option<Duration>,
+        labels: &Labels,
         audit: &Audit,
     ) -> Result<NewJoinToken, Error> {
+        validate_labels("labels", labels).map_err(|e| match e {
+            mesh_protocol::DecodeError::Invalid { field, reason } => Error::invalid(field, reason),
+            other => Error::invalid("labels", other.to_string()),
+        })?;
+        if let Some(key) = labels.keys().find(|k| k.starts_with(RESERVED_LABEL_PREFIX)) {
+            return Err(Error::invalid(
+                format!("labels.{key}"),
+                format!(
+                    "keys under `{RESERVED_LABEL_PREFIX}` are reserved for what the controller verifies itself"
+                ),
+            ));
+        }
         let by = audit.principal().name.as_str();
         let ttl = ttl.unwrap_or(self.settings.join_token_ttl);
         if ttl.is_zero() || ttl > self.settings.join_token_max_ttl {
@@ -104,13 +127,14 @@ impl Identity {
         let token = new_token(JOIN_TOKEN_PREFIX, rand::random());
         let mut tx = self.pool.begin().await?;
         let expires_at: DateTime<Utc> = sqlx::query_scalar(
-            "INSERT INTO identity.join_tokens (token_sha256, node, created_by, expires_at) \
-             VALUES ($1, $2, $3, now() + make_interval(secs => $4)) RETURNING expires_at",
+            "INSERT INTO identity.join_tokens (token_sha256, node, created_by, expires_at, labels) \
+             VALUES ($1, $2, $3, now() + make_interval(secs => $4), $5) RETURNING expires_at",
         )
         .bind(token_sha256_hex(&token))
         .bind(node.as_str())
         .bind(by)
         .bind(ttl_secs(ttl))
+        .bind(sqlx::types::Json(labels))
         .fetch_one(&mut *tx)
         .await?;
         audit::record_ok(&mut tx, SCHEMA, audit).await?;
@@ -132,13 +156,13 @@ impl Identity {
             .map_err(|e| Error::invalid("public_key", e.to_string()))?;
         let mut tx = self.pool.begin().await?;
         let row: Option<JoinTokenRow> = sqlx::query_as(
-            "SELECT node, expires_at, used_at, created_by, expires_at <= now() \
+            "SELECT node, expires_at, used_at, created_by, expires_at <= now(), labels \
                  FROM identity.join_tokens WHERE token_sha256 = $1 FOR UPDATE",
         )
         .bind(token_sha256_hex(req.token.expose()))
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((token_node, expires_at, used_at, created_by, expired)) = row else {
+        let Some((token_node, expires_at, used_at, created_by, expired, labels)) = row else {
             tracing::warn!(%node, "join refused: unknown token");
             return Err(Error::UnknownJoinToken);
         };
@@ -178,6 +202,7 @@ impl Identity {
             node: node.clone(),
             public_key: Some(key.to_hex()),
             at: Utc::now(),
+            labels: (!labels.0.is_empty()).then_some(labels.0),
         }));
         outbox::record(&mut tx, SCHEMA, &event).await?;
         // The broker last: if it fails, the transaction rolls back and the token
@@ -225,6 +250,7 @@ impl Identity {
             node: node.clone(),
             public_key: None,
             at: revoked_at,
+            labels: None,
         }));
         outbox::record(&mut tx, SCHEMA, &event).await?;
         // Delete first (no new connection can authenticate), then close what is open.

@@ -22,7 +22,7 @@ use mesh_protocol::{Labels, NodeId, validate_labels};
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
 
-use crate::nodes::{effective, emit};
+use crate::nodes::emit;
 use crate::query::{LabelsView, NodeSummary};
 use crate::{Error, Inventory, SCHEMA};
 use mesh_plumbing::api::ApiJson;
@@ -234,7 +234,7 @@ impl Inventory {
         .await?;
         Ok(
             row.map(|(reported, operator, version, revision)| NodeLabels {
-                view: LabelsView::new(reported.0, operator.0),
+                view: LabelsView::new(&self.settings.label_trust, reported.0, operator.0),
                 version,
                 revision,
             }),
@@ -253,6 +253,18 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<NodeLabels, Error> {
         validate_labels("labels", &operator)?;
+        if let Some(key) = operator
+            .keys()
+            .find(|k| k.starts_with(mesh_protocol::RESERVED_LABEL_PREFIX))
+        {
+            return Err(Error::Invalid {
+                field: format!("labels.{key}"),
+                reason: format!(
+                    "keys under `{}` are reserved for what the controller verifies itself",
+                    mesh_protocol::RESERVED_LABEL_PREFIX
+                ),
+            });
+        }
         let mut tx = self.pool.begin().await?;
         let row: Option<(SqlJson<Labels>, SqlJson<Labels>, i64, i64)> = sqlx::query_as(
             "SELECT reported_labels, operator_labels, version, labels_revision FROM inventory.nodes \
@@ -270,8 +282,9 @@ impl Inventory {
             None,
             &format!("the operator labels of node `{id}`"),
         )?;
-        let old = effective(&reported.0, &before.0);
-        let view = LabelsView::new(reported.0, operator);
+        let trust = &self.settings.label_trust;
+        let old = trust.effective(&reported.0, &before.0);
+        let view = LabelsView::new(trust, reported.0, operator);
         let changed = old != view.effective;
         let version = if changed { version + 1 } else { version };
         let revision = revision + 1;

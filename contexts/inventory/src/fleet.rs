@@ -25,7 +25,7 @@ use sqlx::types::Json;
 use crate::conditions::{self, Condition, Found};
 use crate::drains;
 use crate::module::{ModuleSpec, unit_name};
-use crate::nodes::effective;
+use crate::nodes::LabelTrust;
 use crate::placement::{
     Bounds, Intent, NodeFacts, PlacementError, Request, Resources, Snapshot, effective_replicas,
     place,
@@ -45,6 +45,8 @@ pub(crate) struct Pass {
     pub max_unreachable_share: f64,
     /// What every node's inventory section carries besides its units.
     pub plan: Carried,
+    /// Which stated labels select (placement sees effective labels only).
+    pub trust: LabelTrust,
 }
 
 /// What every node's inventory section carries besides its units: the
@@ -361,7 +363,9 @@ fn place_modules(
                 .values()
                 .map(|n| NodeFacts {
                     id: n.id.clone(),
-                    labels: effective(&n.reported_labels.0, &n.operator_labels.0),
+                    labels: pass
+                        .trust
+                        .effective(&n.reported_labels.0, &n.operator_labels.0),
                     reachable: n.state == "alive",
                     schedulable: n.admin_state == "active",
                     capacity: Resources {

@@ -12,11 +12,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use chrono::{DateTime, Utc};
 use mesh_plumbing::outbox;
 use mesh_protocol::{
-    Envelope, Hello, NodeLabelsChanged, ProtocolRange, RecordEvent, RecordKind, Report,
+    Envelope, Hello, Labels, NodeLabelsChanged, ProtocolRange, RecordEvent, RecordKind, Report,
 };
 use sqlx::PgConnection;
+use sqlx::types::Json;
 
-use crate::nodes::to_i64;
+use crate::nodes::{LabelTrust, to_i64};
 use crate::reports::{clamp, upsert_generations};
 use crate::{Error, SCHEMA};
 
@@ -42,12 +43,14 @@ pub(crate) fn candidates<'a>(
 /// Insert the `candidates` nodes that do not exist yet, write their
 /// `inventory.node.joined` events and raise the generations they reported, as
 /// the one-by-one path does for a new node (facts, protocol range, version 1,
-/// the hello's labels as effective labels). Returns the nodes it inserted; the
+/// the labels bound to its join token as operator labels, the trusted keys of
+/// the hello's labels beneath them). Returns the nodes it inserted; the
 /// caller handles the others one by one.
 pub(crate) async fn new_nodes<'a>(
     tx: &mut PgConnection,
     candidates: &BTreeMap<&'a str, (&'a Envelope<Report>, &'a Hello)>,
     heard_at: DateTime<Utc>,
+    trust: &LabelTrust,
 ) -> Result<HashSet<String>, Error> {
     if candidates.is_empty() {
         return Ok(HashSet::new());
@@ -87,16 +90,17 @@ pub(crate) async fn new_nodes<'a>(
     }
     // Keys are unique (one hello per node) and sorted: rows are locked in key
     // order. A node that exists already conflicts and is not returned.
-    let inserted: Vec<String> = sqlx::query_scalar(
+    let inserted: Vec<(String, Json<Labels>)> = sqlx::query_as(
         "INSERT INTO inventory.nodes (id, hostname, arch, cpus, memory_bytes, agent_version, public_key, \
-         reported_labels, last_seen, hello_at, last_seq, heard_at, protocol_min, protocol_max) \
+         reported_labels, last_seen, hello_at, last_seq, heard_at, protocol_min, protocol_max, operator_labels) \
          SELECT u.id, u.hostname, u.arch, u.cpus, u.memory, u.agent, u.key, u.labels::jsonb, \
-                u.sent_at, u.sent_at, u.seq, $12, u.pmin, u.pmax \
+                u.sent_at, u.sent_at, u.seq, $12, u.pmin, u.pmax, \
+                COALESCE((SELECT e.labels FROM inventory.enrolled_labels e WHERE e.node = u.id), '{}') \
          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::text[], \
                      $7::text[], $8::text[], $9::timestamptz[], $10::bigint[], $11::integer[], $13::integer[]) \
               AS u(id, hostname, arch, cpus, memory, agent, key, labels, sent_at, seq, pmin, pmax) \
          ORDER BY u.id \
-         ON CONFLICT (id) DO NOTHING RETURNING id",
+         ON CONFLICT (id) DO NOTHING RETURNING id, operator_labels",
     )
     .bind(&ids)
     .bind(&hostnames)
@@ -113,7 +117,11 @@ pub(crate) async fn new_nodes<'a>(
     .bind(&maxes)
     .fetch_all(&mut *tx)
     .await?;
-    let inserted: HashSet<String> = inserted.into_iter().collect();
+    let operator: BTreeMap<String, Labels> = inserted
+        .into_iter()
+        .map(|(id, labels)| (id, labels.0))
+        .collect();
+    let inserted: HashSet<String> = operator.keys().cloned().collect();
     if inserted.is_empty() {
         return Ok(inserted);
     }
@@ -126,7 +134,8 @@ pub(crate) async fn new_nodes<'a>(
         events.push(RecordEvent::new(RecordKind::NodeJoined(
             NodeLabelsChanged {
                 node: env.node.clone(),
-                labels: hello.labels.clone(),
+                labels: trust
+                    .effective(&hello.labels, operator.get(*node).unwrap_or(&Labels::new())),
                 version: 1,
             },
         )));

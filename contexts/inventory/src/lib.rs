@@ -58,6 +58,7 @@ use sqlx::{PgConnection, PgPool};
 
 pub use error::Error;
 pub use liveness::HeartbeatView;
+pub use nodes::LabelTrust;
 pub use query::{
     AppliedView, AssignmentView, LabelsView, ModuleView, NODE_STATES, NodeSummary, NodeView,
     ProtocolView,
@@ -125,6 +126,10 @@ pub struct InventorySettings {
     /// first sweep after start (a controller in a new home tells every node
     /// at once), and kept by the periodic resync. Default none (no field).
     pub endpoints: Option<mesh_protocol::Endpoints>,
+    /// Which keys of what a node states about itself select it (issue 29):
+    /// default none, only operator labels (set through the API or bound to
+    /// the node's join token) do.
+    pub label_trust: LabelTrust,
 }
 
 impl Default for InventorySettings {
@@ -140,6 +145,7 @@ impl Default for InventorySettings {
             liveness_write: Duration::from_secs(5),
             sweep_interval: Duration::from_secs(2),
             endpoints: None,
+            label_trust: LabelTrust::default(),
         }
     }
 }
@@ -312,6 +318,9 @@ impl Context for Inventory {
                 return Ok(());
             }
         };
+        if let (false, Some(labels)) = (revoked, &body.labels) {
+            nodes::enrolled_labels(tx, body, labels, &self.settings.label_trust).await?;
+        }
         // Only the newest identity change counts; a node inventory has not heard
         // from yet gets its state when it says hello (and cannot, once revoked).
         let sql = if revoked {

@@ -4,16 +4,59 @@
 //! and the wire-to-column conversion of counters.
 
 use mesh_plumbing::outbox;
-use mesh_protocol::{Labels, NodeId, NodeLabelsChanged, NodeLiveness, RecordEvent, RecordKind};
+use std::collections::BTreeSet;
+
+use mesh_protocol::{
+    Labels, NodeId, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness, RESERVED_LABEL_PREFIX,
+    RecordEvent, RecordKind,
+};
 use sqlx::PgConnection;
+use sqlx::types::Json;
 
 use crate::{Error, SCHEMA};
 
-/// Effective labels: reported, overridden key by key by the operator's.
-pub(crate) fn effective(reported: &Labels, operator: &Labels) -> Labels {
-    let mut labels = reported.clone();
-    labels.extend(operator.iter().map(|(k, v)| (k.clone(), v.clone())));
-    labels
+/// Which label keys a node's own statement may set (the controller's
+/// `trusted_stated_labels`; issue 29). By default none: what a node says
+/// about itself is kept and shown as stated, and selects nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LabelTrust {
+    keys: BTreeSet<String>,
+}
+
+impl LabelTrust {
+    /// Trust the stated labels of these keys (never one under
+    /// [`RESERVED_LABEL_PREFIX`]: those are dropped).
+    pub fn new(keys: impl IntoIterator<Item = String>) -> Self {
+        LabelTrust {
+            keys: keys
+                .into_iter()
+                .filter(|k| !k.starts_with(RESERVED_LABEL_PREFIX))
+                .collect(),
+        }
+    }
+
+    /// The keys trusted, for SQL (`= ANY($n)`).
+    pub(crate) fn keys(&self) -> Vec<String> {
+        self.keys.iter().cloned().collect()
+    }
+
+    /// Effective labels, what selectors, placement, roles and grants see:
+    /// the stated labels of trusted keys, overridden key by key by the
+    /// operator's. Nothing under the reserved prefix comes from either.
+    pub(crate) fn effective(&self, stated: &Labels, operator: &Labels) -> Labels {
+        let mut labels: Labels = stated
+            .iter()
+            .filter(|(k, _)| self.keys.contains(*k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        labels.extend(
+            operator
+                .iter()
+                .filter(|(k, _)| !k.starts_with(RESERVED_LABEL_PREFIX))
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
+        labels
+    }
 }
 
 /// A wire counter (u64) as a PostgreSQL `bigint`, saturating.
@@ -42,5 +85,71 @@ pub(crate) async fn emit(
 /// Write `inventory.node.<state>` for a liveness transition to the outbox.
 pub(crate) async fn emit_liveness(tx: &mut PgConnection, body: NodeLiveness) -> Result<(), Error> {
     outbox::record(tx, SCHEMA, &RecordEvent::new(body.into_kind())).await?;
+    Ok(())
+}
+
+/// The labels an operator bound to the join token `body.node` enrolled with
+/// (issue 29): kept for the node's first hello, which takes them as its
+/// operator labels; a node already known (a re-join) gets them over its
+/// operator labels now, key by key, and `inventory.node.updated` when its
+/// effective labels change. Only an enrolment newer than the last identity
+/// change counts.
+pub(crate) async fn enrolled_labels(
+    tx: &mut PgConnection,
+    body: &NodeIdentityChanged,
+    labels: &Labels,
+    trust: &LabelTrust,
+) -> Result<(), Error> {
+    let labels: Labels = labels
+        .iter()
+        .filter(|(k, _)| !k.starts_with(RESERVED_LABEL_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    sqlx::query(
+        "INSERT INTO inventory.enrolled_labels (node, labels, at) VALUES ($1, $2, $3) \
+         ON CONFLICT (node) DO UPDATE SET labels = excluded.labels, at = excluded.at \
+         WHERE inventory.enrolled_labels.at < excluded.at",
+    )
+    .bind(body.node.as_str())
+    .bind(Json(&labels))
+    .bind(body.at)
+    .execute(&mut *tx)
+    .await?;
+    let row: Option<(Json<Labels>, Json<Labels>, i64)> = sqlx::query_as(
+        "SELECT reported_labels, operator_labels, version FROM inventory.nodes \
+         WHERE id = $1 AND (identity_at IS NULL OR identity_at < $2) FOR UPDATE",
+    )
+    .bind(body.node.as_str())
+    .bind(body.at)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((stated, operator, version)) = row else {
+        return Ok(());
+    };
+    let mut after = operator.0.clone();
+    after.extend(labels);
+    let before_effective = trust.effective(&stated.0, &operator.0);
+    let after_effective = trust.effective(&stated.0, &after);
+    let changed = before_effective != after_effective;
+    let version = if changed { version + 1 } else { version };
+    sqlx::query(
+        "UPDATE inventory.nodes SET operator_labels = $2, version = $3, \
+         labels_revision = labels_revision + 1 WHERE id = $1",
+    )
+    .bind(body.node.as_str())
+    .bind(Json(&after))
+    .bind(version)
+    .execute(&mut *tx)
+    .await?;
+    if changed {
+        emit(
+            tx,
+            RecordKind::NodeUpdated,
+            &body.node,
+            after_effective,
+            version,
+        )
+        .await?;
+    }
     Ok(())
 }

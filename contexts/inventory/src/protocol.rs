@@ -10,7 +10,7 @@ use sqlx::PgConnection;
 use sqlx::types::Json;
 
 use crate::Error;
-use crate::nodes::{effective, emit, to_i64};
+use crate::nodes::{LabelTrust, emit, to_i64};
 
 /// Record a refused hello: the node's facts (a node first heard of now gets
 /// its row, so that `GET /v1/nodes/{id}` says why), its range and the reason.
@@ -70,6 +70,7 @@ pub(crate) async fn accepted(
     node: &NodeId,
     hello: &Hello,
     was_refused: bool,
+    trust: &LabelTrust,
 ) -> Result<(), Error> {
     let range = hello.protocol();
     let row: Option<(Json<Labels>, Json<Labels>, i64)> = sqlx::query_as(
@@ -83,7 +84,7 @@ pub(crate) async fn accepted(
     .await?;
     if was_refused && let Some((reported, operator, version)) = row {
         tracing::info!(%node, "agent speaks this controller's protocol again; refusal lifted");
-        let labels = effective(&reported.0, &operator.0);
+        let labels = trust.effective(&reported.0, &operator.0);
         emit(tx, RecordKind::NodeJoined, node, labels, version).await?;
     }
     Ok(())

@@ -8,7 +8,7 @@ use serde::Serialize;
 use sqlx::types::Json;
 
 use crate::module::{AutoscalerIntent, ModuleSpec};
-use crate::nodes::effective;
+use crate::nodes::LabelTrust;
 use crate::placement::{Intent, effective_replicas};
 use crate::{Error, Inventory};
 
@@ -32,17 +32,20 @@ pub struct NodeSummary {
 /// A node's labels, where they come from, and what they add up to.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct LabelsView {
-    /// From the node's hello.
+    /// What the node states about itself in its hello: shown as stated, and
+    /// selecting nothing unless its key is one the controller trusts
+    /// (`trusted_stated_labels`).
     pub reported: Labels,
-    /// Set through the API; override reported labels key by key.
+    /// Set through the API or bound to the node's join token: what selects.
     pub operator: Labels,
-    /// `reported` overridden by `operator`: what selectors match.
+    /// The trusted keys of `reported`, overridden by `operator`: what
+    /// selectors, placement, roles and grants match.
     pub effective: Labels,
 }
 
 impl LabelsView {
-    pub(crate) fn new(reported: Labels, operator: Labels) -> Self {
-        let effective = effective(&reported, &operator);
+    pub(crate) fn new(trust: &LabelTrust, reported: Labels, operator: Labels) -> Self {
+        let effective = trust.effective(&reported, &operator);
         LabelsView {
             reported,
             operator,
@@ -182,7 +185,11 @@ impl Inventory {
             memory_bytes: n.memory_bytes,
             agent_version: n.agent_version,
             public_key: n.public_key,
-            labels: LabelsView::new(n.reported_labels.0, n.operator_labels.0),
+            labels: LabelsView::new(
+                &self.settings.label_trust,
+                n.reported_labels.0,
+                n.operator_labels.0,
+            ),
             state: n.state,
             first_seen: n.first_seen,
             last_seen: n.last_seen,
@@ -224,9 +231,10 @@ impl Inventory {
 
     /// Nodes ordered by id, those after `after`, at most `limit` (capped by
     /// [`crate::InventorySettings::max_page`]).
-    /// With `selector`, only those whose effective labels (reported,
-    /// overridden by operator) hold every pair. Tolerates lag: served by the
-    /// replica when one is usable ([`Inventory::reads`]).
+    /// With `selector`, only those whose effective labels (the trusted keys
+    /// of the stated ones, overridden by operator labels) hold every pair.
+    /// Tolerates lag: served by the replica when one is usable
+    /// ([`Inventory::reads`]).
     pub async fn nodes(
         &self,
         after: Option<&str>,
@@ -234,6 +242,9 @@ impl Inventory {
         selector: Option<&Labels>,
     ) -> Result<Vec<NodeSummary>, Error> {
         let limit = limit.clamp(1, self.settings.max_page.max(1));
+        let trust = &self.settings.label_trust;
+        let trusted = trust.keys();
+        let trusted = &trusted;
         type Row = (
             String,
             String,
@@ -246,11 +257,14 @@ impl Inventory {
         let rows: Vec<Row> = self.reads.lag_tolerant(|pool| async move { sqlx::query_as(
             "SELECT id, hostname, reported_labels, operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, last_seen, beat_ms FROM inventory.nodes \
              WHERE ($1::text IS NULL OR id > $1) \
-             AND ($3::jsonb IS NULL OR (reported_labels || operator_labels) @> $3) ORDER BY id LIMIT $2",
+             AND ($3::jsonb IS NULL OR ((SELECT COALESCE(jsonb_object_agg(t.key, t.value), '{}'::jsonb) \
+                  FROM jsonb_each(reported_labels) AS t WHERE t.key = ANY($4)) || operator_labels) @> $3) \
+             ORDER BY id LIMIT $2",
         )
         .bind(after)
         .bind(limit)
         .bind(selector.map(Json))
+        .bind(trusted)
         .fetch_all(&pool)
         .await }).await?;
         Ok(rows
@@ -259,7 +273,7 @@ impl Inventory {
                 |(id, hostname, reported, operator, state, last_seen, beat_ms)| NodeSummary {
                     id,
                     hostname,
-                    labels: effective(&reported.0, &operator.0),
+                    labels: trust.effective(&reported.0, &operator.0),
                     state,
                     last_seen,
                     heartbeat_interval_ms: beat_ms,

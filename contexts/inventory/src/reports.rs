@@ -18,7 +18,7 @@ use mesh_protocol::{
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use crate::nodes::{effective, emit, emit_liveness, to_i64};
+use crate::nodes::{LabelTrust, emit, emit_liveness, to_i64};
 use crate::{Error, InventorySettings, SECTIONS};
 
 pub(crate) async fn handle(
@@ -51,7 +51,9 @@ pub(crate) async fn handle(
     }
     // New nodes first, all at once; the rest one by one, in the batch's order.
     // They are disjoint sets of nodes, so the order between them changes nothing.
-    let joined = crate::join::new_nodes(tx, &crate::join::candidates(&hellos), heard_at).await?;
+    let trust = &settings.label_trust;
+    let joined =
+        crate::join::new_nodes(tx, &crate::join::candidates(&hellos), heard_at, trust).await?;
     for (env, h) in hellos {
         if joined.contains(env.node.as_str()) {
             continue;
@@ -61,8 +63,8 @@ pub(crate) async fn handle(
             continue;
         }
         let was_refused = crate::protocol::was_refused(tx, &env.node).await?;
-        hello(tx, env, h, heard_at).await?;
-        crate::protocol::accepted(tx, &env.node, h, was_refused).await?;
+        hello(tx, env, h, heard_at, trust).await?;
+        crate::protocol::accepted(tx, &env.node, h, was_refused, trust).await?;
     }
     // Nodes behind or ahead on their inventory section: caught up at once.
     SECTIONS.on_hello(tx, reports).await?;
@@ -141,15 +143,19 @@ async fn hello(
     env: &Envelope<Report>,
     hello: &Hello,
     heard_at: DateTime<Utc>,
+    trust: &LabelTrust,
 ) -> Result<(), Error> {
     let node = &env.node;
     let sent_at = clamp(env.sent_at);
     let seq = to_i64(env.seq);
-    let inserted: Option<String> = sqlx::query_scalar(
+    // A new node's operator labels are those bound to its join token, if
+    // identity told them (`inventory.enrolled_labels`).
+    let inserted: Option<Json<Labels>> = sqlx::query_scalar(
         "INSERT INTO inventory.nodes (id, hostname, arch, cpus, memory_bytes, agent_version, public_key, \
-         reported_labels, last_seen, hello_at, last_seq, heard_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10, $11) \
-         ON CONFLICT (id) DO NOTHING RETURNING id",
+         reported_labels, last_seen, hello_at, last_seq, heard_at, operator_labels) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10, $11, \
+                 COALESCE((SELECT labels FROM inventory.enrolled_labels WHERE node = $1), '{}')) \
+         ON CONFLICT (id) DO NOTHING RETURNING operator_labels",
     )
     .bind(node.as_str())
     .bind(&hello.hostname)
@@ -165,8 +171,9 @@ async fn hello(
     .fetch_optional(&mut *tx)
     .await?;
 
-    if inserted.is_some() {
-        emit(tx, RecordKind::NodeJoined, node, hello.labels.clone(), 1).await?;
+    if let Some(operator) = inserted {
+        let labels = trust.effective(&hello.labels, &operator.0);
+        emit(tx, RecordKind::NodeJoined, node, labels, 1).await?;
     } else {
         type Row = (
             Json<Labels>,
@@ -207,8 +214,8 @@ async fn hello(
             .execute(&mut *tx)
             .await?;
         } else {
-            let before = effective(&reported.0, &operator.0);
-            let after = effective(&hello.labels, &operator.0);
+            let before = trust.effective(&reported.0, &operator.0);
+            let after = trust.effective(&hello.labels, &operator.0);
             let changed = before != after;
             let version = if changed { version + 1 } else { version };
             sqlx::query(

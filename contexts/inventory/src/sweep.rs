@@ -34,6 +34,7 @@ impl Inventory {
                 .map(|n| n.as_str().to_owned()),
             max_unreachable_share: self.settings.max_unreachable_share,
             plan: self.carried(),
+            trust: self.settings.label_trust.clone(),
         }
     }
 

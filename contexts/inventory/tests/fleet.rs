@@ -53,6 +53,7 @@ async fn setup() -> Fixture {
     let settings = InventorySettings {
         grace: Duration::from_secs(5),
         controller_node: NodeId::parse(&format!("{}-a", env.id())).ok(),
+        label_trust: mesh_inventory::LabelTrust::new(["role".to_owned(), "zone".to_owned()]),
         ..InventorySettings::default()
     };
     let inventory = Arc::new(Inventory::new(
@@ -927,6 +928,7 @@ async fn past_the_budget_the_interval_and_grace_stretch_and_every_node_is_told()
         OutboxSignal::default(),
         InventorySettings {
             heartbeat_budget: 0.2,
+            label_trust: mesh_inventory::LabelTrust::new(["role".to_owned(), "zone".to_owned()]),
             ..InventorySettings::default()
         },
     );

@@ -38,6 +38,14 @@ struct Fixture {
 }
 
 async fn setup() -> Fixture {
+    setup_with(InventorySettings {
+        label_trust: mesh_inventory::LabelTrust::new(["role".to_owned(), "zone".to_owned()]),
+        ..InventorySettings::default()
+    })
+    .await
+}
+
+async fn setup_with(settings: InventorySettings) -> Fixture {
     let env = TestEnv::new().await.unwrap();
     let url = env.database_url("inventory");
     let applied = mesh_inventory::migrate(&url).await.unwrap();
@@ -50,7 +58,7 @@ async fn setup() -> Fixture {
     let inventory = Arc::new(Inventory::new(
         pool.clone(),
         OutboxSignal::default(),
-        InventorySettings::default(),
+        settings,
     ));
     Fixture {
         env,
@@ -408,7 +416,8 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
             "V10__conditions",
             "V11__module_health",
             "V12__module_targets",
-            "V13__module_resources"
+            "V13__module_resources",
+            "V14__trusted_labels"
         ],
         "{applied:?}"
     );
@@ -473,7 +482,8 @@ async fn the_conditions_migration_drops_the_alerts_and_starts_with_nothing_told(
             "V10__conditions",
             "V11__module_health",
             "V12__module_targets",
-            "V13__module_resources"
+            "V13__module_resources",
+            "V14__trusted_labels"
         ]
     );
     let alerts: Option<String> = sqlx::query_scalar("SELECT to_regclass('inventory.alerts')::text")
@@ -782,10 +792,21 @@ async fn roles_cannot_cross_schemas() {
 }
 
 async fn identity_event(f: &Fixture, event: &str, node: &NodeId, at: DateTime<Utc>) {
+    identity_event_with(f, event, node, at, None).await
+}
+
+async fn identity_event_with(
+    f: &Fixture,
+    event: &str,
+    node: &NodeId,
+    at: DateTime<Utc>,
+    labels: Option<Labels>,
+) {
     let body = mesh_protocol::NodeIdentityChanged {
         node: node.clone(),
         public_key: None,
         at,
+        labels,
     };
     let event = RecordEvent::new(match event {
         "node.enrolled" => RecordKind::NodeEnrolled(body),
@@ -1143,6 +1164,7 @@ async fn the_mesh_endpoints_are_declared_at_join_and_at_the_first_sweep() {
         OutboxSignal::default(),
         InventorySettings {
             endpoints: Some(endpoints.clone()),
+            label_trust: mesh_inventory::LabelTrust::new(["role".to_owned(), "zone".to_owned()]),
             ..InventorySettings::default()
         },
     );
@@ -1175,4 +1197,153 @@ async fn the_mesh_endpoints_are_declared_at_join_and_at_the_first_sweep() {
         assert_eq!(told, endpoints, "{v}");
     }
     f.env.teardown().await.unwrap();
+}
+
+/// Issue 29: by default what a node states about itself selects nothing. A
+/// node stating `role=db` and `mesh.hub=true` joins with no effective label
+/// (its stated ones shown as stated), no selector finds it, and restating
+/// changes nothing on the record; operator labels select; the labels bound
+/// to its join token (told by identity before its hello) are its operator
+/// labels from the first hello; a re-join's token labels apply at once; and
+/// nobody sets a `mesh.io/` key.
+#[tokio::test]
+async fn stated_labels_select_nothing_operator_and_token_labels_do() {
+    let f = setup_with(InventorySettings::default()).await;
+    let hostile = node(&f, "web-2");
+    let stated = labels(&[
+        ("role", "db"),
+        ("mesh.hub", "true"),
+        ("mesh.io/node", "db-1"),
+    ]);
+    handle(&f, &[hello(&hostile, 1, stated.clone(), &[])]).await;
+    let ev = events(&f).await;
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0].0, "node.joined");
+    assert_eq!(ev[0].1.labels, Labels::new(), "stated labels selected");
+    let view = f.inventory.node(&hostile).await.unwrap().unwrap();
+    assert_eq!(
+        view.labels.reported, stated,
+        "stated labels shown as stated"
+    );
+    assert!(view.labels.effective.is_empty(), "{:?}", view.labels);
+    let found = f
+        .inventory
+        .nodes(None, 100, Some(&labels(&[("role", "db")])))
+        .await
+        .unwrap();
+    assert!(
+        found.is_empty(),
+        "a selector found a node by what it stated: {found:?}"
+    );
+    // Restating other labels: nothing selects, nothing is told.
+    handle(&f, &[hello(&hostile, 2, labels(&[("role", "web")]), &[])]).await;
+    assert_eq!(events(&f).await.len(), 1);
+
+    // Labels bound to a join token, told before the node's first hello.
+    let web = node(&f, "web-3");
+    let at = Utc::now();
+    identity_event_with(
+        &f,
+        "node.enrolled",
+        &web,
+        at,
+        Some(labels(&[("role", "web")])),
+    )
+    .await;
+    handle(&f, &[hello(&web, 1, labels(&[("role", "db")]), &[])]).await;
+    let ev = events(&f).await;
+    let joined = ev
+        .iter()
+        .find(|(_, b)| b.node == web)
+        .expect("web-3 joined");
+    assert_eq!(joined.1.labels, labels(&[("role", "web")]));
+    let found = f
+        .inventory
+        .nodes(None, 100, Some(&labels(&[("role", "web")])))
+        .await
+        .unwrap();
+    assert_eq!(
+        found.iter().map(|n| n.id.as_str()).collect::<Vec<_>>(),
+        [web.as_str()]
+    );
+
+    // A re-join of a known node under a token with labels: applied now.
+    identity_event_with(
+        &f,
+        "node.enrolled",
+        &hostile,
+        Utc::now(),
+        Some(labels(&[("tier", "gold")])),
+    )
+    .await;
+    let updated = events(&f)
+        .await
+        .into_iter()
+        .rfind(|(k, b)| k == "node.updated" && b.node == hostile)
+        .expect("web-2 updated");
+    assert_eq!(updated.1.labels, labels(&[("tier", "gold")]));
+
+    // Nobody sets a reserved key.
+    let err = f
+        .inventory
+        .set_operator_labels(
+            &web,
+            labels(&[("mesh.io/node", "db-1")]),
+            Some(&mesh_plumbing::etag::Precondition::Any),
+            &audit("PUT", "/v1/nodes/web-3/labels"),
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("mesh.io/node"), "{err}");
+    f.env.teardown().await.unwrap();
+}
+
+/// Issue 29: on upgrade every node's effective labels of before (stated,
+/// overridden by the operator's) become its operator labels, so nothing it
+/// was selected for moves; reserved keys are not carried over.
+#[tokio::test]
+async fn the_trusted_labels_migration_keeps_what_selected_each_node() {
+    let env = TestEnv::new().await.unwrap();
+    let url = env.database_url("inventory");
+    mesh_plumbing::migrate(
+        &url,
+        "inventory",
+        mesh_inventory::migrations().set_target(refinery::Target::Version(13)),
+    )
+    .await
+    .unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO inventory.nodes (id, hostname, arch, cpus, memory_bytes, agent_version, \
+         reported_labels, operator_labels, last_seen, hello_at, heard_at) VALUES \
+         ('a', 'a', 'x86_64', 1, 1, '0', '{\"role\": \"db\", \"zone\": \"eu\", \"mesh.io/x\": \"y\"}', \
+          '{\"zone\": \"us\"}', now(), now(), now()), \
+         ('b', 'b', 'x86_64', 1, 1, '0', '{}', '{\"role\": \"web\"}', now(), now(), now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let before: Vec<(String, i64)> =
+        sqlx::query_as("SELECT id, labels_revision FROM inventory.nodes ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let applied = mesh_inventory::migrate(&url).await.unwrap();
+    assert_eq!(applied, ["V14__trusted_labels"]);
+    let after: Vec<(String, sqlx::types::Json<Labels>, i64)> = sqlx::query_as(
+        "SELECT id, operator_labels, labels_revision FROM inventory.nodes ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(after[0].1.0, labels(&[("role", "db"), ("zone", "us")]));
+    assert_eq!(after[0].2, before[0].1 + 1, "a's labels revision");
+    assert_eq!(after[1].1.0, labels(&[("role", "web")]));
+    assert_eq!(after[1].2, before[1].1, "b stated nothing: untouched");
+    pool.close().await;
+    env.teardown().await.unwrap();
 }

@@ -50,6 +50,7 @@ async fn setup() -> Fixture {
         .unwrap();
     let settings = InventorySettings {
         grace: Duration::from_secs(5),
+        label_trust: mesh_inventory::LabelTrust::new(["role".to_owned(), "zone".to_owned()]),
         ..InventorySettings::default()
     };
     let inventory = Arc::new(Inventory::new(
