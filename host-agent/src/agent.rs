@@ -461,11 +461,29 @@ impl Agent {
                             if !conn.status().connected() {
                                 return SessionEnd::Lost(reason);
                             }
-                            if !publisher.status().connected() {
-                                match open_publisher(conn, self.config.connect_timeout).await {
-                                    Ok(ch) => publisher = ch,
-                                    Err(e) => return SessionEnd::Lost(format!("cannot reopen the publishing channel: {e}")),
+                            // A fresh channel for what follows, whether this one
+                            // is closed or only refused: a channel that published
+                            // to a quorum queue whose leader's node died can keep
+                            // being refused for it after a new leader is elected,
+                            // while a new channel finds the leader (the relay does
+                            // the same: decision 0043). Seen on the three-node
+                            // cluster under load: an `applied` report nacked for
+                            // three minutes. The old channel's confirms still in
+                            // flight resolve by themselves (retried if refused).
+                            match open_publisher(conn, self.config.connect_timeout).await {
+                                Ok(ch) => {
+                                    let old = std::mem::replace(&mut publisher, ch);
+                                    if old.status().connected() {
+                                        tokio::spawn(async move {
+                                            let _ = tokio::time::timeout(
+                                                CLOSE_TIMEOUT,
+                                                old.close(200, "replaced after a refused publish".into()),
+                                            )
+                                            .await;
+                                        });
+                                    }
                                 }
+                                Err(e) => return SessionEnd::Lost(format!("cannot reopen the publishing channel: {e}")),
                             }
                         }
                     }
