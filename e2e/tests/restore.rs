@@ -1157,6 +1157,26 @@ async fn a_backup_taken_under_load_restores_to_one_moment() -> anyhow::Result<()
         Ok((n.len() == 2 && n.iter().all(|n| n["state"] == "alive")).then_some(()))
     })
     .await?;
+    // The premise checked in the restored copy below (inventory recorded an
+    // applied generation): both nodes' join-time inventory sections applied
+    // and recorded before the backup starts. Under load the backup once
+    // came before any applied report was handled (bundle/test, issue 40).
+    for node in [&a, &b] {
+        wait_for(
+            "the node's inventory section recorded as applied",
+            WITHIN,
+            || async {
+                let (status, view) = mesh.get(&format!("/v1/nodes/{node}")).await?;
+                anyhow::ensure!(status == 200, "GET node: {status} {view}");
+                Ok((view["sections"]["inventory"]["applied"]
+                    .as_i64()
+                    .unwrap_or(0)
+                    >= 1)
+                    .then_some(()))
+            },
+        )
+        .await?;
+    }
     let dir = mesh.dir.path().join("drill");
     std::fs::create_dir_all(&dir)?;
     let admin_file = dir.join("admin-credentials.toml");
