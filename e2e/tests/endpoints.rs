@@ -275,6 +275,36 @@ async fn two_endpoints(
     Ok((p1, p2, node, log_name))
 }
 
+/// Restart `node`'s agent, its credentials still naming only P1, and wait
+/// until its log shows P1 given up (a line holding `p1_failure` and P1) and a
+/// connection through the P2 its store kept.
+async fn restart_through_kept_p2(
+    mesh: &mut Mesh,
+    node: &str,
+    p1_failure: &str,
+    p1_text: &str,
+    p2_text: &str,
+) -> anyhow::Result<()> {
+    let log_name = format!("agent-{node}");
+    mesh.stop_agent(node);
+    let before = mesh.log_of(&log_name).len();
+    mesh.start_agent(node)?;
+    wait_for(
+        &format!(
+            "the restarted agent to give up P1 ({p1_failure}) and connect through the kept P2"
+        ),
+        WITHIN,
+        || async {
+            let log = mesh.log_of(&log_name);
+            let log = log.get(before..).unwrap_or_default();
+            let failed = logged(log, &[p1_failure, p1_text]);
+            let connected = logged(log, &["connected to the broker", p2_text, "learned"]);
+            Ok((failed && connected).then_some(()))
+        },
+    )
+    .await
+}
+
 /// Decision 0044: the controller tells every node the mesh's endpoints (its
 /// own broker endpoint P1 and `broker_endpoints` P2); an agent whose
 /// credentials name only P1 keeps them in its store; P1 stops answering and
@@ -307,19 +337,12 @@ async fn an_agent_follows_the_mesh_to_an_endpoint_it_was_told() -> anyhow::Resul
         if round == 1 {
             // Restarted with its credentials still naming only the dead P1:
             // it tries P1, then comes up through the P2 its store kept.
-            mesh.stop_agent(&node);
-            let before = mesh.log_of(&log_name).len();
-            mesh.start_agent(&node)?;
-            wait_for(
-                "the restarted agent to fail on P1 and connect through the kept P2",
-                WITHIN,
-                || async {
-                    let log = mesh.log_of(&log_name);
-                    let log = log.get(before..).unwrap_or_default();
-                    let failed = logged(log, &["cannot connect to the broker", &p1_text]);
-                    let connected = logged(log, &["connected to the broker", &p2_text, "learned"]);
-                    Ok((failed && connected).then_some(()))
-                },
+            restart_through_kept_p2(
+                &mut mesh,
+                &node,
+                "cannot connect to the broker",
+                &p1_text,
+                &p2_text,
             )
             .await?;
         }
@@ -436,21 +459,7 @@ async fn an_agent_and_the_controller_give_up_an_endpoint_that_stalls() -> anyhow
         if round == 1 {
             // Restarted with its credentials naming only the stalled P1: the
             // attempt there times out, the kept P2 is next.
-            mesh.stop_agent(&node);
-            let before = mesh.log_of(&log_name).len();
-            mesh.start_agent(&node)?;
-            wait_for(
-                "the restarted agent to time out on P1 and connect through the kept P2",
-                WITHIN,
-                || async {
-                    let log = mesh.log_of(&log_name);
-                    let log = log.get(before..).unwrap_or_default();
-                    let timed_out = logged(log, &["timed out", &p1_text]);
-                    let connected = logged(log, &["connected to the broker", &p2_text, "learned"]);
-                    Ok((timed_out && connected).then_some(()))
-                },
-            )
-            .await?;
+            restart_through_kept_p2(&mut mesh, &node, "timed out", &p1_text, &p2_text).await?;
             // The attempt given up on P1 left no I/O thread behind: one for
             // the session through P2.
             let pid = mesh

@@ -97,7 +97,7 @@ struct JoinTokenBody {
     path = "/v1/nodes/{id}/join-tokens",
     tag = "identity",
     params(("id" = String, Path, description = "The node's id")),
-    request_body(content = Option<JoinTokenBody>, description = "Optional: the token's validity"),
+    request_body(content = Option<JoinTokenBody>, description = "Optional: the token's validity and the labels bound to it"),
     responses(
         (status = 201, description = "The token, shown once", body = JoinTokenCreated),
         Unprocessable,
@@ -421,11 +421,11 @@ fn token_id(id: &str) -> Result<Uuid, Error> {
     })
 }
 
-/// An optional JSON body whose only field is `ttl_secs`: none (or blank)
-/// means the defaults.
+/// An optional JSON body: none (or blank) means the defaults; one that does
+/// not parse is a 422 naming what serde found wrong.
 fn optional_body<T: Default + serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Problem> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(body).map_err(|e| Problem::unprocessable("ttl_secs", e.to_string()))
+    serde_json::from_slice(body).map_err(|e| Problem::unprocessable("body", e.to_string()))
 }
