@@ -4,8 +4,9 @@
 //! The policy is one table, [`required`]: the route (method and pattern, as axum
 //! matched it) → [`Access`]. `/healthz`, `/metrics` and the OpenAPI document
 //! `/v1/openapi.json` (it describes routes, it shows no data) are open;
-//! `POST /v1/join` is authenticated by its join token (identity checks it); tokens, node
-//! revocation and the audit log need `admin`; a module's unit output
+//! `POST /v1/join` is authenticated by its join token and `POST
+//! /v1/tokens/exchange` by its OIDC ID token (identity checks both); tokens,
+//! OIDC trusts, node revocation and the audit log need `admin`; a module's unit output
 //! (`GET /v1/modules/{name}/logs`) needs `operator`; any other read needs
 //! `viewer` and any other change `operator`. A missing or unknown token is 401, a role too
 //! small is 403, both problem+json. The dashboard's static files
@@ -68,9 +69,19 @@ pub fn required(method: &Method, route: Option<&str>) -> Access {
     match (method, route) {
         (_, Some("/healthz" | "/metrics" | "/v1/openapi.json")) => Access::Open,
         (&Method::POST, Some("/v1/join")) => Access::Open,
-        (_, Some("/v1/tokens" | "/v1/tokens/{id}" | "/v1/tokens/{id}/rotate" | "/v1/audit")) => {
-            Access::Role(Role::Admin)
-        }
+        // Authenticated by the OIDC ID token it carries (identity checks it).
+        (&Method::POST, Some("/v1/tokens/exchange")) => Access::Open,
+        (
+            _,
+            Some(
+                "/v1/tokens"
+                | "/v1/tokens/{id}"
+                | "/v1/tokens/{id}/rotate"
+                | "/v1/audit"
+                | "/v1/trust"
+                | "/v1/trust/{name}",
+            ),
+        ) => Access::Role(Role::Admin),
         (_, Some("/v1/secrets/master-key/rotate")) => Access::Role(Role::Admin),
         (&Method::DELETE, Some("/v1/nodes/{id}")) => Access::Role(Role::Admin),
         // A unit's output may hold anything it prints (decision 0033).
@@ -278,6 +289,11 @@ mod tests {
             (Method::GET, "/metrics", Open),
             (Method::GET, "/v1/openapi.json", Open),
             (Method::POST, "/v1/join", Open),
+            (Method::POST, "/v1/tokens/exchange", Open),
+            (Method::GET, "/v1/trust", R(Role::Admin)),
+            (Method::GET, "/v1/trust/{name}", R(Role::Admin)),
+            (Method::PUT, "/v1/trust/{name}", R(Role::Admin)),
+            (Method::DELETE, "/v1/trust/{name}", R(Role::Admin)),
             (Method::GET, "/v1/nodes", R(Role::Viewer)),
             (Method::GET, "/v1/nodes/{id}", R(Role::Viewer)),
             (Method::GET, "/v1/nodes/{id}/labels", R(Role::Viewer)),

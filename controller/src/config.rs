@@ -288,6 +288,13 @@ pub struct Settings {
     /// --label`) override a trusted stated label of the same key. Keys under
     /// `mesh.io/` are reserved and refused (docs/security.md, issue 29).
     pub trusted_stated_labels: Vec<String>,
+    /// PEM bundle of the CAs that OIDC issuers' https endpoints are verified
+    /// against (`POST /v1/tokens/exchange`, decision 0049): an issuer is
+    /// usually a public service, so the system's bundle by default. Nothing
+    /// else the controller talks to uses it. Missing: https issuers cannot be
+    /// verified (loopback http ones, for tests, still work). Default
+    /// `/etc/ssl/certs/ca-certificates.crt`.
+    pub oidc_ca_file: PathBuf,
 }
 
 impl Default for Settings {
@@ -350,6 +357,7 @@ impl Default for Settings {
             broker_endpoints: Vec::new(),
             queue_type: "classic".to_owned(),
             trusted_stated_labels: Vec::new(),
+            oidc_ca_file: PathBuf::from("/etc/ssl/certs/ca-certificates.crt"),
         }
     }
 }

@@ -38,6 +38,8 @@ pub enum ContextsError {
     Inventory(#[from] mesh_inventory::Error),
     #[error("the artifact registry (registry_url): {0}")]
     Registry(#[from] mesh_oci::OciError),
+    #[error("the OIDC issuers' HTTP client (oidc_ca_file): {0}")]
+    IssuerClient(#[from] reqwest::Error),
 }
 
 /// Every context the controller runs, each with its own pool (its own role).
@@ -269,7 +271,10 @@ impl Contexts {
             )?),
         );
         let reads = replicas.reads_for(creds, Identity::SCHEMA, identity.pool())?;
-        let identity = identity.with_reads(reads);
+        let issuers = crate::oidc::IssuerClient::new(&settings.oidc_ca_file)?;
+        let identity = identity
+            .with_reads(reads)
+            .with_issuer_fetch(Arc::new(issuers));
         Ok(Contexts {
             replicas,
             inventory: Arc::new(inventory),

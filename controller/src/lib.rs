@@ -22,6 +22,7 @@ pub mod evaluator;
 pub mod fence;
 pub mod logs;
 pub mod metrics;
+pub mod oidc;
 pub mod openapi;
 pub mod pipeline;
 pub mod relay;

@@ -7,48 +7,13 @@
 
 mod common;
 
-use axum::Router;
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
-use chrono::{DateTime, Utc};
+use common::{at, call};
+
+use axum::http::StatusCode;
+use chrono::Utc;
 use mesh_testkit::TestEnv;
-use serde_json::{Value, json};
+use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
-use tower::ServiceExt;
-
-async fn call(
-    router: &Router,
-    method: &str,
-    uri: &str,
-    token: &str,
-    body: Option<Value>,
-) -> anyhow::Result<(StatusCode, Value)> {
-    let mut req = Request::builder()
-        .method(method)
-        .uri(uri)
-        .header("authorization", format!("Bearer {token}"));
-    let body = match body {
-        Some(b) => {
-            req = req.header("content-type", "application/json");
-            Body::from(serde_json::to_vec(&b)?)
-        }
-        None => Body::empty(),
-    };
-    let resp = router.clone().oneshot(req.body(body)?).await?;
-    let status = resp.status();
-    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await?;
-    Ok((
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    ))
-}
-
-fn at(v: &Value, key: &str) -> anyhow::Result<DateTime<Utc>> {
-    let text = v[key]
-        .as_str()
-        .ok_or_else(|| anyhow::anyhow!("no `{key}` in {v}"))?;
-    Ok(DateTime::parse_from_rfc3339(text)?.with_timezone(&Utc))
-}
 
 #[tokio::test]
 async fn tokens_end_are_refused_after_and_rotate() -> anyhow::Result<()> {

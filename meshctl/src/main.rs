@@ -77,6 +77,10 @@ enum Command {
     /// API tokens of operators.
     #[command(subcommand)]
     Token(TokenCommand),
+    /// OIDC trust for automation (admin): which issuer's ID tokens are
+    /// exchanged for short-lived API tokens of which role.
+    #[command(subcommand)]
+    Trust(TrustCommand),
     /// Read the audit log (admin).
     Audit {
         #[arg(long)]
@@ -243,6 +247,47 @@ enum TokenCommand {
     },
     /// Revoke an API token by id.
     Revoke { id: String },
+    /// Exchange an OIDC ID token (a CI job's) for an API token of the
+    /// trust's role, living an hour at most; prints it (shown once). Needs
+    /// no API token.
+    Exchange {
+        /// The trust to exchange under (`meshctl trust put`).
+        #[arg(long)]
+        trust: String,
+        /// A file holding the ID token, or `-` for standard input.
+        #[arg(long)]
+        id_token_file: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum TrustCommand {
+    /// Create or replace a trust: ID tokens of ISSUER for AUDIENCE whose
+    /// subject matches SUBJECT are exchanged for tokens of ROLE. A changed
+    /// trust revokes the tokens it gave.
+    Put {
+        name: String,
+        /// The issuer's URL, as its tokens' `iss` says.
+        #[arg(long)]
+        issuer: String,
+        /// What the ID token's `aud` must hold.
+        #[arg(long)]
+        audience: String,
+        /// What its `sub` must match; `*` matches any run of characters
+        /// (`repo:acme/app:ref:refs/heads/main`). `*` alone is refused.
+        #[arg(long)]
+        subject: String,
+        #[arg(long, value_parser = ["admin", "operator", "viewer"])]
+        role: String,
+        /// The tokens' lifetime: seconds, or a number with `m` or `h`.
+        /// Default and most 1h.
+        #[arg(long, value_parser = parse_ttl)]
+        ttl: Option<u64>,
+    },
+    /// List the trusts.
+    List,
+    /// Delete a trust and revoke the tokens it gave.
+    Delete { name: String },
 }
 
 /// A token lifetime: seconds, or a number with `m`, `h` or `d`.
@@ -479,6 +524,67 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
             );
             println!("{}", v["token"].as_str().context("no token in the answer")?);
         }
+        Command::Token(TokenCommand::Exchange {
+            trust,
+            id_token_file,
+        }) => {
+            let id_token = if id_token_file.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin())
+                    .context("reading the ID token from stdin")?
+            } else {
+                std::fs::read_to_string(&id_token_file).with_context(|| {
+                    format!("reading the ID token from {}", id_token_file.display())
+                })?
+            };
+            let body = json!({ "trust": trust, "id_token": id_token.trim() });
+            let v = api
+                .call(Method::POST, "/v1/tokens/exchange", Some(body))
+                .await?;
+            eprintln!(
+                "API token of trust `{trust}` ({}) for `{}`, expires {}; shown once:",
+                v["role"].as_str().unwrap_or("?"),
+                v["subject"].as_str().unwrap_or("?"),
+                v["expires_at"].as_str().unwrap_or("?")
+            );
+            println!("{}", v["token"].as_str().context("no token in the answer")?);
+        }
+        Command::Trust(TrustCommand::Put {
+            name,
+            issuer,
+            audience,
+            subject,
+            role,
+            ttl,
+        }) => {
+            let mut body = json!({
+                "issuer": issuer, "audience": audience, "subject": subject, "role": role,
+            });
+            if let Some(ttl) = ttl {
+                body["ttl_secs"] = json!(ttl);
+            }
+            let v = api
+                .call(
+                    Method::PUT,
+                    &format!("/v1/trust/{}", urlencode(&name)),
+                    Some(body),
+                )
+                .await?;
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Command::Trust(TrustCommand::List) => {
+            let v = api.call(Method::GET, "/v1/trust", None).await?;
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Command::Trust(TrustCommand::Delete { name }) => {
+            let v = api
+                .call(
+                    Method::DELETE,
+                    &format!("/v1/trust/{}", urlencode(&name)),
+                    None,
+                )
+                .await?;
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
         Command::Token(TokenCommand::List) => {
             let v = api.call(Method::GET, "/v1/tokens", None).await?;
             println!("{}", serde_json::to_string_pretty(&v)?);
@@ -536,6 +642,52 @@ mod tests {
             Ok(c) => c,
             Err(e) => panic!("{args:?}: {e}"),
         }
+    }
+
+    #[test]
+    fn trust_and_exchange_commands() {
+        assert!(matches!(
+            ok(&[
+                "trust", "put", "ci", "--issuer", "https://i", "--audience", "mesh",
+                "--subject", "repo:a/b:*", "--role", "operator", "--ttl", "30m",
+            ]),
+            Command::Trust(TrustCommand::Put { name, role, ttl: Some(1800), .. })
+                if name == "ci" && role == "operator"
+        ));
+        assert!(
+            parse(&[
+                "trust",
+                "put",
+                "ci",
+                "--issuer",
+                "https://i",
+                "--audience",
+                "m",
+                "--subject",
+                "s",
+                "--role",
+                "root"
+            ])
+            .is_err(),
+            "an unknown role"
+        );
+        assert!(matches!(
+            ok(&["trust", "list"]),
+            Command::Trust(TrustCommand::List)
+        ));
+        assert!(matches!(
+            ok(&["trust", "delete", "ci"]),
+            Command::Trust(TrustCommand::Delete { name }) if name == "ci"
+        ));
+        assert!(matches!(
+            ok(&["token", "exchange", "--trust", "ci", "--id-token-file", "-"]),
+            Command::Token(TokenCommand::Exchange { trust, id_token_file })
+                if trust == "ci" && id_token_file.as_os_str() == "-"
+        ));
+        assert!(
+            parse(&["token", "exchange", "--trust", "ci"]).is_err(),
+            "the ID token is needed"
+        );
     }
 
     #[test]

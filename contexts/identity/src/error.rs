@@ -29,6 +29,12 @@ pub enum Error {
     Broker(#[from] BrokerError),
     #[error("stored data is unreadable: {0}")]
     Corrupt(String),
+    /// An ID token not exchanged (`POST /v1/tokens/exchange`): 401 with why.
+    #[error("{0}")]
+    ExchangeRefused(String),
+    /// A trusted issuer whose keys could not be fetched: 503.
+    #[error("{0}")]
+    IssuerUnavailable(String),
 }
 
 impl Error {
@@ -49,6 +55,8 @@ impl Error {
             Error::Conflict(_) => "conflict",
             Error::Broker(_) => "broker",
             Error::Corrupt(_) => "corrupt",
+            Error::ExchangeRefused(_) => "exchange_refused",
+            Error::IssuerUnavailable(_) => "issuer_unavailable",
         }
     }
 }
@@ -71,6 +79,17 @@ impl From<Error> for Problem {
             Error::UnknownJoinToken => Problem::unauthorized(e.to_string()),
             Error::JoinRefused(why) => Problem::forbidden(why),
             Error::Conflict(why) => Problem::new(StatusCode::CONFLICT, why),
+            Error::ExchangeRefused(why) => {
+                tracing::info!(reason = %why, "refused an ID token exchange");
+                Problem::unauthorized(why)
+            }
+            Error::IssuerUnavailable(why) => {
+                tracing::warn!(reason = %why, "an OIDC issuer's keys could not be fetched");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("{why}; nothing was exchanged: try again"),
+                )
+            }
             Error::Broker(b) => {
                 tracing::error!(error = %b, "broker account operation failed");
                 Problem::new(

@@ -1,6 +1,7 @@
 //! The identity context: who may do what. Node identities (the Ed25519 public key
 //! each node enrolled with), single-use expiring join tokens, operators' API
-//! tokens with their roles, and the append-only audit log of every operator
+//! tokens with their roles, the OIDC trusts that give automation short-lived
+//! tokens for its ID tokens, and the append-only audit log of every operator
 //! action.
 //!
 //! It owns the PostgreSQL schema `identity` and nothing else. Tokens are stored
@@ -17,6 +18,8 @@ mod audit;
 mod error;
 mod nodes;
 mod tokens;
+mod trust;
+mod trust_api;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -33,6 +36,9 @@ pub use error::Error;
 pub use mesh_plumbing::api::{Principal, Role};
 pub use nodes::{Enrolled, JoinRequest, NewJoinToken, NodeIdentity, Revoked};
 pub use tokens::{Authenticated, NewToken, TokenView};
+pub use trust::{
+    EXCHANGED_MAX_TTL, Exchanged, HttpFetch, NoFetch, TrustSpec, TrustView, subject_matches,
+};
 
 /// The schema (and record context name) this crate owns.
 pub const SCHEMA: &str = "identity";
@@ -136,6 +142,11 @@ pub struct Identity {
     signal: OutboxSignal,
     settings: IdentitySettings,
     accounts: Arc<dyn BrokerAccounts>,
+    /// Fetches OIDC issuers' discovery documents and keys (the controller's
+    /// client; [`NoFetch`] until it gives one).
+    issuer_fetch: Arc<dyn HttpFetch>,
+    /// Issuers' keys as last fetched.
+    issuer_keys: trust::KeyCache,
 }
 
 impl Identity {
@@ -152,7 +163,16 @@ impl Identity {
             signal,
             settings,
             accounts,
+            issuer_fetch: Arc::new(NoFetch),
+            issuer_keys: Default::default(),
         }
+    }
+
+    /// Fetch OIDC issuers' documents through `fetch` (the controller's HTTP
+    /// client) for `POST /v1/tokens/exchange`.
+    pub fn with_issuer_fetch(mut self, fetch: Arc<dyn HttpFetch>) -> Self {
+        self.issuer_fetch = fetch;
+        self
     }
 
     pub fn settings(&self) -> &IdentitySettings {
@@ -173,13 +193,15 @@ impl Identity {
 
     /// The API routes this context serves: `POST /v1/join`,
     /// `POST /v1/nodes/{id}/join-tokens`, `DELETE /v1/nodes/{id}`,
-    /// `POST|GET /v1/tokens`, `DELETE /v1/tokens/{id}`, `GET /v1/audit`.
+    /// `POST|GET /v1/tokens`, `DELETE /v1/tokens/{id}`, `POST /v1/tokens/{id}/rotate`,
+    /// `POST /v1/tokens/exchange`, `GET|PUT|DELETE /v1/trust/{name}`, `GET /v1/trust`,
+    /// `GET /v1/audit`.
     /// Authentication is the controller's (it puts a
     /// [`mesh_plumbing::audit::Audit`] naming the [`Principal`] in the request's
     /// extensions); `POST /v1/join` is authenticated by its join token.
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes().with_state(self)
+        api::routes().merge(trust_api::routes()).with_state(self)
     }
 }
 

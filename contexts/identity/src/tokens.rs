@@ -32,14 +32,19 @@ pub struct TokenView {
     pub last_used_at: Option<DateTime<Utc>>,
     /// The token this one replaced (`POST /v1/tokens/{id}/rotate`).
     pub rotated_from: Option<Uuid>,
+    /// The OIDC trust that gave it for an ID token (`POST /v1/tokens/exchange`).
+    pub trust: Option<String>,
+    /// That ID token's subject.
+    pub subject: Option<String>,
 }
 
 /// The columns of a [`TokenView`] (a literal, for `concat!`).
 macro_rules! view {
     () => {
-        "id, name, role, created_at, created_by, revoked_at, expires_at, last_used_at, rotated_from"
+        "id, name, role, created_at, created_by, revoked_at, expires_at, last_used_at, rotated_from, trust, subject"
     };
 }
+pub(crate) use view;
 
 /// What a bearer token stands for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,14 +151,21 @@ impl Identity {
         let ttl = self.token_ttl(ttl)?;
         let by = audit.principal().name.as_str();
         let mut tx = self.pool.begin().await?;
-        let old: Option<(String, String, Option<DateTime<Utc>>)> = sqlx::query_as(
-            "SELECT name, role, revoked_at FROM identity.tokens WHERE id = $1 FOR UPDATE",
+        type Old = (String, String, Option<DateTime<Utc>>, Option<String>);
+        let old: Option<Old> = sqlx::query_as(
+            "SELECT name, role, revoked_at, trust FROM identity.tokens WHERE id = $1 FOR UPDATE",
         )
         .bind(id)
         .fetch_optional(&mut *tx)
         .await?;
-        let (name, role, revoked) =
+        let (name, role, revoked, trust) =
             old.ok_or_else(|| Error::NotFound(format!("no token `{id}`")))?;
+        if let Some(trust) = trust {
+            // Rotating would turn an hour's token into a long-lived one.
+            return Err(Error::Conflict(format!(
+                "token `{id}` was given by trust `{trust}` for an ID token: it is not rotated; exchange a new ID token"
+            )));
+        }
         if let Some(at) = revoked {
             return Err(Error::Conflict(format!(
                 "token `{id}` ({name}) was revoked at {at}: a revoked token is not rotated; create a new one"
