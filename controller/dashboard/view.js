@@ -64,7 +64,17 @@ function empty(text) {
 export function nodes(nodes, now, heartbeat) {
   if (nodes.length === 0) return [empty("No node has joined yet.")];
   return nodes.map((n) => {
-    const labels = Object.entries(n.labels || {}).slice(0, 6);
+    // What selects (the node's id, `mesh.io/node`, is its card's title),
+    // then what it states of itself that selects nothing, marked as stated.
+    const effective = n.labels || {};
+    const labels = [
+      ...Object.entries(effective)
+        .filter(([k]) => !k.startsWith("mesh.io/"))
+        .map(([k, v]) => el("li", {}, `${k}=${v}`)),
+      ...Object.entries(n.stated || {})
+        .filter(([k, v]) => effective[k] !== v)
+        .map(([k, v]) => el("li", { class: "stated", title: "stated by the node: selects nothing" }, `${k}=${v}`)),
+    ].slice(0, 8);
     const heard = age(n.last_seen, "heard ", " ago");
     heard.classList.add("heard");
     if (heartbeat) {
@@ -81,7 +91,7 @@ export function nodes(nodes, now, heartbeat) {
       el("div", { class: "host" }, n.hostname),
       el("div", { class: "beat" }, heard),
       labels.length
-        ? el("ul", { class: "labels" }, labels.map(([k, v]) => el("li", {}, `${k}=${v}`)))
+        ? el("ul", { class: "labels" }, labels)
         : null,
     );
   });

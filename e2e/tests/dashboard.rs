@@ -294,7 +294,11 @@ async fn the_dashboard_shows_the_fleet_live_and_keeps_the_token_in_the_session()
     let mut mesh = Mesh::start().await?;
     let mut nodes = Vec::new();
     for suffix in ["a", "b", "c"] {
-        nodes.push(mesh.add_agent(suffix, &[("role", "web")]).await?);
+        // `rack` is not a key the harness trusts: stated, selecting nothing.
+        nodes.push(
+            mesh.add_agent(suffix, &[("role", "web"), ("rack", "r7")])
+                .await?,
+        );
     }
     put_module(&mesh).await?;
     // A viewer's token is enough for the dashboard: it only reads.
@@ -329,6 +333,20 @@ async fn the_dashboard_shows_the_fleet_live_and_keeps_the_token_in_the_session()
         Ok((v == json!(expected)).then_some(()))
     })
     .await?;
+    // What selects a node and what it only states are told apart (issue
+    // 29): `role=web` (trusted) plain, `rack=r7` marked stated; the id is
+    // the card's title, not repeated as `mesh.io/node`.
+    let card = format!(
+        "const n = document.querySelector('#nodes article.node[data-node=\"{}\"]'); \
+         return [...n.querySelectorAll('.labels li')].map(l => [l.textContent, l.className]);",
+        nodes[0]
+    );
+    let labels = browser.js(&card).await?;
+    assert_eq!(
+        labels,
+        json!([["role=web", ""], ["rack=r7", "stated"]]),
+        "{labels}"
+    );
     browser
         .until(
             "the event stream to be live",

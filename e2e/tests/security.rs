@@ -1297,7 +1297,7 @@ async fn a_node_cannot_state_its_way_into_a_selector() -> anyhow::Result<()> {
     .await?;
     assert_eq!(
         view["labels"]["effective"],
-        json!({"tier": "front"}),
+        json!({"tier": "front", "mesh.io/node": web2.as_str()}),
         "{view}"
     );
     // A newer db file reaches db and never web-2.
@@ -1349,10 +1349,27 @@ async fn a_node_cannot_state_its_way_into_a_selector() -> anyhow::Result<()> {
     );
     assert_eq!(
         view["labels"]["effective"],
-        json!({"tier": "front"}),
+        json!({"tier": "front", "mesh.io/node": web3.as_str()}),
         "{view}"
     );
     assert!(!mesh.agent(&web3).file("/etc/db.conf").exists());
+
+    // What the controller verified selects: `mesh.io/node`, the node's id
+    // as the broker proved it, names one node in another context's selector.
+    let (status, body) = mesh
+        .put(
+            "/v1/files/only-db",
+            &json!({"path": "/etc/only-db", "content": "db alone\n", "mode": "0644", "selector": {"mesh.io/node": db.as_str()}}),
+        )
+        .await?;
+    assert!(status == 200 || status == 201, "{status} {body}");
+    wait_file(&mesh, &db, "/etc/only-db", "db alone\n").await?;
+    for other in [&web2, &web3] {
+        assert!(
+            !mesh.agent(other).file("/etc/only-db").exists(),
+            "{other} received a file for mesh.io/node={db}"
+        );
+    }
 
     // Nobody sets a reserved key: not an operator, not a join token.
     let (status, _, problem) = call(

@@ -70,7 +70,9 @@ pub use module::{
     SettingsFormat, validate_file_name, validate_module_name, validate_settings_file_name,
     validate_settings_files,
 };
-pub use node::{Labels, NodeId, RESERVED_LABEL_PREFIX, parse_selector, validate_labels};
+pub use node::{
+    Labels, NODE_LABEL, NodeId, RESERVED_LABEL_PREFIX, parse_selector, validate_labels,
+};
 pub use provisioning::{
     AdminAccess, AdminServer, CREDENTIAL_NOT_YET_DELIVERED, CREDENTIAL_VERSION_KEY, CredentialFile,
     CredentialsIssued, CredentialsWithdrawn, MAX_REASON_CHARS, MAX_REQUIREMENTS, MAX_RESOURCES,

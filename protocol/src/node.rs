@@ -79,6 +79,10 @@ pub const MAX_LABELS: usize = 64;
 /// token) can set one (issue 29; docs/security.md).
 pub const RESERVED_LABEL_PREFIX: &str = "mesh.io/";
 
+/// The label every node has, read-only: its id, as the broker proved it
+/// (`mesh.io/node=web-1`), so a selector can name one node.
+pub const NODE_LABEL: &str = "mesh.io/node";
+
 pub fn validate_labels(field: &str, labels: &Labels) -> Result<(), DecodeError> {
     if labels.len() > MAX_LABELS {
         return Err(DecodeError::invalid(

@@ -234,7 +234,12 @@ impl Inventory {
         .await?;
         Ok(
             row.map(|(reported, operator, version, revision)| NodeLabels {
-                view: LabelsView::new(&self.settings.label_trust, reported.0, operator.0),
+                view: LabelsView::new(
+                    &self.settings.label_trust,
+                    id.as_str(),
+                    reported.0,
+                    operator.0,
+                ),
                 version,
                 revision,
             }),
@@ -283,8 +288,8 @@ impl Inventory {
             &format!("the operator labels of node `{id}`"),
         )?;
         let trust = &self.settings.label_trust;
-        let old = trust.effective(&reported.0, &before.0);
-        let view = LabelsView::new(trust, reported.0, operator);
+        let old = trust.effective(id.as_str(), &reported.0, &before.0);
+        let view = LabelsView::new(trust, id.as_str(), reported.0, operator);
         let changed = old != view.effective;
         let version = if changed { version + 1 } else { version };
         let revision = revision + 1;

@@ -365,7 +365,7 @@ fn place_modules(
                     id: n.id.clone(),
                     labels: pass
                         .trust
-                        .effective(&n.reported_labels.0, &n.operator_labels.0),
+                        .effective(&n.id, &n.reported_labels.0, &n.operator_labels.0),
                     reachable: n.state == "alive",
                     schedulable: n.admin_state == "active",
                     capacity: Resources {

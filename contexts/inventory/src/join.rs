@@ -134,8 +134,11 @@ pub(crate) async fn new_nodes<'a>(
         events.push(RecordEvent::new(RecordKind::NodeJoined(
             NodeLabelsChanged {
                 node: env.node.clone(),
-                labels: trust
-                    .effective(&hello.labels, operator.get(*node).unwrap_or(&Labels::new())),
+                labels: trust.effective(
+                    node,
+                    &hello.labels,
+                    operator.get(*node).unwrap_or(&Labels::new()),
+                ),
                 version: 1,
             },
         )));

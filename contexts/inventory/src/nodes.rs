@@ -7,8 +7,8 @@ use mesh_plumbing::outbox;
 use std::collections::BTreeSet;
 
 use mesh_protocol::{
-    Labels, NodeId, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness, RESERVED_LABEL_PREFIX,
-    RecordEvent, RecordKind,
+    Labels, NODE_LABEL, NodeId, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,
+    RESERVED_LABEL_PREFIX, RecordEvent, RecordKind,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -42,8 +42,10 @@ impl LabelTrust {
 
     /// Effective labels, what selectors, placement, roles and grants see:
     /// the stated labels of trusted keys, overridden key by key by the
-    /// operator's. Nothing under the reserved prefix comes from either.
-    pub(crate) fn effective(&self, stated: &Labels, operator: &Labels) -> Labels {
+    /// operator's, and the facts the controller verified itself: node's id
+    /// as [`NODE_LABEL`]. Nothing under the reserved prefix comes from the
+    /// node or the operator.
+    pub(crate) fn effective(&self, node: &str, stated: &Labels, operator: &Labels) -> Labels {
         let mut labels: Labels = stated
             .iter()
             .filter(|(k, _)| self.keys.contains(*k))
@@ -55,6 +57,7 @@ impl LabelTrust {
                 .filter(|(k, _)| !k.starts_with(RESERVED_LABEL_PREFIX))
                 .map(|(k, v)| (k.clone(), v.clone())),
         );
+        labels.insert(NODE_LABEL.to_owned(), node.to_owned());
         labels
     }
 }
@@ -128,8 +131,8 @@ pub(crate) async fn enrolled_labels(
     };
     let mut after = operator.0.clone();
     after.extend(labels);
-    let before_effective = trust.effective(&stated.0, &operator.0);
-    let after_effective = trust.effective(&stated.0, &after);
+    let before_effective = trust.effective(body.node.as_str(), &stated.0, &operator.0);
+    let after_effective = trust.effective(body.node.as_str(), &stated.0, &after);
     let changed = before_effective != after_effective;
     let version = if changed { version + 1 } else { version };
     sqlx::query(

@@ -84,7 +84,7 @@ pub(crate) async fn accepted(
     .await?;
     if was_refused && let Some((reported, operator, version)) = row {
         tracing::info!(%node, "agent speaks this controller's protocol again; refusal lifted");
-        let labels = trust.effective(&reported.0, &operator.0);
+        let labels = trust.effective(node.as_str(), &reported.0, &operator.0);
         emit(tx, RecordKind::NodeJoined, node, labels, version).await?;
     }
     Ok(())

@@ -17,8 +17,12 @@ use crate::{Error, Inventory};
 pub struct NodeSummary {
     pub id: String,
     pub hostname: String,
-    /// Effective labels.
+    /// Effective labels: what selects it (operator labels over trusted
+    /// stated ones, and `mesh.io/node`).
     pub labels: Labels,
+    /// What the node states about itself, as stated: selecting nothing
+    /// unless its key is trusted (`trusted_stated_labels`).
+    pub stated: Labels,
     pub state: String,
     /// The newest `sent_at` heard from the node, as written: it lags the last
     /// heartbeat by at most the controller's `liveness_write_ms`.
@@ -44,8 +48,8 @@ pub struct LabelsView {
 }
 
 impl LabelsView {
-    pub(crate) fn new(trust: &LabelTrust, reported: Labels, operator: Labels) -> Self {
-        let effective = trust.effective(&reported, &operator);
+    pub(crate) fn new(trust: &LabelTrust, node: &str, reported: Labels, operator: Labels) -> Self {
+        let effective = trust.effective(node, &reported, &operator);
         LabelsView {
             reported,
             operator,
@@ -171,6 +175,12 @@ impl Inventory {
         .fetch_all(&self.pool)
         .await?;
         let units = self.assignments(None, Some(id.as_str())).await?;
+        let labels = LabelsView::new(
+            &self.settings.label_trust,
+            &n.id,
+            n.reported_labels.0,
+            n.operator_labels.0,
+        );
         Ok(Some(NodeView {
             units,
             liveness: n.liveness,
@@ -185,11 +195,7 @@ impl Inventory {
             memory_bytes: n.memory_bytes,
             agent_version: n.agent_version,
             public_key: n.public_key,
-            labels: LabelsView::new(
-                &self.settings.label_trust,
-                n.reported_labels.0,
-                n.operator_labels.0,
-            ),
+            labels,
             state: n.state,
             first_seen: n.first_seen,
             last_seen: n.last_seen,
@@ -258,7 +264,8 @@ impl Inventory {
             "SELECT id, hostname, reported_labels, operator_labels, CASE WHEN admin_state = 'revoked' THEN 'revoked' WHEN refused IS NOT NULL THEN 'refused' WHEN state = 'unreachable' THEN 'unreachable' WHEN admin_state IN ('draining', 'drained') THEN admin_state ELSE 'alive' END AS state, last_seen, beat_ms FROM inventory.nodes \
              WHERE ($1::text IS NULL OR id > $1) \
              AND ($3::jsonb IS NULL OR ((SELECT COALESCE(jsonb_object_agg(t.key, t.value), '{}'::jsonb) \
-                  FROM jsonb_each(reported_labels) AS t WHERE t.key = ANY($4)) || operator_labels) @> $3) \
+                  FROM jsonb_each(reported_labels) AS t WHERE t.key = ANY($4)) || operator_labels \
+                  || jsonb_build_object('mesh.io/node', id)) @> $3) \
              ORDER BY id LIMIT $2",
         )
         .bind(after)
@@ -271,9 +278,10 @@ impl Inventory {
             .into_iter()
             .map(
                 |(id, hostname, reported, operator, state, last_seen, beat_ms)| NodeSummary {
+                    labels: trust.effective(&id, &reported.0, &operator.0),
+                    stated: reported.0,
                     id,
                     hostname,
-                    labels: trust.effective(&reported.0, &operator.0),
                     state,
                     last_seen,
                     heartbeat_interval_ms: beat_ms,

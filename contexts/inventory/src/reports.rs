@@ -172,7 +172,7 @@ async fn hello(
     .await?;
 
     if let Some(operator) = inserted {
-        let labels = trust.effective(&hello.labels, &operator.0);
+        let labels = trust.effective(node.as_str(), &hello.labels, &operator.0);
         emit(tx, RecordKind::NodeJoined, node, labels, 1).await?;
     } else {
         type Row = (
@@ -214,8 +214,8 @@ async fn hello(
             .execute(&mut *tx)
             .await?;
         } else {
-            let before = trust.effective(&reported.0, &operator.0);
-            let after = trust.effective(&hello.labels, &operator.0);
+            let before = trust.effective(node.as_str(), &reported.0, &operator.0);
+            let after = trust.effective(node.as_str(), &hello.labels, &operator.0);
             let changed = before != after;
             let version = if changed { version + 1 } else { version };
             sqlx::query(

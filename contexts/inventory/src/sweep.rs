@@ -2,12 +2,13 @@
 //! then reconcile the fleet. The controller calls [`Inventory::sweep`] on a timer.
 
 use chrono::{DateTime, Utc};
-use mesh_protocol::{LivenessState, NodeId, NodeLiveness};
+use mesh_protocol::{Labels, LivenessState, NodeId, NodeLiveness, RecordKind};
 use serde::Serialize;
 use sqlx::PgConnection;
+use sqlx::types::Json;
 
 use crate::fleet::{self, Pass};
-use crate::nodes::emit_liveness;
+use crate::nodes::{LabelTrust, emit, emit_liveness};
 use crate::state;
 use crate::state::ReconcileReport;
 use crate::{Error, Inventory};
@@ -19,6 +20,8 @@ pub struct SweepReport {
     pub not_judged: Option<String>,
     /// Nodes judged unreachable in this sweep.
     pub unreachable: Vec<String>,
+    /// Nodes told again on the record (flagged by a migration).
+    pub announced: usize,
     pub reconcile: ReconcileReport,
 }
 
@@ -103,6 +106,7 @@ impl Inventory {
                 report.unreachable.push(id);
             }
         }
+        report.announced = announce_flagged(&mut tx, &pass.trust).await?;
         report.reconcile = fleet::reconcile(&mut tx, &pass).await?;
         if replan || announce {
             let desired = fleet::desired_sections(&mut tx, &pass.plan).await?;
@@ -115,7 +119,7 @@ impl Inventory {
                 .store(true, std::sync::atomic::Ordering::Relaxed);
         }
         self.judged_unreachable(&report.unreachable);
-        if !report.unreachable.is_empty() || report.reconcile.changed() {
+        if !report.unreachable.is_empty() || report.announced > 0 || report.reconcile.changed() {
             self.signal.notify();
         }
         Ok(report)
@@ -142,4 +146,37 @@ impl Inventory {
         }
         Ok(report)
     }
+}
+
+/// Most nodes one sweep tells again.
+const ANNOUNCE_BATCH: i64 = 1000;
+
+/// Tell the record again about nodes flagged `announce` (a migration that
+/// changed what effective labels hold flags every node): each gets
+/// `inventory.node.updated` with its effective labels and a raised version,
+/// so every context's copy is brought up to date. At most [`ANNOUNCE_BATCH`]
+/// a sweep; returns how many.
+async fn announce_flagged(tx: &mut PgConnection, trust: &LabelTrust) -> Result<usize, Error> {
+    let mut rows: Vec<(String, Json<Labels>, Json<Labels>, i64)> = sqlx::query_as(
+        "UPDATE inventory.nodes SET announce = false, version = version + 1 \
+         WHERE id IN (SELECT id FROM inventory.nodes WHERE announce ORDER BY id LIMIT $1) \
+         RETURNING id, reported_labels, operator_labels, version",
+    )
+    .bind(ANNOUNCE_BATCH)
+    .fetch_all(&mut *tx)
+    .await?;
+    // Told in id order, as every batch of the record is.
+    rows.sort_by(|a, b| a.0.cmp(&b.0));
+    for (id, reported, operator, version) in &rows {
+        let node = NodeId::parse(id).map_err(|e| Error::Corrupt {
+            node: id.clone(),
+            reason: e.to_string(),
+        })?;
+        let labels = trust.effective(id, &reported.0, &operator.0);
+        emit(tx, RecordKind::NodeUpdated, &node, labels, *version).await?;
+    }
+    if !rows.is_empty() {
+        tracing::info!(nodes = rows.len(), "nodes told again on the record");
+    }
+    Ok(rows.len())
 }

@@ -78,6 +78,13 @@ fn labels(pairs: &[(&str, &str)]) -> Labels {
         .collect()
 }
 
+/// Effective labels: `pairs` and the node's read-only `mesh.io/node`.
+fn effective(node: &NodeId, pairs: &[(&str, &str)]) -> Labels {
+    let mut l = labels(pairs);
+    l.insert(mesh_protocol::NODE_LABEL.to_owned(), node.to_string());
+    l
+}
+
 fn hello(node: &NodeId, seq: u64, l: Labels, applied: &[(Section, u64)]) -> Envelope<Report> {
     Envelope::new(
         node.clone(),
@@ -417,7 +424,8 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
             "V11__module_health",
             "V12__module_targets",
             "V13__module_resources",
-            "V14__trusted_labels"
+            "V14__trusted_labels",
+            "V15__node_label"
         ],
         "{applied:?}"
     );
@@ -483,7 +491,8 @@ async fn the_conditions_migration_drops_the_alerts_and_starts_with_nothing_told(
             "V11__module_health",
             "V12__module_targets",
             "V13__module_resources",
-            "V14__trusted_labels"
+            "V14__trusted_labels",
+            "V15__node_label"
         ]
     );
     let alerts: Option<String> = sqlx::query_scalar("SELECT to_regclass('inventory.alerts')::text")
@@ -521,7 +530,7 @@ async fn joined_once_and_updated_on_label_change() {
         ev[0].1,
         NodeLabelsChanged {
             node: a.clone(),
-            labels: labels(&[("role", "web")]),
+            labels: effective(&a, &[("role", "web")]),
             version: 1
         }
     );
@@ -530,7 +539,7 @@ async fn joined_once_and_updated_on_label_change() {
     let ev = events(&f).await;
     assert_eq!(ev.len(), 2);
     assert_eq!(ev[1].0, "node.updated");
-    assert_eq!(ev[1].1.labels, labels(&[("role", "db")]));
+    assert_eq!(ev[1].1.labels, effective(&a, &[("role", "db")]));
     assert_eq!(ev[1].1.version, 2);
 
     // An operator label overrides the reported one.
@@ -543,12 +552,15 @@ async fn joined_once_and_updated_on_label_change() {
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(
         body["labels"]["effective"],
-        serde_json::json!({"role": "web", "zone": "a"})
+        serde_json::json!({"role": "web", "zone": "a", "mesh.io/node": a.as_str()})
     );
     assert_eq!(body["version"], 3);
     let ev = events(&f).await;
     assert_eq!(ev.len(), 3);
-    assert_eq!(ev[2].1.labels, labels(&[("role", "web"), ("zone", "a")]));
+    assert_eq!(
+        ev[2].1.labels,
+        effective(&a, &[("role", "web"), ("zone", "a")])
+    );
     assert_eq!(ev[2].1.version, 3);
 
     // The same labels again change nothing; a hello whose reported change is
@@ -576,7 +588,7 @@ async fn joined_once_and_updated_on_label_change() {
     assert_eq!(body["nodes"][0]["id"], a.as_str());
     assert_eq!(
         body["nodes"][0]["labels"],
-        serde_json::json!({"role": "web", "zone": "a"})
+        serde_json::json!({"role": "web", "zone": "a", "mesh.io/node": a.as_str()})
     );
     assert_eq!(body["nodes"][0]["state"], "alive");
     f.env.teardown().await.unwrap();
@@ -1219,13 +1231,44 @@ async fn stated_labels_select_nothing_operator_and_token_labels_do() {
     let ev = events(&f).await;
     assert_eq!(ev.len(), 1, "{ev:?}");
     assert_eq!(ev[0].0, "node.joined");
-    assert_eq!(ev[0].1.labels, Labels::new(), "stated labels selected");
+    // Only what the controller verified: its id, not the `mesh.io/node` it
+    // stated.
+    assert_eq!(
+        ev[0].1.labels,
+        effective(&hostile, &[]),
+        "stated labels selected"
+    );
     let view = f.inventory.node(&hostile).await.unwrap().unwrap();
     assert_eq!(
         view.labels.reported, stated,
         "stated labels shown as stated"
     );
-    assert!(view.labels.effective.is_empty(), "{:?}", view.labels);
+    assert_eq!(
+        view.labels.effective,
+        effective(&hostile, &[]),
+        "{:?}",
+        view.labels
+    );
+    // The verified id selects the node; the id it claimed does not.
+    let by_id = f
+        .inventory
+        .nodes(
+            None,
+            100,
+            Some(&labels(&[("mesh.io/node", hostile.as_str())])),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        by_id.iter().map(|n| n.id.as_str()).collect::<Vec<_>>(),
+        [hostile.as_str()]
+    );
+    let claimed = f
+        .inventory
+        .nodes(None, 100, Some(&labels(&[("mesh.io/node", "db-1")])))
+        .await
+        .unwrap();
+    assert!(claimed.is_empty(), "{claimed:?}");
     let found = f
         .inventory
         .nodes(None, 100, Some(&labels(&[("role", "db")])))
@@ -1256,7 +1299,7 @@ async fn stated_labels_select_nothing_operator_and_token_labels_do() {
         .iter()
         .find(|(_, b)| b.node == web)
         .expect("web-3 joined");
-    assert_eq!(joined.1.labels, labels(&[("role", "web")]));
+    assert_eq!(joined.1.labels, effective(&web, &[("role", "web")]));
     let found = f
         .inventory
         .nodes(None, 100, Some(&labels(&[("role", "web")])))
@@ -1281,7 +1324,7 @@ async fn stated_labels_select_nothing_operator_and_token_labels_do() {
         .into_iter()
         .rfind(|(k, b)| k == "node.updated" && b.node == hostile)
         .expect("web-2 updated");
-    assert_eq!(updated.1.labels, labels(&[("tier", "gold")]));
+    assert_eq!(updated.1.labels, effective(&hostile, &[("tier", "gold")]));
 
     // Nobody sets a reserved key.
     let err = f
@@ -1333,7 +1376,7 @@ async fn the_trusted_labels_migration_keeps_what_selected_each_node() {
             .await
             .unwrap();
     let applied = mesh_inventory::migrate(&url).await.unwrap();
-    assert_eq!(applied, ["V14__trusted_labels"]);
+    assert_eq!(applied, ["V14__trusted_labels", "V15__node_label"]);
     let after: Vec<(String, sqlx::types::Json<Labels>, i64)> = sqlx::query_as(
         "SELECT id, operator_labels, labels_revision FROM inventory.nodes ORDER BY id",
     )
@@ -1344,6 +1387,44 @@ async fn the_trusted_labels_migration_keeps_what_selected_each_node() {
     assert_eq!(after[0].2, before[0].1 + 1, "a's labels revision");
     assert_eq!(after[1].1.0, labels(&[("role", "web")]));
     assert_eq!(after[1].2, before[1].1, "b stated nothing: untouched");
+
+    // V15: every node's effective labels now hold `mesh.io/node`; the next
+    // sweep tells the record so about every node, its version raised (the
+    // other contexts keep only a newer version), and the one after nothing.
+    let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM inventory.nodes ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let inventory = Inventory::new(
+        pool.clone(),
+        OutboxSignal::default(),
+        InventorySettings::default(),
+    );
+    let report = inventory.sweep(Utc::now()).await.unwrap();
+    assert_eq!(report.announced, 2, "{report:?}");
+    let told: Vec<NodeLabelsChanged> = sqlx::query_scalar::<_, Vec<u8>>(
+        "SELECT payload FROM inventory.outbox WHERE kind = 'node.updated' ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|p| match RecordEvent::decode(&p).unwrap().kind {
+        RecordKind::NodeUpdated(b) => b,
+        other => panic!("{other:?}"),
+    })
+    .collect();
+    assert_eq!(told.len(), 2, "{told:?}");
+    let (a, b) = (NodeId::parse("a").unwrap(), NodeId::parse("b").unwrap());
+    assert_eq!(told[0].node, a);
+    assert_eq!(
+        told[0].labels,
+        effective(&a, &[("role", "db"), ("zone", "us")])
+    );
+    assert_eq!(told[0].version, versions[0] + 1);
+    assert_eq!(told[1].labels, effective(&b, &[("role", "web")]));
+    assert_eq!(told[1].version, versions[1] + 1);
+    assert_eq!(inventory.sweep(Utc::now()).await.unwrap().announced, 0);
     pool.close().await;
     env.teardown().await.unwrap();
 }
