@@ -82,7 +82,10 @@ async fn signing_keys_are_admin_only_and_bad_input_names_the_field() -> anyhow::
     for (body, field) in [
         (json!({"name": "alice", "key": "not-hex"}), "key"),
         (json!({"name": "alice", "key": "ab".repeat(31)}), "key"),
-        (json!({"name": "Alice Smith", "key": alice.public_key_hex()}), "name"),
+        (
+            json!({"name": "Alice Smith", "key": alice.public_key_hex()}),
+            "name",
+        ),
         (
             json!({"name": "controller", "key": alice.public_key_hex()}),
             "name",
@@ -104,7 +107,14 @@ async fn signing_keys_are_admin_only_and_bad_input_names_the_field() -> anyhow::
     assert!(status.is_client_error(), "{status} {v}");
 
     // The admin adds, lists and removes.
-    let (status, v) = call(&router, "POST", "/v1/signing-keys", &admin, Some(key.clone())).await?;
+    let (status, v) = call(
+        &router,
+        "POST",
+        "/v1/signing-keys",
+        &admin,
+        Some(key.clone()),
+    )
+    .await?;
     assert_eq!(status, StatusCode::CREATED, "{v}");
     assert_eq!(v["added_by"], "bootstrap-admin", "{v}");
     let (status, v) = call(&router, "POST", "/v1/signing-keys", &admin, Some(key)).await?;
@@ -114,14 +124,23 @@ async fn signing_keys_are_admin_only_and_bad_input_names_the_field() -> anyhow::
         "POST",
         "/v1/signing-keys",
         &admin,
-        Some(json!({"name": "alice", "key": DeclarationSigner::from_seed([6; 32]).public_key_hex()})),
+        Some(
+            json!({"name": "alice", "key": DeclarationSigner::from_seed([6; 32]).public_key_hex()}),
+        ),
     )
     .await?;
-    assert_eq!(status, StatusCode::CONFLICT, "another key under the name: {v}");
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "another key under the name: {v}"
+    );
     let (status, v) = call(&router, "GET", "/v1/signing-keys", &admin, None).await?;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["keys"][0]["key"], alice.public_key_hex(), "{v}");
-    assert!(v.get("controller_key").is_none(), "the default trusts no controller key: {v}");
+    assert!(
+        v.get("controller_key").is_none(),
+        "the default trusts no controller key: {v}"
+    );
 
     // Signatures: an operator's route, the digest checked first.
     let d = ArtifactDigest::of(b"never pushed");

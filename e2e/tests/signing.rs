@@ -226,7 +226,13 @@ async fn only_artifacts_signed_by_a_trusted_operator_key_run() -> anyhow::Result
     ctl(
         &mesh,
         &admin,
-        &["signing-key", "add", "alice", "--key", &format!("{}.pub", s(&alice))],
+        &[
+            "signing-key",
+            "add",
+            "alice",
+            "--key",
+            &format!("{}.pub", s(&alice)),
+        ],
     )?;
     let v2 = app(work.path(), "v2")?;
     let signed = ctl(&mesh, &operator, &["artifact", "push", &s(&v2)])?;
@@ -257,7 +263,11 @@ async fn only_artifacts_signed_by_a_trusted_operator_key_run() -> anyhow::Result
     // every node; v2 keeps running, untouched.
     let bob = work.path().join("bob.key");
     let bob_pub = ctl(&mesh, &operator, &["key", "generate", &s(&bob)])?;
-    ctl(&mesh, &admin, &["signing-key", "add", "bob", "--key", &bob_pub])?;
+    ctl(
+        &mesh,
+        &admin,
+        &["signing-key", "add", "bob", "--key", &bob_pub],
+    )?;
     let v3 = app(work.path(), "v3")?;
     let by_bob = ctl(&mesh, &operator, &["artifact", "push", &s(&v3)])?;
     ctl(
@@ -287,18 +297,22 @@ async fn only_artifacts_signed_by_a_trusted_operator_key_run() -> anyhow::Result
     // Every key change is in the audit log, by the admin (identity appends
     // the entries the record carries: wait for them).
     for (target, n) in [("/v1/signing-keys", 2), ("/v1/signing-keys/bob", 1)] {
-        wait_for(&format!("{n} audit entries of {target}"), WITHIN, || async {
-            let (status, audit) = mesh
-                .get(&format!("/v1/audit?target={target}&limit=100"))
-                .await?;
-            anyhow::ensure!(status == 200, "{audit}");
-            let ok = audit["entries"].as_array().map_or(0, |e| {
-                e.iter()
-                    .filter(|x| x["outcome"] == "ok" && x["principal"] == "bootstrap-admin")
-                    .count()
-            });
-            Ok((ok == n).then_some(()))
-        })
+        wait_for(
+            &format!("{n} audit entries of {target}"),
+            WITHIN,
+            || async {
+                let (status, audit) = mesh
+                    .get(&format!("/v1/audit?target={target}&limit=100"))
+                    .await?;
+                anyhow::ensure!(status == 200, "{audit}");
+                let ok = audit["entries"].as_array().map_or(0, |e| {
+                    e.iter()
+                        .filter(|x| x["outcome"] == "ok" && x["principal"] == "bootstrap-admin")
+                        .count()
+                });
+                Ok((ok == n).then_some(()))
+            },
+        )
         .await?;
     }
     mesh.teardown().await

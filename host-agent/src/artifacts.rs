@@ -185,13 +185,7 @@ impl FetchError {
     fn outcome(&self) -> &'static str {
         match self {
             FetchError::NoSignature { .. } => "no_signature",
-            FetchError::NoTrustedSignature { refused, .. }
-                if refused
-                    .iter()
-                    .all(|e| matches!(e, ArtifactSignatureError::Untrusted { .. })) =>
-            {
-                "untrusted"
-            }
+            FetchError::NoTrustedSignature { .. } => "untrusted",
             FetchError::Registry {
                 source: OciError::DigestMismatch { .. },
                 ..
