@@ -386,7 +386,7 @@ async fn tampered_unsigned_and_foreign_signed_artifacts_are_refused_by_the_agent
         &mesh,
         &nodes,
         &revision(&mesh, &unsigned)?,
-        "no signature",
+        "no trusted signature: it has no signature",
         &running,
     )
     .await?;
