@@ -399,6 +399,32 @@ mod tests {
     }
 
     #[test]
+    fn declared_artifact_keys_are_validated_naming_the_field() {
+        let key = crate::DeclarationSigner::from_seed([1; 32]).public_key_hex();
+        let items = |keys: Vec<TrustedArtifactKey>| crate::DeclarationItems {
+            artifact_keys: Some(keys),
+            ..Default::default()
+        };
+        let k = |name: &str, key: &str| TrustedArtifactKey {
+            name: name.to_owned(),
+            key: key.to_owned(),
+        };
+        assert!(items(vec![k("alice", &key)]).validate().is_ok());
+        assert!(items(vec![]).validate().is_ok(), "an empty list: nobody");
+        for (keys, field) in [
+            (vec![k("alice", "zz")], "body.items.artifact_keys[0].key"),
+            (vec![k("", &key)], "body.items.artifact_keys[0].name"),
+            (
+                vec![k("alice", &key), k("bob", &key)],
+                "body.items.artifact_keys[1].key",
+            ),
+        ] {
+            let e = items(keys).validate().unwrap_err();
+            assert!(e.to_string().contains(field), "{e}");
+        }
+    }
+
+    #[test]
     fn signatures_verify_only_for_trusted_keys_and_their_digest() {
         let controller = crate::DeclarationSigner::from_seed([1; 32]);
         let stranger = crate::DeclarationSigner::from_seed([2; 32]);
