@@ -198,9 +198,9 @@ impl FetchError {
 impl Artifacts {
     /// The cache under `state_dir`, trusting artifacts signed by one of
     /// `trusted` (the controller's key from enrolment) when a delivery
-    /// section declares no keys of its own; https registries are verified against `ca_pem` (the mesh CA)
-    /// alone, and without one no https registry is trusted. Leftovers of an
-    /// interrupted fetch are removed.
+    /// section declares no keys of its own; https registries are verified
+    /// against `ca_pem` (the mesh CA) alone, and without one no https
+    /// registry is trusted. Leftovers of an interrupted fetch are removed.
     pub fn new(
         state_dir: &Path,
         config: ArtifactsConfig,
