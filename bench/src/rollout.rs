@@ -17,8 +17,8 @@ use mesh_plumbing::api::{Principal, Role};
 use mesh_plumbing::audit::Audit;
 use mesh_plumbing::{Context, OutboxSignal, inbox};
 use mesh_protocol::{
-    ArtifactDigest, Envelope, ModulePlacement, NodeId, RecordEvent, RecordKind, Report, UnitState,
-    UnitStatus, Units,
+    ArtifactDigest, ArtifactSignature, Envelope, ModulePlacement, NodeId, RecordEvent, RecordKind,
+    Report, UnitState, UnitStatus, Units,
 };
 use mesh_testkit::TestEnv;
 use sqlx::postgres::PgPoolOptions;
@@ -27,11 +27,23 @@ use sqlx::postgres::PgPoolOptions;
 struct NoRegistry;
 
 impl ArtifactStore for NoRegistry {
-    fn push_signed<'a>(
+    fn push<'a>(
         &'a self,
         _bytes: &'a [u8],
-    ) -> BoxFuture<'a, Result<(ArtifactDigest, String), String>> {
+    ) -> BoxFuture<'a, Result<(ArtifactDigest, Option<String>), String>> {
         Box::pin(async { Err("no registry in the benchmark".to_owned()) })
+    }
+    fn attach_signature<'a>(
+        &'a self,
+        _signature: &'a ArtifactSignature,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async { Err("no registry in the benchmark".to_owned()) })
+    }
+    fn controller_key(&self) -> String {
+        String::new()
+    }
+    fn controller_trusted(&self) -> bool {
+        false
     }
     fn pull_location(&self) -> (String, String) {
         (String::new(), String::new())

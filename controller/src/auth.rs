@@ -83,6 +83,8 @@ pub fn required(method: &Method, route: Option<&str>) -> Access {
             ),
         ) => Access::Role(Role::Admin),
         (_, Some("/v1/secrets/master-key/rotate")) => Access::Role(Role::Admin),
+        // Which keys make a node run code (decision 0048).
+        (_, Some("/v1/signing-keys" | "/v1/signing-keys/{name}")) => Access::Role(Role::Admin),
         (&Method::DELETE, Some("/v1/nodes/{id}")) => Access::Role(Role::Admin),
         // A unit's output may hold anything it prints (decision 0033).
         (&Method::GET, Some(LOGS_ROUTE)) => Access::Role(Role::Operator),
@@ -311,6 +313,14 @@ mod tests {
             (Method::DELETE, "/v1/tokens/{id}", R(Role::Admin)),
             (Method::POST, "/v1/tokens/{id}/rotate", R(Role::Admin)),
             (Method::GET, "/v1/audit", R(Role::Admin)),
+            (Method::GET, "/v1/signing-keys", R(Role::Admin)),
+            (Method::POST, "/v1/signing-keys", R(Role::Admin)),
+            (Method::DELETE, "/v1/signing-keys/{name}", R(Role::Admin)),
+            (
+                Method::POST,
+                "/v1/artifacts/{digest}/signatures",
+                R(Role::Operator),
+            ),
             (Method::GET, "/v1/overlay", R(Role::Viewer)),
             (Method::GET, "/v1/certificates", R(Role::Viewer)),
             (Method::GET, "/v1/grants", R(Role::Viewer)),

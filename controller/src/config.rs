@@ -181,10 +181,21 @@ pub struct Settings {
     /// How often rollouts are moved on, in milliseconds (also soon after
     /// reports or events committed). Default 1000; at least 50.
     pub rollout_tick_ms: u64,
-    /// The OCI registry the controller pushes artifacts to and signs them in
-    /// (base URL; plain `http://` only to loopback). Default
-    /// `http://127.0.0.1:5000`, the bundle's.
+    /// The OCI registry the controller pushes artifacts to (base URL; plain
+    /// `http://` only to loopback). Default `http://127.0.0.1:5000`, the
+    /// bundle's.
     pub registry_url: String,
+    /// Whether nodes trust artifacts the controller signs itself: when true
+    /// the controller signs every artifact pushed through the API with its
+    /// own key and declares that key (named `controller`) beside the
+    /// operators' signing keys. Default false, and that is the safe choice
+    /// (issue 29, point 4; decision 0048): a node then runs only artifacts
+    /// signed by a key an admin added (`meshctl signing-key add`), with the
+    /// private half held by an operator (`meshctl artifact sign`), so
+    /// neither an operator token nor the controller's host alone can make a
+    /// node run code. Opting in gives that up for the convenience of
+    /// push-and-run.
+    pub trust_controller_artifact_signatures: bool,
     /// The registry base URL agents pull artifacts from, when it differs
     /// from `registry_url` (another name for the same registry). Default:
     /// `registry_url`.
@@ -338,6 +349,7 @@ impl Default for Settings {
             evaluate_ms: 5000,
             rollout_tick_ms: 1000,
             registry_url: "http://127.0.0.1:5000".to_owned(),
+            trust_controller_artifact_signatures: false,
             registry_pull_url: None,
             artifact_max_bytes: 256 * 1024 * 1024,
             probe_retention_secs: 7 * 24 * 3600,

@@ -240,6 +240,7 @@ impl Contexts {
             &settings.registry_url,
             settings.registry_pull_url.as_deref(),
             Arc::new(creds.signer()?),
+            settings.trust_controller_artifact_signatures,
         )?;
         let delivery = Delivery::new(
             pool(creds, Delivery::SCHEMA, settings.pool_size).await?,

@@ -567,7 +567,10 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     let mut mesh = Mesh::prepare().await?;
     // Agents come back quickly once the broker knows their users again.
     mesh.agent_toml = Some("reconnect_max = \"1s\"\n".into());
-    // Delivery pushes to the bundle's registry (a rollout leaves receipts).
+    // Delivery pushes to the bundle's registry (a rollout leaves receipts);
+    // this fleet trusts the controller's signatures (decision 0048), so the
+    // artifact pushed runs without an operator's: what is restored is the
+    // point here (operator-held keys: e2e/tests/signing.rs).
     let registry = mesh_testkit::registry_url()?;
     let toml_path = mesh.dir.path().join("controller.toml");
     let mut toml = std::fs::read_to_string(&toml_path)?;
@@ -575,7 +578,7 @@ async fn a_backed_up_mesh_restored_on_a_fresh_database_server_converges_with_not
     // after the last (a tenth of the lifetime) instead of a minute, and the
     // agents' own renewals (from two thirds) fall well after the drill.
     toml.push_str(&format!(
-        "registry_url = {registry:?}\nrollout_tick_ms = 200\ncertificate_lifetime_secs = {CERT_LIFETIME_SECS}\n"
+        "registry_url = {registry:?}\nrollout_tick_ms = 200\ncertificate_lifetime_secs = {CERT_LIFETIME_SECS}\ntrust_controller_artifact_signatures = true\n"
     ));
     std::fs::write(&toml_path, toml)?;
     mesh.start_controller(&[]).await?;

@@ -17,14 +17,17 @@ use serde_json::{Value, json};
 const WITHIN: Duration = Duration::from_secs(90);
 
 /// A mesh whose controller pushes to the bundle's registry and ticks rollouts
-/// five times a second.
+/// five times a second. Its fleet trusts the controller's own signatures
+/// (`trust_controller_artifact_signatures`, decision 0048), so an artifact
+/// pushed runs without an operator's signature: these tests are about
+/// rollouts; operator-held keys are e2e/tests/signing.rs's.
 async fn mesh() -> anyhow::Result<Mesh> {
     let mesh = Mesh::prepare().await?;
     let registry = mesh_testkit::registry_url()?;
     let path = mesh.dir.path().join("controller.toml");
     let mut toml = std::fs::read_to_string(&path)?;
     toml.push_str(&format!(
-        "registry_url = {registry:?}\nrollout_tick_ms = 200\n"
+        "registry_url = {registry:?}\nrollout_tick_ms = 200\ntrust_controller_artifact_signatures = true\n"
     ));
     std::fs::write(&path, toml)?;
     let mut mesh = mesh;
@@ -383,7 +386,7 @@ async fn tampered_unsigned_and_foreign_signed_artifacts_are_refused_by_the_agent
         &mesh,
         &nodes,
         &revision(&mesh, &unsigned)?,
-        "no signature",
+        "no trusted signature: it has no signature",
         &running,
     )
     .await?;

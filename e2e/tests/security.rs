@@ -739,6 +739,13 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
     .await?;
     let token_id = created["id"].as_str().unwrap_or_default().to_owned();
 
+    // An artifact's bytes (the JSON body, as sent), signed by an operator's
+    // key that the table adds before the signature and removes after it.
+    let artifact = json!({"these bytes": uuid::Uuid::now_v7().to_string()});
+    let artifact_digest = mesh_protocol::ArtifactDigest::of(&serde_json::to_vec(&artifact)?);
+    let signer = mesh_protocol::DeclarationSigner::from_seed(rand::random());
+    let signature = mesh_protocol::ArtifactSignature::sign(&signer, &artifact_digest);
+
     // Every mutating route of every context, each once, in an order that
     // succeeds: (method, path, body, answer, action, context).
     let n = node.as_str();
@@ -949,9 +956,33 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
         (
             Method::POST,
             "/v1/artifacts".into(),
-            Some(json!({"these bytes": uuid::Uuid::now_v7().to_string()})),
+            Some(artifact.clone()),
             201,
             "POST /v1/artifacts",
+            "delivery",
+        ),
+        (
+            Method::POST,
+            "/v1/signing-keys".into(),
+            Some(json!({"name": "audited", "key": signer.public_key_hex()})),
+            201,
+            "POST /v1/signing-keys",
+            "delivery",
+        ),
+        (
+            Method::POST,
+            format!("/v1/artifacts/{artifact_digest}/signatures"),
+            Some(json!({"key": signature.key, "signature": signature.signature})),
+            201,
+            "POST /v1/artifacts/{digest}/signatures",
+            "delivery",
+        ),
+        (
+            Method::DELETE,
+            "/v1/signing-keys/audited".into(),
+            None,
+            200,
+            "DELETE /v1/signing-keys/{name}",
             "delivery",
         ),
         (

@@ -900,8 +900,12 @@ impl Agent {
         let plans = (decl.section == Section::Connectivity)
             .then(|| (decl.items.overlay.clone(), decl.items.firewall.clone()));
         let certs_declared = decl.items.certificates.clone();
-        let artifacts_declared =
-            (decl.section == Section::Delivery).then(|| decl.items.artifacts.clone());
+        let artifacts_declared = (decl.section == Section::Delivery).then(|| {
+            (
+                decl.items.artifacts.clone(),
+                decl.items.artifact_keys.clone(),
+            )
+        });
         let prev_state = self.store.section(decl.section);
         let prev = self.store.section(decl.section);
         let applier = self.applier.clone();
@@ -947,7 +951,7 @@ impl Agent {
         // (inline, each within `[artifacts] fetch_timeout`); the section is
         // applied only once every one is cached, so a failed one is fetched
         // again when the declaration comes again.
-        if let (Some(declared), Some(artifacts), false, false) = (
+        if let (Some((declared, keys)), Some(artifacts), false, false) = (
             artifacts_declared,
             self.artifacts.clone(),
             report.stale,
@@ -956,7 +960,7 @@ impl Agent {
             // A pull may take longer than the controller's grace: the node's
             // lease (its heartbeat) goes on meanwhile, so a node busy pulling
             // is never judged unreachable for it.
-            let fetch = artifacts.ensure_all(&declared);
+            let fetch = artifacts.ensure_all(&declared, keys.as_deref());
             tokio::pin!(fetch);
             let every = self.interval();
             let mut lease = tokio::time::interval_at(Instant::now() + every, every);

@@ -196,6 +196,14 @@ impl Applier {
                 ),
             );
         }
+        if section != Section::Delivery && decl.items.artifact_keys.is_some() {
+            return rejected(
+                Vec::new(),
+                format!(
+                    "invalid field `body.items.artifact_keys`: trusted artifact keys are declared in the delivery section only, not in `{section}`"
+                ),
+            );
+        }
         if section != Section::Delivery && !decl.items.artifacts.is_empty() {
             return rejected(
                 Vec::new(),

@@ -1,10 +1,14 @@
 //! The artifact cache: the delivery section's artifacts, verified and unpacked
 //! under `<state_dir>/artifacts/sha256/<hex>/` (decision 0032).
 //!
-//! An artifact is fetched once. Before anything of it is written, its
-//! signature (the manifest tagged `sha256-<hex>.sig` beside it in the
-//! registry) must verify against a key this mesh trusts (the controller's,
-//! received at enrolment); then its blob is streamed to a temporary file while
+//! An artifact is fetched once. Before anything of it is written, one of its
+//! signatures (the layers of the manifest tagged `sha256-<hex>.sig` beside it
+//! in the registry) must verify against a key this mesh trusts: the keys the
+//! delivery section declares (`artifact_keys`: operators' keys an admin
+//! added, and the controller's own only when the fleet opts in; decision
+//! 0048), or, from a controller older than that field, the controller's key
+//! received at enrolment. Otherwise the item fails with "no trusted
+//! signature"; then its blob is streamed to a temporary file while
 //! hashed, and a digest that differs from the declared one throws the file away
 //! with nothing unpacked. Only then is the tar unpacked, safely (no absolute
 //! paths, no `..`, no link leaving the directory, no device files; modes kept
@@ -19,7 +23,10 @@ use std::path::{Component, Path, PathBuf};
 use std::time::Duration;
 
 use mesh_oci::{OciError, Registry};
-use mesh_protocol::{ArtifactDigest, ArtifactItem, ArtifactSignatureError, ItemOutcome, PublicKey};
+use mesh_protocol::{
+    ArtifactDigest, ArtifactItem, ArtifactSignature, ArtifactSignatureError, ItemOutcome,
+    PublicKey, TrustedArtifactKey,
+};
 use serde::Deserialize;
 use tracing::{info, warn};
 
@@ -102,17 +109,46 @@ pub struct Artifacts {
     metrics: Metrics,
 }
 
+/// The keys one fetch trusts: the delivery section's `artifact_keys`, or
+/// (absent) the key received at enrolment.
+#[derive(Debug, Clone, Default)]
+pub struct TrustedKeys(Vec<(String, PublicKey)>);
+
+impl TrustedKeys {
+    /// The keys a delivery section declares: each is validated by the
+    /// declaration's decoding already, so one that does not parse here is
+    /// left out (trusting less, never more).
+    pub fn declared(keys: &[TrustedArtifactKey]) -> TrustedKeys {
+        TrustedKeys(
+            keys.iter()
+                .filter_map(|k| Some((k.name.clone(), PublicKey::from_hex(&k.key).ok()?)))
+                .collect(),
+        )
+    }
+
+    fn keys(&self) -> Vec<PublicKey> {
+        self.0.iter().map(|(_, k)| k.clone()).collect()
+    }
+
+    fn name_of(&self, key: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(_, k)| k.to_hex() == key)
+            .map(|(n, _)| n.as_str())
+    }
+}
+
 /// Why an artifact is not cached; the text is its item's error.
 #[derive(Debug, thiserror::Error)]
 enum FetchError {
     #[error(
-        "artifact {digest} has no signature in the registry (tag {tag}): pushed around the mesh?"
+        "artifact {digest} has no trusted signature: it has no signature in the registry (tag {tag}): pushed around the mesh, or not signed yet (`meshctl artifact sign`)"
     )]
     NoSignature { digest: ArtifactDigest, tag: String },
-    #[error("artifact {digest}: {source}")]
-    Signature {
+    #[error("artifact {digest} has no trusted signature: {}", shown(.refused))]
+    NoTrustedSignature {
         digest: ArtifactDigest,
-        source: ArtifactSignatureError,
+        refused: Vec<ArtifactSignatureError>,
     },
     #[error("artifact {digest}: {source}")]
     Registry {
@@ -136,14 +172,20 @@ enum FetchError {
     },
 }
 
+/// Why each signature was refused, at most four of them.
+fn shown(refused: &[ArtifactSignatureError]) -> String {
+    let mut parts: Vec<String> = refused.iter().take(4).map(ToString::to_string).collect();
+    if refused.len() > 4 {
+        parts.push(format!("and {} more", refused.len() - 4));
+    }
+    parts.join("; ")
+}
+
 impl FetchError {
     fn outcome(&self) -> &'static str {
         match self {
             FetchError::NoSignature { .. } => "no_signature",
-            FetchError::Signature {
-                source: ArtifactSignatureError::Untrusted { .. },
-                ..
-            } => "untrusted",
+            FetchError::NoTrustedSignature { .. } => "untrusted",
             FetchError::Registry {
                 source: OciError::DigestMismatch { .. },
                 ..
@@ -155,9 +197,10 @@ impl FetchError {
 
 impl Artifacts {
     /// The cache under `state_dir`, trusting artifacts signed by one of
-    /// `trusted`; https registries are verified against `ca_pem` (the mesh CA)
-    /// alone, and without one no https registry is trusted. Leftovers of an
-    /// interrupted fetch are removed.
+    /// `trusted` (the controller's key from enrolment) when a delivery
+    /// section declares no keys of its own; https registries are verified
+    /// against `ca_pem` (the mesh CA) alone, and without one no https
+    /// registry is trusted. Leftovers of an interrupted fetch are removed.
     pub fn new(
         state_dir: &Path,
         config: ArtifactsConfig,
@@ -201,13 +244,30 @@ impl Artifacts {
 
     /// Make every item cached: one outcome per item, named
     /// [`ArtifactItem::item_name`]; `true` in the second place when something
-    /// new was cached.
-    pub async fn ensure_all(&self, items: &[ArtifactItem]) -> (Vec<ItemOutcome>, bool) {
+    /// new was cached. `declared` is the section's `artifact_keys`: the
+    /// keys a new artifact must be signed by (`None`: a controller older
+    /// than them; the key received at enrolment).
+    pub async fn ensure_all(
+        &self,
+        items: &[ArtifactItem],
+        declared: Option<&[TrustedArtifactKey]>,
+    ) -> (Vec<ItemOutcome>, bool) {
+        let trusted = match declared {
+            Some(keys) => TrustedKeys::declared(keys),
+            None => TrustedKeys(
+                self.trusted
+                    .iter()
+                    .map(|k| ("controller".to_owned(), k.clone()))
+                    .collect(),
+            ),
+        };
         let mut outcomes = Vec::with_capacity(items.len());
         let mut gained = false;
         for item in items {
             let result =
-                match tokio::time::timeout(self.config.fetch_timeout, self.ensure(item)).await {
+                match tokio::time::timeout(self.config.fetch_timeout, self.ensure(item, &trusted))
+                    .await
+                {
                     Ok(r) => r,
                     Err(_) => Err(FetchError::Timeout {
                         digest: item.digest.clone(),
@@ -241,7 +301,7 @@ impl Artifacts {
     }
 
     /// Cache one artifact: `Ok(false)` if it already was.
-    async fn ensure(&self, item: &ArtifactItem) -> Result<bool, FetchError> {
+    async fn ensure(&self, item: &ArtifactItem, trusted: &TrustedKeys) -> Result<bool, FetchError> {
         let digest = &item.digest;
         let target = artifact_dir(&self.state_dir, digest);
         if target.is_dir() {
@@ -258,20 +318,26 @@ impl Artifacts {
         let registry = Registry::new(&item.registry, self.client.clone()).map_err(registry_err)?;
 
         // 1. Signed by a key this mesh trusts, before a byte of it is pulled.
-        let signature = registry
-            .fetch_signature(&item.repository, digest)
+        let signatures: Vec<ArtifactSignature> = registry
+            .fetch_signatures(&item.repository, digest)
             .await
             .map_err(registry_err)?
-            .ok_or_else(|| FetchError::NoSignature {
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
+        if signatures.is_empty() {
+            return Err(FetchError::NoSignature {
                 digest: digest.clone(),
                 tag: digest.signature_tag(),
-            })?;
-        signature
-            .verify(digest, &self.trusted)
-            .map_err(|source| FetchError::Signature {
+            });
+        }
+        let signature = ArtifactSignature::verify_any(&signatures, digest, &trusted.keys())
+            .map_err(|refused| FetchError::NoTrustedSignature {
                 digest: digest.clone(),
-                source,
-            })?;
+                refused,
+            })?
+            .clone();
+        let signer = trusted.name_of(&signature.key).unwrap_or("?").to_owned();
 
         // 2. The bytes, verified while they stream.
         let tmp = cache_root(&self.state_dir).join("tmp").join(format!(
@@ -316,7 +382,7 @@ impl Artifacts {
         let _ = tokio::fs::remove_dir_all(&tmp).await;
         let size = result?;
         self.metrics.artifact_fetched("ok");
-        info!(artifact = %digest, bytes = size, signed_by = %signature.key, "artifact verified and cached");
+        info!(artifact = %digest, bytes = size, signed_by = %signature.key, signer = %signer, "artifact verified and cached");
         Ok(true)
     }
 }

@@ -3,7 +3,9 @@
 //! verified (signature by the controller's key, digest while streaming) and
 //! cached once; a unit runs from its artifact; a tampered blob, a missing
 //! signature and a stranger's signature are failed items with nothing cached
-//! and nothing running disturbed; an agent's restart adopts the unit.
+//! and nothing running disturbed; a section that declares its trusted keys
+//! is verified against those alone (decision 0048); an agent's restart
+//! adopts the unit.
 //!
 //! The controller is not here: the test pushes and signs artifacts as the
 //! controller does (with the environment's controller key) and publishes
@@ -23,7 +25,7 @@ use mesh_oci::Registry;
 use mesh_protocol::{
     Applied, ArtifactDigest, ArtifactItem, ArtifactSignature, Declaration, DeclarationItems,
     DeclarationSigner, DesiredState, Envelope, MAX_REPORT_BYTES, NodeId, Outcome, Report,
-    RestartPolicy, Section, UnitItem, UnitState, UnitStatus,
+    RestartPolicy, Section, TrustedArtifactKey, UnitItem, UnitState, UnitStatus,
 };
 use mesh_testkit::TestEnv;
 use tokio::time::{Instant, timeout};
@@ -400,6 +402,77 @@ async fn artifacts_are_verified_cached_once_and_run_from() -> anyhow::Result<()>
             "{outcome}: {m}"
         );
     }
+    assert!(alive(pid), "the running unit was disturbed");
+
+    // (g) A section that declares its trusted keys (`artifact_keys`,
+    // decision 0048) is verified against them alone: the controller's
+    // signature is not enough any more, an operator's declared key is, and
+    // an empty list trusts nobody.
+    let operator = DeclarationSigner::from_seed(rand::random());
+    let keyed =
+        |artifacts: Vec<ArtifactItem>, keys: &[(&str, &DeclarationSigner)]| DeclarationItems {
+            artifacts,
+            artifact_keys: Some(
+                keys.iter()
+                    .map(|(name, s)| TrustedArtifactKey {
+                        name: (*name).to_owned(),
+                        key: s.public_key_hex(),
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+    let v5 = push(artifact_tar("v5"), Some(controller.clone())).await?;
+    declare(
+        &ch,
+        &controller,
+        &node,
+        Section::Delivery,
+        6,
+        keyed(vec![item_of(&v5)], &[("alice", &operator)]),
+    )
+    .await?;
+    let a = wait_applied(&mut reports, Section::Delivery, 6).await?;
+    assert_eq!(a.outcome, Outcome::Failed, "{a:?}");
+    let why = item(&a, &format!("artifact:{v5}"))?
+        .error
+        .clone()
+        .unwrap_or_default();
+    assert!(why.contains("no trusted signature"), "{why}");
+    assert!(!cache(&v5).exists());
+    reg.push_signature(&repo, &ArtifactSignature::sign(&operator, &v5))
+        .await?;
+    declare(
+        &ch,
+        &controller,
+        &node,
+        Section::Delivery,
+        7,
+        keyed(vec![item_of(&v5)], &[("alice", &operator)]),
+    )
+    .await?;
+    let a = wait_applied(&mut reports, Section::Delivery, 7).await?;
+    assert_eq!(a.outcome, Outcome::Applied, "{a:?}");
+    assert!(cache(&v5).is_dir(), "signed by a declared key: cached");
+    let v6 = push(artifact_tar("v6"), Some(operator.clone())).await?;
+    declare(
+        &ch,
+        &controller,
+        &node,
+        Section::Delivery,
+        8,
+        keyed(vec![item_of(&v5), item_of(&v6)], &[]),
+    )
+    .await?;
+    let a = wait_applied(&mut reports, Section::Delivery, 8).await?;
+    assert_eq!(a.outcome, Outcome::Failed, "{a:?}");
+    assert!(item(&a, &format!("artifact:{v5}"))?.ok, "cached already");
+    let why = item(&a, &format!("artifact:{v6}"))?
+        .error
+        .clone()
+        .unwrap_or_default();
+    assert!(why.contains("no trusted signature"), "{why}");
+    assert!(!cache(&v6).exists());
     assert!(alive(pid), "the running unit was disturbed");
 
     // (f) The agent restarts: the unit is adopted, same pid, same revision.

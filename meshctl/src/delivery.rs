@@ -36,6 +36,16 @@ pub enum ArtifactCommand {
     },
     /// List the artifacts the controller has.
     List,
+    /// Sign an artifact with a key you hold and upload the signature: a
+    /// file or directory (its digest as `push` computes it) or a digest
+    /// (`sha256:…`). Prints the digest alone on stdout.
+    Sign {
+        /// A directory, a single file, or `sha256:…`.
+        target: String,
+        /// Your private key file (`meshctl key generate`).
+        #[arg(long)]
+        key: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -191,6 +201,28 @@ fn text<'a>(v: &'a Value, k: &str) -> &'a str {
     v.get(k).and_then(Value::as_str).unwrap_or("-")
 }
 
+/// Who signed an artifact: the operators' keys by name, and `controller`
+/// when it signed at push time.
+fn signers(a: &Value) -> String {
+    let mut names: Vec<String> = a["signers"]
+        .as_array()
+        .map(|s| {
+            s.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    if a["signed_by"].is_string() {
+        names.push("controller".to_owned());
+    }
+    if names.is_empty() {
+        "-".to_owned()
+    } else {
+        names.join(",")
+    }
+}
+
 fn shown(v: &Value, k: &str) -> String {
     match v.get(k) {
         None | Some(Value::Null) => "-".to_owned(),
@@ -331,12 +363,18 @@ pub async fn artifact(api: &Api, cmd: ArtifactCommand) -> anyhow::Result<ExitCod
             } else {
                 "already known"
             };
-            eprintln!(
-                "{what}: {} ({size} bytes), signed by {}",
-                path.display(),
-                text(&v, "signed_by")
-            );
+            let signed = match v.get("signed_by").and_then(Value::as_str) {
+                Some(key) => format!("signed by the controller ({key})"),
+                None => {
+                    "not signed: nodes run it once an operator signs it (meshctl artifact sign)"
+                        .to_owned()
+                }
+            };
+            eprintln!("{what}: {} ({size} bytes), {signed}", path.display());
             println!("{local}");
+        }
+        ArtifactCommand::Sign { target, key } => {
+            return crate::signing::sign(api, &target, &key).await;
         }
         ArtifactCommand::List => {
             let v = api.call(Method::GET, "/v1/artifacts", None).await?;
@@ -348,7 +386,7 @@ pub async fn artifact(api: &Api, cmd: ArtifactCommand) -> anyhow::Result<ExitCod
                         shown(a, "size"),
                         shown(a, "pushed_at"),
                         shown(a, "pushed_by"),
-                        shown(a, "signed_by"),
+                        signers(a),
                     ]
                 })
                 .collect();

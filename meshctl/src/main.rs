@@ -32,6 +32,7 @@ mod pack;
 mod plan;
 mod progress;
 mod resources;
+mod signing;
 
 use anyhow::Context as _;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
@@ -90,9 +91,16 @@ enum Command {
         #[arg(long, default_value_t = 100)]
         limit: u32,
     },
-    /// Artifacts: push a file or directory (a tar archive by digest), list them.
+    /// Artifacts: push a file or directory (a tar archive by digest), list
+    /// them, sign one with a key you hold.
     #[command(subcommand)]
     Artifact(delivery::ArtifactCommand),
+    /// Your own signing key pair (no API needed).
+    #[command(subcommand)]
+    Key(signing::KeyCommand),
+    /// The keys whose artifact signatures nodes trust (admin).
+    #[command(subcommand)]
+    SigningKey(signing::SigningKeyCommand),
     /// Revisions of a module: what a rollout deploys.
     #[command(subcommand)]
     Revision(delivery::RevisionCommand),
@@ -389,6 +397,9 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
     // The one crypto provider (ring) of every TLS connection (decision 0028).
     let _ = rustls::crypto::ring::default_provider().install_default();
     // Commands that need no API.
+    if let Command::Key(k) = cli.command {
+        return signing::key(k);
+    }
     match &cli.command {
         Command::Completion { shell } => {
             // Into a buffer first: clap_complete panics on a failed write
@@ -613,6 +624,8 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
         Command::Artifact(c) => return delivery::artifact(&api, c).await,
+        Command::SigningKey(c) => return signing::signing_key(&api, c).await,
+        Command::Key(_) => {}
         Command::Revision(c) => return delivery::revision(&api, c).await,
         Command::Module(c) => return delivery::module(&api, c).await,
         Command::Rollout(c) => return delivery::rollout(&api, c).await,

@@ -20,7 +20,8 @@
 use std::path::{Path, PathBuf};
 
 use mesh_protocol::{
-    ARTIFACT_MEDIA_TYPE, ArtifactDigest, ArtifactSignature, DecodeError, SIGNATURE_MEDIA_TYPE,
+    ARTIFACT_MEDIA_TYPE, ArtifactDigest, ArtifactSignature, DecodeError, MAX_ARTIFACT_SIGNATURES,
+    SIGNATURE_MEDIA_TYPE,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
@@ -508,9 +509,12 @@ impl Registry {
         Ok(digest)
     }
 
-    /// Push an artifact's signature: its JSON as the one layer
-    /// ([`SIGNATURE_MEDIA_TYPE`]) of a manifest tagged
-    /// [`ArtifactDigest::signature_tag`]. A later push replaces the tag.
+    /// Add an artifact's signature beside it: its JSON as a layer
+    /// ([`SIGNATURE_MEDIA_TYPE`]) of the manifest tagged
+    /// [`ArtifactDigest::signature_tag`], cosign's convention of one layer per
+    /// signature. The layers already there are kept, but one by the same key
+    /// is replaced, and at most [`MAX_ARTIFACT_SIGNATURES`] are kept (the
+    /// oldest go first). Idempotent.
     pub async fn push_signature(
         &self,
         repo: &str,
@@ -522,7 +526,20 @@ impl Registry {
         })?;
         let layer = self.push_blob(repo, &json).await?;
         self.push_blob(repo, EMPTY_CONFIG).await?;
-        let manifest = ImageManifest::single_layer(SIGNATURE_MEDIA_TYPE, &layer, json.len() as u64);
+        let mut manifest =
+            ImageManifest::single_layer(SIGNATURE_MEDIA_TYPE, &layer, json.len() as u64);
+        let kept: Vec<Descriptor> = self
+            .fetch_signatures(repo, &signature.digest)
+            .await?
+            .into_iter()
+            .filter(|(_, s)| s.key != signature.key)
+            .map(|(d, _)| d)
+            .collect();
+        let room = MAX_ARTIFACT_SIGNATURES.saturating_sub(1);
+        let skip = kept.len().saturating_sub(room);
+        let mut layers: Vec<Descriptor> = kept.into_iter().skip(skip).collect();
+        layers.append(&mut manifest.layers);
+        manifest.layers = layers;
         let body = serde_json::to_vec(&manifest).map_err(|e| OciError::Malformed {
             what: "the signature's manifest".into(),
             reason: e.to_string(),
@@ -537,18 +554,20 @@ impl Registry {
         Ok(())
     }
 
-    /// The signature stored beside `digest` (tag `sha256-<hex>.sig`), `None`
-    /// when there is none. Not verified against any key here: that is the
-    /// caller's ([`ArtifactSignature::verify`]); its blob is digest-checked
-    /// and at most [`MAX_SIGNATURE_BYTES`].
-    pub async fn fetch_signature(
+    /// The signatures stored beside `digest` (tag `sha256-<hex>.sig`), each
+    /// with its layer, oldest first; none when there is no such tag. Not
+    /// verified against any key here: that is the caller's
+    /// ([`ArtifactSignature::verify_any`]); each blob is digest-checked and
+    /// at most [`MAX_SIGNATURE_BYTES`], and at most
+    /// [`MAX_ARTIFACT_SIGNATURES`] layers are read.
+    pub async fn fetch_signatures(
         &self,
         repo: &str,
         digest: &ArtifactDigest,
-    ) -> Result<Option<ArtifactSignature>, OciError> {
+    ) -> Result<Vec<(Descriptor, ArtifactSignature)>, OciError> {
         let tag = digest.signature_tag();
         let Some((_, bytes)) = self.get_manifest(repo, &tag).await? else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
         let what = format!("signature manifest {repo}:{tag}");
         let manifest: ImageManifest =
@@ -556,35 +575,57 @@ impl Registry {
                 what: what.clone(),
                 reason: e.to_string(),
             })?;
-        let layer = manifest
+        let layers: Vec<&Descriptor> = manifest
             .layers
             .iter()
-            .find(|l| l.media_type == SIGNATURE_MEDIA_TYPE)
-            .ok_or_else(|| OciError::Malformed {
-                what: what.clone(),
+            .filter(|l| l.media_type == SIGNATURE_MEDIA_TYPE)
+            .collect();
+        if layers.is_empty() {
+            return Err(OciError::Malformed {
+                what,
                 reason: format!("no layer of media type {SIGNATURE_MEDIA_TYPE}"),
-            })?;
-        if layer.size > MAX_SIGNATURE_BYTES as u64 {
-            return Err(OciError::TooLarge {
-                what: format!("the signature layer of {what}"),
-                max: MAX_SIGNATURE_BYTES as u64,
             });
         }
-        let layer_digest = ArtifactDigest::parse("layer.digest", &layer.digest).map_err(|e| {
-            OciError::Malformed {
-                what: what.clone(),
-                reason: e.to_string(),
+        let mut out = Vec::new();
+        for layer in layers.into_iter().take(MAX_ARTIFACT_SIGNATURES) {
+            if layer.size > MAX_SIGNATURE_BYTES as u64 {
+                return Err(OciError::TooLarge {
+                    what: format!("a signature layer of {what}"),
+                    max: MAX_SIGNATURE_BYTES as u64,
+                });
             }
-        })?;
-        let blob = self
-            .fetch_blob(repo, &layer_digest, MAX_SIGNATURE_BYTES)
-            .await?;
-        let signature: ArtifactSignature =
-            serde_json::from_slice(&blob).map_err(|e| OciError::Malformed {
-                what: format!("the signature of {digest}"),
-                reason: e.to_string(),
-            })?;
-        Ok(Some(signature))
+            let layer_digest =
+                ArtifactDigest::parse("layer.digest", &layer.digest).map_err(|e| {
+                    OciError::Malformed {
+                        what: what.clone(),
+                        reason: e.to_string(),
+                    }
+                })?;
+            let blob = self
+                .fetch_blob(repo, &layer_digest, MAX_SIGNATURE_BYTES)
+                .await?;
+            let signature: ArtifactSignature =
+                serde_json::from_slice(&blob).map_err(|e| OciError::Malformed {
+                    what: format!("a signature of {digest}"),
+                    reason: e.to_string(),
+                })?;
+            out.push((layer.clone(), signature));
+        }
+        Ok(out)
+    }
+
+    /// The newest signature stored beside `digest`, `None` when there is
+    /// none (see [`Registry::fetch_signatures`]).
+    pub async fn fetch_signature(
+        &self,
+        repo: &str,
+        digest: &ArtifactDigest,
+    ) -> Result<Option<ArtifactSignature>, OciError> {
+        Ok(self
+            .fetch_signatures(repo, digest)
+            .await?
+            .pop()
+            .map(|(_, s)| s))
     }
 }
 

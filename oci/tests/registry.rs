@@ -162,6 +162,30 @@ async fn signatures_round_trip_and_an_unsigned_artifact_has_none() {
     got.verify(&d, &trusted).expect("verifies");
     // Re-pushing the signature is idempotent too.
     reg.push_signature(&repo, &sig).await.expect("re-push sig");
+    // A second key's signature is kept beside the first (one layer each).
+    let other = DeclarationSigner::from_seed(rand::random());
+    let second = ArtifactSignature::sign(&other, &d);
+    reg.push_signature(&repo, &second)
+        .await
+        .expect("second sig");
+    let all: Vec<ArtifactSignature> = reg
+        .fetch_signatures(&repo, &d)
+        .await
+        .expect("fetch all")
+        .into_iter()
+        .map(|(_, s)| s)
+        .collect();
+    assert_eq!(all, [sig.clone(), second.clone()]);
+    // The same key signing again replaces its own, not the other's.
+    reg.push_signature(&repo, &sig).await.expect("again");
+    let all: Vec<ArtifactSignature> = reg
+        .fetch_signatures(&repo, &d)
+        .await
+        .expect("fetch all")
+        .into_iter()
+        .map(|(_, s)| s)
+        .collect();
+    assert_eq!(all, [second, sig]);
 }
 
 #[tokio::test]

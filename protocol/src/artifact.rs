@@ -38,6 +38,12 @@ pub const SIGNATURE_MEDIA_TYPE: &str = "application/vnd.mesh.artifact.signature.
 /// Most artifacts one delivery section declares.
 pub const MAX_ARTIFACTS: usize = 64;
 
+/// Most keys one delivery section declares trusted for artifacts.
+pub const MAX_ARTIFACT_KEYS: usize = 64;
+
+/// Most signatures one artifact's signature manifest holds (one per key).
+pub const MAX_ARTIFACT_SIGNATURES: usize = 16;
+
 /// Most revisions one `delivery.module.targets` event carries.
 pub const MAX_TARGET_REVISIONS: usize = 16;
 
@@ -127,6 +133,36 @@ pub enum ArtifactSignatureError {
     Invalid(SignatureError),
 }
 
+/// A key whose artifact signatures a node trusts, as the delivery section
+/// declares it (decision 0048): an operator's signing key an admin added, or
+/// the controller's own key when the fleet opts in
+/// (`trust_controller_artifact_signatures`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TrustedArtifactKey {
+    /// The key's name (as `/v1/signing-keys` lists it), shown in errors.
+    pub name: String,
+    /// The Ed25519 public key, 64 hex digits.
+    pub key: String,
+}
+
+impl TrustedArtifactKey {
+    pub fn validate(&self, field: &str) -> Result<PublicKey, DecodeError> {
+        if self.name.is_empty() || self.name.len() > 64 || self.name.chars().any(|c| c.is_control())
+        {
+            return Err(DecodeError::invalid(
+                format!("{field}.name"),
+                "1 to 64 characters, no control characters",
+            ));
+        }
+        PublicKey::from_hex(&self.key).map_err(|e| {
+            DecodeError::invalid(
+                format!("{field}.key"),
+                format!("not an Ed25519 public key (64 hex digits): {e}"),
+            )
+        })
+    }
+}
+
 /// An artifact's signature, as its signature manifest's layer holds it (JSON).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ArtifactSignature {
@@ -138,13 +174,31 @@ pub struct ArtifactSignature {
 }
 
 impl ArtifactSignature {
-    /// Sign `digest` with `signer` (the controller's key, at push time).
+    /// Sign `digest` with `signer`: an operator's key (`meshctl artifact
+    /// sign`), or the controller's at push time when the fleet trusts it.
     pub fn sign(signer: &crate::DeclarationSigner, digest: &ArtifactDigest) -> Self {
         ArtifactSignature {
             digest: digest.clone(),
             key: signer.public_key_hex(),
             signature: signer.sign_hex(&signature_payload(digest)),
         }
+    }
+
+    /// The first of `signatures` that signs `expected` with one of
+    /// `trusted`; otherwise why each was refused (empty: there were none).
+    pub fn verify_any<'a>(
+        signatures: &'a [ArtifactSignature],
+        expected: &ArtifactDigest,
+        trusted: &[PublicKey],
+    ) -> Result<&'a ArtifactSignature, Vec<ArtifactSignatureError>> {
+        let mut refused = Vec::new();
+        for s in signatures {
+            match s.verify(expected, trusted) {
+                Ok(()) => return Ok(s),
+                Err(e) => refused.push(e),
+            }
+        }
+        Err(refused)
     }
 
     /// Check that this signs `expected` with one of `trusted`.
@@ -345,6 +399,32 @@ mod tests {
     }
 
     #[test]
+    fn declared_artifact_keys_are_validated_naming_the_field() {
+        let key = crate::DeclarationSigner::from_seed([1; 32]).public_key_hex();
+        let items = |keys: Vec<TrustedArtifactKey>| crate::DeclarationItems {
+            artifact_keys: Some(keys),
+            ..Default::default()
+        };
+        let k = |name: &str, key: &str| TrustedArtifactKey {
+            name: name.to_owned(),
+            key: key.to_owned(),
+        };
+        assert!(items(vec![k("alice", &key)]).validate().is_ok());
+        assert!(items(vec![]).validate().is_ok(), "an empty list: nobody");
+        for (keys, field) in [
+            (vec![k("alice", "zz")], "body.items.artifact_keys[0].key"),
+            (vec![k("", &key)], "body.items.artifact_keys[0].name"),
+            (
+                vec![k("alice", &key), k("bob", &key)],
+                "body.items.artifact_keys[1].key",
+            ),
+        ] {
+            let e = items(keys).validate().unwrap_err();
+            assert!(e.to_string().contains(field), "{e}");
+        }
+    }
+
+    #[test]
     fn signatures_verify_only_for_trusted_keys_and_their_digest() {
         let controller = crate::DeclarationSigner::from_seed([1; 32]);
         let stranger = crate::DeclarationSigner::from_seed([2; 32]);
@@ -364,6 +444,23 @@ mod tests {
             ArtifactSignature::sign(&controller, &other).verify(&d, &trusted),
             Err(ArtifactSignatureError::OtherDigest { .. })
         ));
+        // Of several signatures, one by a trusted key is enough.
+        let both = [
+            ArtifactSignature::sign(&stranger, &d),
+            ArtifactSignature::sign(&controller, &d),
+        ];
+        let ok = ArtifactSignature::verify_any(&both, &d, &trusted).unwrap();
+        assert_eq!(ok.key, controller.public_key_hex());
+        let refused = ArtifactSignature::verify_any(&both[..1], &d, &trusted).unwrap_err();
+        assert!(matches!(
+            refused.as_slice(),
+            [ArtifactSignatureError::Untrusted { .. }]
+        ));
+        assert!(
+            ArtifactSignature::verify_any(&[], &d, &trusted)
+                .unwrap_err()
+                .is_empty()
+        );
         // A trusted key claimed over a stranger's signature does not verify.
         let mut forged = ArtifactSignature::sign(&stranger, &d);
         forged.key = controller.public_key_hex();

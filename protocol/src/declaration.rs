@@ -238,6 +238,14 @@ pub struct DeclarationItems {
     /// artifacts ignores the field.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub artifacts: Vec<crate::ArtifactItem>,
+    /// The keys whose signatures make an artifact trusted (the delivery
+    /// section; decision 0048): exactly these, in name order, when present
+    /// (an empty list trusts no key). Absent from a controller older than
+    /// operator-held keys: the agent then trusts the controller's key it
+    /// received at enrolment, as before. An agent older than the field
+    /// ignores it and keeps trusting only the controller's key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_keys: Option<Vec<crate::TrustedArtifactKey>>,
     /// Resources of grants the node's provider modules serve (the
     /// provisioning section; decision 0039). An agent older than grants
     /// ignores the field.
@@ -339,6 +347,25 @@ impl DeclarationItems {
                 ));
             }
         }
+        if let Some(keys) = &self.artifact_keys {
+            if keys.len() > crate::MAX_ARTIFACT_KEYS {
+                return Err(DecodeError::invalid(
+                    "body.items.artifact_keys",
+                    format!("more than {} keys", crate::MAX_ARTIFACT_KEYS),
+                ));
+            }
+            let mut seen = BTreeSet::new();
+            for (i, k) in keys.iter().enumerate() {
+                let field = format!("body.items.artifact_keys[{i}]");
+                let key = k.validate(&field)?;
+                if !seen.insert(key.to_hex()) {
+                    return Err(DecodeError::invalid(
+                        format!("{field}.key"),
+                        "declared twice",
+                    ));
+                }
+            }
+        }
         if self.resources.len() > crate::MAX_RESOURCES {
             return Err(DecodeError::invalid(
                 "body.items.resources",
@@ -413,6 +440,9 @@ pub fn digest_items(items: &DeclarationItems) -> String {
     sorted.certificates.sort_by(|a, b| a.name.cmp(&b.name));
     sorted.artifacts.sort_by(|a, b| a.digest.cmp(&b.digest));
     sorted.resources.sort_by_key(|r| r.grant);
+    if let Some(keys) = &mut sorted.artifact_keys {
+        keys.sort_by(|a, b| a.name.cmp(&b.name).then_with(|| a.key.cmp(&b.key)));
+    }
     let bytes = serde_json::to_vec(&sorted).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }

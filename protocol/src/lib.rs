@@ -34,8 +34,9 @@ mod unit;
 
 pub use artifact::{
     ARTIFACT_MEDIA_TYPE, ARTIFACT_REPOSITORY, ArtifactDigest, ArtifactItem, ArtifactSignature,
-    ArtifactSignatureError, MAX_ARTIFACTS, MAX_TARGET_REVISIONS, ModuleTargets, NodeTarget,
-    RevisionUnit, SIGNATURE_MEDIA_TYPE, signature_payload,
+    ArtifactSignatureError, MAX_ARTIFACT_KEYS, MAX_ARTIFACT_SIGNATURES, MAX_ARTIFACTS,
+    MAX_TARGET_REVISIONS, ModuleTargets, NodeTarget, RevisionUnit, SIGNATURE_MEDIA_TYPE,
+    TrustedArtifactKey, signature_payload,
 };
 pub use connectivity::{
     CertificateItem, CertificateRequest, Certificates, FirewallPlan, HeldCertificate,

@@ -3,8 +3,10 @@
 //! `record-<context>.<event>.json`, `logs_request.json` (what the controller
 //! asks an agent on its declaration queue, decision 0033), and variants `<name>-<variant>.json` of a
 //! report or declaration for optional fields added later in v1, such as
-//! `report-hello-seal-key.json`, or `declaration-inventory-endpoints.json`:
-//! the mesh's endpoints, decision 0044). Every later version must decode all of
+//! `report-hello-seal-key.json`, `declaration-inventory-endpoints.json`
+//! (the mesh's endpoints, decision 0044) or
+//! `declaration-delivery-artifact-keys.json` (the keys a node trusts for
+//! artifacts, decision 0048)). Every later version must decode all of
 //! them, know every field in them (a v1 field is never removed or renamed), and
 //! accept them with fields it does not know added anywhere.
 //!

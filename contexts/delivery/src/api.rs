@@ -22,8 +22,8 @@ use utoipa_axum::routes;
 use uuid::Uuid;
 
 use crate::{
-    ArtifactView, Delivery, DeliveryPolicy, FreezeRequest, FreezeView, NewRevision, Receipt,
-    RevisionView, RolloutRequest, RolloutView, RunView,
+    ArtifactView, Delivery, DeliveryPolicy, FreezeRequest, FreezeView, NewRevision, NewSignature,
+    NewSigningKey, Receipt, RevisionView, RolloutRequest, RolloutView, RunView, SigningKeyView,
 };
 
 /// `artifact_max_bytes` bounds the body of `POST /v1/artifacts` (every other
@@ -35,6 +35,9 @@ pub(crate) fn routes(artifact_max_bytes: usize) -> OpenApiRouter<Arc<Delivery>> 
                 .routes(routes!(push_artifact, list_artifacts))
                 .layer(DefaultBodyLimit::max(artifact_max_bytes.saturating_add(1))),
         )
+        .routes(routes!(add_signature))
+        .routes(routes!(add_signing_key, list_signing_keys))
+        .routes(routes!(remove_signing_key))
         .routes(routes!(create_revision, list_revisions))
         .routes(routes!(get_revision))
         .routes(routes!(get_policy, put_policy))
@@ -83,7 +86,9 @@ struct ArtifactList {
 }
 
 /// Push an artifact: the body's bytes (a tar archive) are stored in the OCI
-/// registry by their SHA-256 digest and signed by the controller; 201 when
+/// registry by their SHA-256 digest (signed by the controller only in a
+/// fleet that trusts its key: `trust_controller_artifact_signatures`;
+/// otherwise nodes run it once an operator's signature is added); 201 when
 /// new, 200 when the same bytes were pushed before.
 #[utoipa::path(
     post,
@@ -121,6 +126,98 @@ async fn list_artifacts(
     Ok(Json(ArtifactList {
         artifacts: delivery.artifacts().await?,
     }))
+}
+
+/// Add an operator's signature of a pushed artifact, made offline with a
+/// key the operator holds (`meshctl artifact sign`): it must verify, by one
+/// of the mesh's signing keys, before the registry keeps it beside the
+/// artifact (one signature per key; a newer one by the same key replaces
+/// it). 201 when new, 200 when the same signature was added before.
+#[utoipa::path(
+    post,
+    path = "/v1/artifacts/{digest}/signatures",
+    tag = "delivery",
+    params(("digest" = String, Path, description = "The artifact's digest (sha256:…)")),
+    request_body = NewSignature,
+    responses(
+        (status = 201, description = "Verified and stored", body = ArtifactView),
+        (status = 200, description = "Already stored", body = ArtifactView),
+        BodyErrors,
+        NotFound,
+        Unavailable,
+    )
+)]
+async fn add_signature(
+    State(delivery): State<Arc<Delivery>>,
+    Path(digest): Path<String>,
+    audit: Audit,
+    ApiJson(new): ApiJson<NewSignature>,
+) -> Result<(StatusCode, Json<ArtifactView>), Problem> {
+    let digest = mesh_protocol::ArtifactDigest::parse("digest", &digest)?;
+    let (view, new) = delivery.add_signature(&digest, &new, &audit).await?;
+    Ok(created(new, view))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+struct SigningKeyList {
+    /// The operators' keys nodes trust, by name.
+    keys: Vec<SigningKeyView>,
+    /// The controller's own public key, when the fleet trusts its
+    /// signatures too (`trust_controller_artifact_signatures`); absent
+    /// otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    controller_key: Option<String>,
+}
+
+/// Add a signing key (admin): an operator's Ed25519 public key whose
+/// artifact signatures every node trusts from its next delivery section.
+/// 201 when new, 200 when the same name and key exist; 409 when the name or
+/// the key is taken by another.
+#[utoipa::path(
+    post,
+    path = "/v1/signing-keys",
+    tag = "delivery",
+    request_body = NewSigningKey,
+    responses(
+        (status = 201, description = "Added", body = SigningKeyView),
+        (status = 200, description = "Already there", body = SigningKeyView),
+        BodyErrors,
+        Conflict,
+    )
+)]
+async fn add_signing_key(
+    State(delivery): State<Arc<Delivery>>,
+    audit: Audit,
+    ApiJson(new): ApiJson<NewSigningKey>,
+) -> Result<(StatusCode, Json<SigningKeyView>), Problem> {
+    let (view, new) = delivery.add_signing_key(&new, &audit).await?;
+    Ok(created(new, view))
+}
+
+/// The keys whose artifact signatures nodes trust (admin).
+#[utoipa::path(get, path = "/v1/signing-keys", tag = "delivery",
+    responses((status = 200, description = "Signing keys", body = SigningKeyList)))]
+async fn list_signing_keys(
+    State(delivery): State<Arc<Delivery>>,
+) -> Result<Json<SigningKeyList>, Problem> {
+    Ok(Json(SigningKeyList {
+        keys: delivery.signing_keys().await?,
+        controller_key: delivery.trusted_controller_key(),
+    }))
+}
+
+/// Remove a signing key (admin): nodes refuse artifacts signed only by it
+/// from their next delivery section on (what they cached already keeps
+/// running).
+#[utoipa::path(delete, path = "/v1/signing-keys/{name}", tag = "delivery",
+    params(("name" = String, Path, description = "The key's name")),
+    responses((status = 200, description = "Removed", body = SigningKeyView), NotFound, Unprocessable))]
+async fn remove_signing_key(
+    State(delivery): State<Arc<Delivery>>,
+    Path(name): Path<String>,
+    audit: Audit,
+) -> Result<Json<SigningKeyView>, Problem> {
+    Ok(Json(delivery.remove_signing_key(&name, &audit).await?))
 }
 
 #[derive(Debug, Serialize, ToSchema)]

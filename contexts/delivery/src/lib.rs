@@ -18,6 +18,7 @@
 mod api;
 mod error;
 mod inputs;
+pub mod keys;
 pub mod receipts;
 pub mod revisions;
 pub mod rollouts;
@@ -38,6 +39,7 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 pub use error::Error;
+pub use keys::{NewSignature, NewSigningKey, SigningKeyView};
 pub use receipts::{Receipt, ReceiptError, ReceiptLog};
 pub use revisions::{
     ArtifactStore, ArtifactView, BoxFuture, NewRevision, RevisionUnitSpec, RevisionView,
@@ -198,8 +200,9 @@ impl Delivery {
         Ok(())
     }
 
-    /// Store `bytes` in the registry by digest with the controller's
-    /// signature, and record it: `(artifact, created)`.
+    /// Store `bytes` in the registry by digest (with the controller's
+    /// signature only in a fleet that trusts it), and record it:
+    /// `(artifact, created)`.
     pub async fn push_artifact(
         &self,
         bytes: &[u8],
@@ -214,7 +217,7 @@ impl Delivery {
             return Err(Error::invalid("body", "an artifact has at least one byte"));
         }
         let expected = ArtifactDigest::of(bytes);
-        let (digest, key) = self.store.push_signed(bytes).await.map_err(Error::Store)?;
+        let (digest, key) = self.store.push(bytes).await.map_err(Error::Store)?;
         if digest != expected {
             return Err(Error::Store(format!(
                 "the registry stored {digest}, the bytes are {expected}"
@@ -225,7 +228,7 @@ impl Delivery {
             &mut tx,
             &digest,
             bytes.len(),
-            &key,
+            key.as_deref(),
             &audit.principal().name,
         )
         .await?;
@@ -236,6 +239,99 @@ impl Delivery {
     pub async fn artifacts(&self) -> Result<Vec<ArtifactView>, Error> {
         let mut tx = self.pool.begin().await?;
         revisions::list_artifacts(&mut tx).await
+    }
+
+    /// Keep an operator's signature of the artifact `digest` (pushed through
+    /// the API) beside it in the registry, once it verifies against one of
+    /// the mesh's signing keys: `(artifact, created)`.
+    pub async fn add_signature(
+        &self,
+        digest: &ArtifactDigest,
+        new: &NewSignature,
+        audit: &Audit,
+    ) -> Result<(ArtifactView, bool), Error> {
+        let mut tx = self.pool.begin().await?;
+        if revisions::artifact(&mut tx, digest).await?.is_none() {
+            return Err(Error::NotFound(format!(
+                "artifact {digest} (push it first: meshctl artifact push)"
+            )));
+        }
+        let (signature, name) = keys::verify(&mut tx, digest, new).await?;
+        let known: Option<String> = sqlx::query_scalar(
+            "SELECT signature FROM delivery.artifact_signatures WHERE digest = $1 AND key = $2",
+        )
+        .bind(digest.as_str())
+        .bind(&signature.key)
+        .fetch_optional(&mut *tx)
+        .await?;
+        // The registry first: a signature it does not hold is never recorded.
+        self.store
+            .attach_signature(&signature)
+            .await
+            .map_err(Error::Store)?;
+        keys::record_signature(&mut tx, &signature, &name, &audit.principal().name).await?;
+        let view = revisions::artifact(&mut tx, digest)
+            .await?
+            .ok_or_else(|| Error::NotFound(format!("artifact {digest}")))?;
+        self.commit(tx, audit).await?;
+        Ok((view, known.as_deref() != Some(signature.signature.as_str())))
+    }
+
+    /// Add a signing key and declare it to every node that holds artifacts,
+    /// in one transaction: `(key, created)`.
+    pub async fn add_signing_key(
+        &self,
+        new: &NewSigningKey,
+        audit: &Audit,
+    ) -> Result<(SigningKeyView, bool), Error> {
+        let mut tx = self.pool.begin().await?;
+        rollouts::lock(&mut tx).await?;
+        let out = keys::add(
+            &mut tx,
+            new,
+            &self.store.controller_key(),
+            &audit.principal().name,
+        )
+        .await?;
+        self.redeclare(&mut tx).await?;
+        self.commit(tx, audit).await?;
+        Ok(out)
+    }
+
+    /// Remove a signing key: gone from the next delivery section of every
+    /// node that holds artifacts, declared in the same transaction.
+    pub async fn remove_signing_key(
+        &self,
+        name: &str,
+        audit: &Audit,
+    ) -> Result<SigningKeyView, Error> {
+        let mut tx = self.pool.begin().await?;
+        rollouts::lock(&mut tx).await?;
+        let out = keys::remove(&mut tx, name).await?;
+        self.redeclare(&mut tx).await?;
+        self.commit(tx, audit).await?;
+        Ok(out)
+    }
+
+    /// The mesh's signing keys, by name.
+    pub async fn signing_keys(&self) -> Result<Vec<SigningKeyView>, Error> {
+        let mut tx = self.pool.begin().await?;
+        keys::list(&mut tx).await
+    }
+
+    /// The controller's public key when the fleet trusts its signatures.
+    pub fn trusted_controller_key(&self) -> Option<String> {
+        self.store
+            .controller_trusted()
+            .then(|| self.store.controller_key())
+    }
+
+    /// Declare the delivery sections again (the trusted keys changed).
+    async fn redeclare(&self, tx: &mut PgConnection) -> Result<(), Error> {
+        let desired = desired_sections(tx, self.store.as_ref()).await?;
+        SECTIONS.declare(tx, desired).await?;
+        rollouts::note_staged_generations(tx).await?;
+        Ok(())
     }
 
     pub async fn create_revision(
@@ -411,19 +507,24 @@ impl Delivery {
     }
 }
 
-/// Each node's delivery section: the artifacts it must hold.
+/// Each node's delivery section: the artifacts it must hold and, when it
+/// holds any, the keys whose signatures it trusts (decision 0048).
 async fn desired_sections(
     tx: &mut PgConnection,
     store: &dyn ArtifactStore,
 ) -> Result<Vec<(NodeId, Items)>, Error> {
     let (registry, repository) = store.pull_location();
+    let controller = store.controller_trusted().then(|| store.controller_key());
+    let trusted = keys::declared(tx, controller.as_deref()).await?;
     let mut out = Vec::new();
     for (node, digests) in rollouts::desired_artifacts(tx).await? {
         let node = NodeId::parse(&node).map_err(|e| Error::Corrupt {
             what: "node id".to_owned(),
             reason: e.to_string(),
         })?;
+        let artifact_keys = (!digests.is_empty()).then(|| trusted.clone());
         let items = DeclarationItems {
+            artifact_keys,
             artifacts: digests
                 .into_iter()
                 .map(|digest| ArtifactItem {

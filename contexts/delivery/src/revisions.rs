@@ -1,8 +1,10 @@
 //! Artifacts and revisions: what delivery takes from source to node.
 //!
-//! An artifact is pushed through the API, stored in the OCI registry by its
-//! digest and signed there by the controller (the [`ArtifactStore`] the
-//! controller implements over `mesh-oci`). A revision is a module's runnable
+//! An artifact is pushed through the API and stored in the OCI registry by
+//! its digest (the [`ArtifactStore`] the controller implements over
+//! `mesh-oci`); operators sign it with keys they hold and upload the
+//! signature, which the store keeps beside it (decision 0048). The controller
+//! signs it at push time only in a fleet that trusts the controller's key. A revision is a module's runnable
 //! definition (artifact digest, unit, settings digest): immutable, with its
 //! own id; the same definition of a module is the same revision.
 
@@ -11,10 +13,10 @@ use std::future::Future;
 use std::pin::Pin;
 
 use chrono::{DateTime, Utc};
-use mesh_protocol::{ArtifactDigest, Probe, RestartPolicy, RevisionUnit};
+use mesh_protocol::{ArtifactDigest, ArtifactSignature, Probe, RestartPolicy, RevisionUnit};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use sqlx::PgConnection;
+use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
 use crate::Error;
@@ -24,12 +26,25 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// Where artifacts live: the controller implements it over the OCI
 /// registry (`mesh-oci`); the context knows no HTTP.
 pub trait ArtifactStore: Send + Sync + 'static {
-    /// Store `bytes` by digest and put the controller's signature beside
-    /// them; returns the digest and the signing key (hex).
-    fn push_signed<'a>(
+    /// Store `bytes` by digest, and, when the fleet trusts the controller's
+    /// key ([`ArtifactStore::controller_trusted`]), the controller's
+    /// signature beside them; returns the digest and that signature's key
+    /// (hex), if it signed.
+    fn push<'a>(
         &'a self,
         bytes: &'a [u8],
-    ) -> BoxFuture<'a, Result<(ArtifactDigest, String), String>>;
+    ) -> BoxFuture<'a, Result<(ArtifactDigest, Option<String>), String>>;
+    /// Keep `signature` beside its artifact (verified by the caller), with
+    /// the signatures already there by other keys.
+    fn attach_signature<'a>(
+        &'a self,
+        signature: &'a ArtifactSignature,
+    ) -> BoxFuture<'a, Result<(), String>>;
+    /// The controller's own public key (hex).
+    fn controller_key(&self) -> String;
+    /// Whether nodes trust the controller's own signatures
+    /// (`trust_controller_artifact_signatures`; default no).
+    fn controller_trusted(&self) -> bool;
     /// The registry base URL agents pull from, and the repository.
     fn pull_location(&self) -> (String, String);
 }
@@ -39,8 +54,13 @@ pub trait ArtifactStore: Send + Sync + 'static {
 pub struct ArtifactView {
     pub digest: String,
     pub size: i64,
-    /// The public key (hex) whose signature the registry holds.
-    pub signed_by: String,
+    /// The controller's public key (hex) when it signed the artifact at push
+    /// time (a fleet that trusts it); absent otherwise.
+    pub signed_by: Option<String>,
+    /// The names of the signing keys whose signatures were uploaded for it
+    /// (`POST /v1/artifacts/{digest}/signatures`), oldest first; a key
+    /// removed since is still named here, but no node trusts it.
+    pub signers: Vec<String>,
     pub pushed_by: String,
     pub pushed_at: DateTime<Utc>,
 }
@@ -242,16 +262,22 @@ pub async fn list(tx: &mut PgConnection, module: &str) -> Result<Vec<RevisionVie
 }
 
 /// Record a pushed artifact (idempotent): `(view, created)`.
+/// The columns of an [`ArtifactView`], from `delivery.artifacts a`.
+const ARTIFACT_COLUMNS: &str = "a.digest, a.size, a.signed_by, \
+     ARRAY(SELECT s.key_name FROM delivery.artifact_signatures s WHERE s.digest = a.digest \
+           ORDER BY s.uploaded_at, s.key_name) AS signers, \
+     a.pushed_by, a.pushed_at";
+
 pub async fn record_artifact(
     tx: &mut PgConnection,
     digest: &ArtifactDigest,
     size: usize,
-    signed_by: &str,
+    signed_by: Option<&str>,
     by: &str,
 ) -> Result<(ArtifactView, bool), Error> {
-    let inserted: Option<ArtifactView> = sqlx::query_as(
+    let inserted: Option<String> = sqlx::query_scalar(
         "INSERT INTO delivery.artifacts (digest, size, signed_by, pushed_by) VALUES ($1, $2, $3, $4) \
-         ON CONFLICT (digest) DO NOTHING RETURNING digest, size, signed_by, pushed_by, pushed_at",
+         ON CONFLICT (digest) DO NOTHING RETURNING digest",
     )
     .bind(digest.as_str())
     .bind(i64::try_from(size).unwrap_or(i64::MAX))
@@ -259,22 +285,39 @@ pub async fn record_artifact(
     .bind(by)
     .fetch_optional(&mut *tx)
     .await?;
-    if let Some(v) = inserted {
-        return Ok((v, true));
+    if inserted.is_none() && signed_by.is_some() {
+        // Pushed before the fleet trusted the controller: it signed now.
+        sqlx::query(
+            "UPDATE delivery.artifacts SET signed_by = $2 WHERE digest = $1 AND signed_by IS NULL",
+        )
+        .bind(digest.as_str())
+        .bind(signed_by)
+        .execute(&mut *tx)
+        .await?;
     }
-    let v: ArtifactView = sqlx::query_as(
-        "SELECT digest, size, signed_by, pushed_by, pushed_at FROM delivery.artifacts WHERE digest = $1",
-    )
+    let v = artifact(tx, digest)
+        .await?
+        .ok_or_else(|| Error::NotFound(format!("artifact {digest}")))?;
+    Ok((v, inserted.is_some()))
+}
+
+/// One artifact pushed through the API.
+pub async fn artifact(
+    tx: &mut PgConnection,
+    digest: &ArtifactDigest,
+) -> Result<Option<ArtifactView>, Error> {
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT {ARTIFACT_COLUMNS} FROM delivery.artifacts a WHERE a.digest = $1"
+    )))
     .bind(digest.as_str())
-    .fetch_one(&mut *tx)
-    .await?;
-    Ok((v, false))
+    .fetch_optional(&mut *tx)
+    .await?)
 }
 
 pub async fn list_artifacts(tx: &mut PgConnection) -> Result<Vec<ArtifactView>, Error> {
-    Ok(sqlx::query_as(
-        "SELECT digest, size, signed_by, pushed_by, pushed_at FROM delivery.artifacts ORDER BY pushed_at, digest",
-    )
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT {ARTIFACT_COLUMNS} FROM delivery.artifacts a ORDER BY a.pushed_at, a.digest"
+    )))
     .fetch_all(&mut *tx)
     .await?)
 }

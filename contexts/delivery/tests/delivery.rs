@@ -11,29 +11,61 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mesh_delivery::{
-    ArtifactStore, BoxFuture, Delivery, DeliveryPolicy, FreezeRequest, NewRevision,
-    RevisionUnitSpec, RolloutRequest, RolloutView, SCHEMA, Settings,
+    ArtifactStore, BoxFuture, Delivery, DeliveryPolicy, Error, FreezeRequest, NewRevision,
+    NewSignature, NewSigningKey, RevisionUnitSpec, RolloutRequest, RolloutView, SCHEMA, Settings,
 };
 use mesh_plumbing::api::{Principal, Role};
 use mesh_plumbing::audit::Audit;
 use mesh_plumbing::{Context, inbox};
 use mesh_protocol::{
-    ArtifactDigest, Envelope, ModulePlacement, ModuleTargets, NodeId, RecordEvent, RecordKind,
-    Report, UnitState, UnitStatus, Units,
+    ArtifactDigest, ArtifactSignature, DeclarationSigner, Envelope, ModulePlacement, ModuleTargets,
+    NodeId, RecordEvent, RecordKind, Report, UnitState, UnitStatus, Units,
 };
 use mesh_testkit::TestEnv;
 use sqlx::postgres::PgPoolOptions;
 use uuid::Uuid;
 
-/// These tests push no artifact.
-struct NoRegistry;
+/// Most tests push no artifact; the signing keys' test keeps what it is
+/// given in memory (the real registry: e2e/tests/rollouts.rs and
+/// e2e/tests/signing.rs).
+#[derive(Default)]
+struct NoRegistry {
+    accepts: bool,
+    signatures: std::sync::Mutex<Vec<ArtifactSignature>>,
+}
 
 impl ArtifactStore for NoRegistry {
-    fn push_signed<'a>(
+    fn push<'a>(
         &'a self,
-        _bytes: &'a [u8],
-    ) -> BoxFuture<'a, Result<(ArtifactDigest, String), String>> {
-        Box::pin(async { Err("no registry in this test".to_owned()) })
+        bytes: &'a [u8],
+    ) -> BoxFuture<'a, Result<(ArtifactDigest, Option<String>), String>> {
+        Box::pin(async move {
+            if self.accepts {
+                Ok((ArtifactDigest::of(bytes), None))
+            } else {
+                Err("no registry in this test".to_owned())
+            }
+        })
+    }
+    fn attach_signature<'a>(
+        &'a self,
+        signature: &'a ArtifactSignature,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            if !self.accepts {
+                return Err("no registry in this test".to_owned());
+            }
+            let mut held = self.signatures.lock().map_err(|e| e.to_string())?;
+            held.retain(|s| s.digest != signature.digest || s.key != signature.key);
+            held.push(signature.clone());
+            Ok(())
+        })
+    }
+    fn controller_key(&self) -> String {
+        DeclarationSigner::from_seed([7; 32]).public_key_hex()
+    }
+    fn controller_trusted(&self) -> bool {
+        false
     }
     fn pull_location(&self) -> (String, String) {
         (
@@ -63,6 +95,10 @@ fn audit(name: &str) -> Audit {
 }
 
 async fn setup() -> Fixture {
+    setup_with(NoRegistry::default()).await
+}
+
+async fn setup_with(store: NoRegistry) -> Fixture {
     let env = TestEnv::new().await.unwrap();
     let url = env.database_url(SCHEMA);
     mesh_delivery::migrate(&url).await.unwrap();
@@ -75,7 +111,7 @@ async fn setup() -> Fixture {
         pool,
         mesh_plumbing::OutboxSignal::default(),
         Settings::default(),
-        Arc::new(NoRegistry),
+        Arc::new(store),
     ));
     Fixture {
         env,
@@ -85,6 +121,10 @@ async fn setup() -> Fixture {
 }
 
 impl Fixture {
+    fn delivery_store_controller_key(&self) -> String {
+        DeclarationSigner::from_seed([7; 32]).public_key_hex()
+    }
+
     fn node(&self, suffix: &str) -> NodeId {
         NodeId::parse(&format!("{}-{suffix}", self.env.id())).unwrap()
     }
@@ -753,5 +793,193 @@ async fn runs_are_listed_newest_first_filtered_and_paged() {
     }
     let (status, _) = get(&f, "/v1/runs?colour=red").await;
     assert_eq!(status, 400, "an unknown parameter");
+    f.env.teardown().await.unwrap();
+}
+
+fn admin() -> Audit {
+    Audit::new(
+        Principal {
+            id: Uuid::now_v7(),
+            name: "root".to_owned(),
+            role: Role::Admin,
+        },
+        "POST /v1/signing-keys".to_owned(),
+        "/v1/signing-keys",
+        Uuid::now_v7(),
+    )
+}
+
+fn invalid_field(e: Error) -> String {
+    match e {
+        Error::Invalid { field, .. } => field,
+        other => panic!("expected an invalid field, got {other}"),
+    }
+}
+
+/// Issue 29, point 4: signing keys are added and removed by admins (each
+/// change audited in its transaction), declared whole to every node that
+/// holds artifacts (and never the controller's key, in a fleet that does not
+/// trust it), and an operator's signature is kept only when it verifies
+/// against one of them.
+#[tokio::test]
+async fn signing_keys_are_declared_to_nodes_holding_artifacts_and_signatures_verified() {
+    let f = setup_with(NoRegistry {
+        accepts: true,
+        ..NoRegistry::default()
+    })
+    .await;
+    let a = f.node("a");
+    f.place(std::slice::from_ref(&a), 1).await;
+    let (artifact, created) = f
+        .delivery
+        .push_artifact(b"an artifact", &audit("alice"))
+        .await
+        .unwrap();
+    assert!(created);
+    assert_eq!(artifact.signed_by, None, "the controller signed nothing");
+    let digest = ArtifactDigest::parse("digest", &artifact.digest).unwrap();
+    let rev = f.revision_of("run.sh", Some(digest.clone())).await;
+    f.delivery
+        .start_rollout(&request(rev), &audit("alice"))
+        .await
+        .unwrap();
+    f.delivery.tick().await.unwrap();
+    let section = |f: &Fixture| {
+        let (pool, a) = (f.delivery.pool().clone(), a.clone());
+        async move {
+            mesh_delivery::SECTIONS
+                .stored(&pool, &a)
+                .await
+                .unwrap()
+                .expect("a delivery section")
+        }
+    };
+    let first = section(&f).await;
+    assert_eq!(
+        first.items.artifact_keys,
+        Some(vec![]),
+        "no key is trusted yet, the controller's neither"
+    );
+
+    // Refused, naming the field; nothing changes.
+    let alice = DeclarationSigner::from_seed([1; 32]);
+    for (name, key, field) in [
+        ("alice", "not hex".to_owned(), "key"),
+        ("alice", "ab".repeat(31), "key"),
+        ("Alice!", alice.public_key_hex(), "name"),
+        ("controller", alice.public_key_hex(), "name"),
+        ("ctl", f.delivery_store_controller_key(), "key"),
+    ] {
+        let e = f
+            .delivery
+            .add_signing_key(
+                &NewSigningKey {
+                    name: name.to_owned(),
+                    key,
+                },
+                &admin(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(invalid_field(e), field, "{name}");
+    }
+    assert!(f.delivery.signing_keys().await.unwrap().is_empty());
+
+    // Added: declared in the next generation, in the same transaction.
+    let new = NewSigningKey {
+        name: "alice".to_owned(),
+        key: alice.public_key_hex(),
+    };
+    let (view, created) = f.delivery.add_signing_key(&new, &admin()).await.unwrap();
+    assert!(created);
+    assert_eq!(view.added_by, "root");
+    let (_, again) = f.delivery.add_signing_key(&new, &admin()).await.unwrap();
+    assert!(!again, "the same key again changes nothing");
+    let other = NewSigningKey {
+        name: "alice".to_owned(),
+        key: DeclarationSigner::from_seed([2; 32]).public_key_hex(),
+    };
+    assert!(matches!(
+        f.delivery.add_signing_key(&other, &admin()).await,
+        Err(Error::Conflict(_))
+    ));
+    let second = section(&f).await;
+    assert_eq!(second.generation, first.generation + 1);
+    let keys = second.items.artifact_keys.clone().unwrap_or_default();
+    assert_eq!(keys.len(), 1);
+    assert_eq!(
+        (keys[0].name.as_str(), &keys[0].key),
+        ("alice", &alice.public_key_hex())
+    );
+
+    // A signature is verified before the registry keeps it.
+    let good = ArtifactSignature::sign(&alice, &digest);
+    let upload = |s: &ArtifactSignature| NewSignature {
+        key: s.key.clone(),
+        signature: s.signature.clone(),
+    };
+    let (view, created) = f
+        .delivery
+        .add_signature(&digest, &upload(&good), &audit("bob"))
+        .await
+        .unwrap();
+    assert!(created);
+    assert_eq!(view.signers, ["alice"]);
+    let (_, again) = f
+        .delivery
+        .add_signature(&digest, &upload(&good), &audit("bob"))
+        .await
+        .unwrap();
+    assert!(!again);
+    let stranger = ArtifactSignature::sign(&DeclarationSigner::from_seed([3; 32]), &digest);
+    let e = f
+        .delivery
+        .add_signature(&digest, &upload(&stranger), &audit("bob"))
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "key", "not a signing key");
+    let other_digest = ArtifactSignature::sign(&alice, &ArtifactDigest::of(b"other"));
+    let e = f
+        .delivery
+        .add_signature(&digest, &upload(&other_digest), &audit("bob"))
+        .await
+        .unwrap_err();
+    assert_eq!(invalid_field(e), "signature", "signs another digest");
+    assert!(matches!(
+        f.delivery
+            .add_signature(
+                &ArtifactDigest::of(b"never pushed"),
+                &upload(&good),
+                &audit("bob")
+            )
+            .await,
+        Err(Error::NotFound(_))
+    ));
+
+    // Removed: gone from the next generation.
+    let removed = f
+        .delivery
+        .remove_signing_key("alice", &admin())
+        .await
+        .unwrap();
+    assert_eq!(removed.key, alice.public_key_hex());
+    let third = section(&f).await;
+    assert_eq!(third.generation, second.generation + 1);
+    assert_eq!(third.items.artifact_keys, Some(vec![]));
+    assert!(matches!(
+        f.delivery.remove_signing_key("alice", &admin()).await,
+        Err(Error::NotFound(_))
+    ));
+    // Every key request that succeeded has its entry, written in its own
+    // transaction: the add, the repeated add (a request too) and the remove;
+    // the refused ones have none here (the auth layer writes theirs).
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM delivery.outbox WHERE routing_key = 'delivery.operator.audit' \
+         AND convert_from(payload, 'UTF8') LIKE '%/v1/signing-keys%'",
+    )
+    .fetch_one(f.delivery.pool())
+    .await
+    .unwrap();
+    assert_eq!(audited, 3);
     f.env.teardown().await.unwrap();
 }
