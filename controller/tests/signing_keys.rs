@@ -9,39 +9,11 @@
 mod common;
 
 use axum::Router;
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::StatusCode;
+use common::call;
 use mesh_protocol::{ArtifactDigest, ArtifactSignature, DeclarationSigner};
 use mesh_testkit::TestEnv;
-use serde_json::{Value, json};
-use tower::ServiceExt;
-
-async fn call(
-    router: &Router,
-    method: &str,
-    uri: &str,
-    token: &str,
-    body: Option<Value>,
-) -> anyhow::Result<(StatusCode, Value)> {
-    let mut req = Request::builder()
-        .method(method)
-        .uri(uri)
-        .header("authorization", format!("Bearer {token}"));
-    let body = match body {
-        Some(b) => {
-            req = req.header("content-type", "application/json");
-            Body::from(serde_json::to_vec(&b)?)
-        }
-        None => Body::empty(),
-    };
-    let resp = router.clone().oneshot(req.body(body)?).await?;
-    let status = resp.status();
-    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await?;
-    Ok((
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    ))
-}
+use serde_json::json;
 
 async fn token(router: &Router, admin: &str, name: &str, role: &str) -> anyhow::Result<String> {
     let (status, v) = call(
