@@ -449,6 +449,8 @@ fn advertised(address: &str, api_port: u16, amqps_port: u16) -> anyhow::Result<(
 /// node's broker user on vhost `mesh` with a node's rights and write
 /// `<state-dir>/credentials.toml` for its agent, with the controller's public
 /// signing key. Idempotent: an existing credentials file's password is kept.
+/// A revoked node is refused (exit status 3) until an admin re-admits it
+/// with `meshctl node readmit <id>` (decision 0050).
 /// The normal way to enrol a node is `meshctl node add` + `mesh-agent join`.
 #[derive(clap::Args)]
 struct NodeAdd {
@@ -462,12 +464,30 @@ struct NodeAdd {
     etc: Option<PathBuf>,
 }
 
+/// `mesh-bundle node-add` refused a revoked node: its own exit status (3), so
+/// that a script (bundle/local-mesh) tells it from a failure.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "node {node} was revoked at {at} and gets no credentials until an admin re-admits it: run `meshctl node readmit {node}` (audited), then `mesh-bundle node-add {node}` again"
+)]
+struct RevokedNode {
+    node: mesh_protocol::NodeId,
+    at: chrono::DateTime<chrono::Utc>,
+}
+
+const EXIT_REVOKED: u8 = 3;
+
 async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
     let node = mesh_protocol::NodeId::parse(&args.name)?;
     let etc = args.etc.unwrap_or_else(etc_dir);
     let admin_path = etc.join(AdminCredentials::FILE);
     let admin = AdminCredentials::load_if_exists(&admin_path)?
         .with_context(|| format!("{} is missing: run bundle/up first", admin_path.display()))?;
+    // Revocation is final until an admin re-admits the node (decision 0050):
+    // before anything is created or changed.
+    if let Some(at) = provision::revoked_at(&admin, &Names::production().database, &node).await? {
+        return Err(RevokedNode { node, at }.into());
+    }
     let key_path = etc.join(SIGNING_KEY_FILE);
     let signer = read_signing_key_if_exists(&key_path)?
         .with_context(|| format!("{} is missing: run bundle/up first", key_path.display()))?;
@@ -668,6 +688,10 @@ async fn main() -> ExitCode {
         }
         Command::NodeAdd(args) => match node_add(args).await {
             Ok(()) => ExitCode::SUCCESS,
+            Err(e) if e.downcast_ref::<RevokedNode>().is_some() => {
+                eprintln!("mesh-bundle node-add refused: {e:#}");
+                ExitCode::from(EXIT_REVOKED)
+            }
             Err(e) => {
                 eprintln!("mesh-bundle node-add failed: {e:#}");
                 ExitCode::FAILURE

@@ -845,6 +845,29 @@ pub async fn ensure_node_user(
     Ok(())
 }
 
+/// When `node` was revoked, if it is revoked now (decision 0050): identity's
+/// record (`identity.nodes`), read as the admin, a member of every context's
+/// role. None when it is not revoked, or when no controller has created
+/// identity's tables yet (then nothing was ever revoked).
+pub async fn revoked_at(
+    admin: &AdminCredentials,
+    database: &str,
+    node: &NodeId,
+) -> Result<Option<chrono::DateTime<chrono::Utc>>> {
+    let mut conn = connect_admin(admin, database).await?;
+    let has_table = "SELECT to_regclass('identity.nodes') IS NOT NULL";
+    if !exists(&mut conn, has_table, &[]).await? {
+        return Ok(None);
+    }
+    let sql = "SELECT revoked_at FROM identity.nodes WHERE name = $1";
+    let at: Option<Option<chrono::DateTime<chrono::Utc>>> = sqlx::query_scalar(sql)
+        .bind(node.as_str())
+        .fetch_optional(&mut conn)
+        .await
+        .map_err(pg(sql))?;
+    Ok(at.flatten())
+}
+
 /// A node without the controller: its broker user on `vhost` with a node's
 /// rights ([`ensure_node_user`]; `secret` is set on an existing user when it is
 /// fresh), and the credentials file its agent runs with (`controller_key` is the
