@@ -464,17 +464,8 @@ struct NodeAdd {
     etc: Option<PathBuf>,
 }
 
-/// `mesh-bundle node-add` refused a revoked node: its own exit status (3), so
+/// `mesh-bundle node-add`'s exit status when it refused a revoked node, so
 /// that a script (bundle/local-mesh) tells it from a failure.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "node {node} was revoked at {at} and gets no credentials until an admin re-admits it: run `meshctl node readmit {node}` (audited), then `mesh-bundle node-add {node}` again"
-)]
-struct RevokedNode {
-    node: mesh_protocol::NodeId,
-    at: chrono::DateTime<chrono::Utc>,
-}
-
 const EXIT_REVOKED: u8 = 3;
 
 async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
@@ -483,11 +474,6 @@ async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
     let admin_path = etc.join(AdminCredentials::FILE);
     let admin = AdminCredentials::load_if_exists(&admin_path)?
         .with_context(|| format!("{} is missing: run bundle/up first", admin_path.display()))?;
-    // Revocation is final until an admin re-admits the node (decision 0050):
-    // before anything is created or changed.
-    if let Some(at) = provision::revoked_at(&admin, &Names::production().database, &node).await? {
-        return Err(RevokedNode { node, at }.into());
-    }
     let key_path = etc.join(SIGNING_KEY_FILE);
     let signer = read_signing_key_if_exists(&key_path)?
         .with_context(|| format!("{} is missing: run bundle/up first", key_path.display()))?;
@@ -508,10 +494,17 @@ async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
         ),
         None => provision::Secret::generate(),
     };
-    let vhost = Names::production().vhost;
     let mut steps = provision::Steps::default();
-    let creds =
-        provision::add_node(&admin, &vhost, &node, &secret, &controller_key, &mut steps).await?;
+    // A revoked node is refused here, before anything changes (decision 0050).
+    let creds = provision::add_node(
+        &admin,
+        &Names::production(),
+        &node,
+        &secret,
+        &controller_key,
+        &mut steps,
+    )
+    .await?;
     let written = creds.write(&args.state_dir)?;
     println!(
         "node {node}: {} change(s); credentials in {}",
@@ -688,7 +681,12 @@ async fn main() -> ExitCode {
         }
         Command::NodeAdd(args) => match node_add(args).await {
             Ok(()) => ExitCode::SUCCESS,
-            Err(e) if e.downcast_ref::<RevokedNode>().is_some() => {
+            Err(e)
+                if matches!(
+                    e.downcast_ref::<provision::ProvisionError>(),
+                    Some(provision::ProvisionError::Revoked { .. })
+                ) =>
+            {
                 eprintln!("mesh-bundle node-add refused: {e:#}");
                 ExitCode::from(EXIT_REVOKED)
             }

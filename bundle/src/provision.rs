@@ -30,6 +30,14 @@ pub enum ProvisionError {
     Url { url: String, reason: String },
     #[error("check failed: {0}")]
     Check(String),
+    /// A revoked node is given no credentials (decision 0050).
+    #[error(
+        "node {node} was revoked at {at} and gets no credentials until an admin re-admits it: run `meshctl node readmit {node}` (audited), then add it again"
+    )]
+    Revoked {
+        node: NodeId,
+        at: chrono::DateTime<chrono::Utc>,
+    },
 }
 
 type Result<T> = std::result::Result<T, ProvisionError>;
@@ -873,14 +881,24 @@ pub async fn revoked_at(
 /// fresh), and the credentials file its agent runs with (`controller_key` is the
 /// controller's public signing key). `mesh-bundle node-add` writes the result
 /// into the agent's state directory; the test kit hands it to tests.
+/// A node revoked in `database` is refused before anything is created or
+/// changed ([`ProvisionError::Revoked`]): revocation is final until an admin
+/// re-admits it (decision 0050).
 pub async fn add_node(
     admin: &AdminCredentials,
-    vhost: &str,
+    names: &Names,
     node: &NodeId,
     secret: &Secret,
     controller_key: &PublicKey,
     steps: &mut Steps,
 ) -> Result<AgentCredentials> {
+    if let Some(at) = revoked_at(admin, &names.database, node).await? {
+        return Err(ProvisionError::Revoked {
+            node: node.clone(),
+            at,
+        });
+    }
+    let vhost = names.vhost.as_str();
     ensure_node_user(&Rabbit::new(admin), vhost, node, secret, steps).await?;
     Ok(AgentCredentials {
         node: node.clone(),
