@@ -669,14 +669,13 @@ async fn a_revoked_node_re_provisioned_behind_the_controllers_back_is_refused_un
     let _ = mesh_e2e::drain_dead_letters(&mesh.env.admin_amqp_url()).await?;
     publish_as(&creds, &format!("{node}.heartbeat"), &heartbeat(2), true).await?;
     publish_as(&creds, &format!("{node}.hello"), &hello_of(3), true).await?;
-    let mut letters = Vec::new();
-    wait_for("both reports to be dead-lettered", WITHIN, || {
-        let url = mesh.env.admin_amqp_url();
-        let letters = &mut letters;
-        async move {
-            letters.extend(mesh_e2e::drain_dead_letters(&url).await?);
-            Ok((letters.len() >= 2).then_some(()))
-        }
+    let url = mesh.env.admin_amqp_url();
+    let taken = std::sync::Mutex::new(Vec::new());
+    let letters = wait_for("both reports to be dead-lettered", WITHIN, || async {
+        let got = mesh_e2e::drain_dead_letters(&url).await?;
+        let mut taken = taken.lock().expect("not poisoned");
+        taken.extend(got);
+        Ok((taken.len() >= 2).then(|| taken.clone()))
     })
     .await?;
     for (code, reason, user) in &letters {
@@ -700,7 +699,7 @@ async fn a_revoked_node_re_provisioned_behind_the_controllers_back_is_refused_un
     // Never recorded as liveness: still revoked, heard no later than before.
     assert_eq!(
         node_state(&mesh, &node).await?,
-        ("revoked".to_owned(), heard)
+        ("revoked".to_owned(), heard.clone())
     );
 
     // Re-admitted (admin, audited), it is added again and counts again.
@@ -711,16 +710,12 @@ async fn a_revoked_node_re_provisioned_behind_the_controllers_back_is_refused_un
     })
     .await?;
     let creds = mesh.env.add_node("np").await?;
-    let mut seq = 4;
-    wait_for("the re-admitted node to be heard", WITHIN, || {
-        seq += 1;
-        let (creds, node, heard, hello) = (&creds, &node, &heard, hello_of(seq));
-        let mesh = &mesh;
-        async move {
-            publish_as(creds, &format!("{node}.hello"), &hello, true).await?;
-            let (state, now) = node_state(mesh, node).await?;
-            Ok((state == "alive" && now != *heard).then_some(()))
-        }
+    let seq = std::sync::atomic::AtomicU64::new(4);
+    wait_for("the re-admitted node to be heard", WITHIN, || async {
+        let n = seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        publish_as(&creds, &format!("{node}.hello"), &hello_of(n), true).await?;
+        let (state, now) = node_state(&mesh, &node).await?;
+        Ok((state == "alive" && now != heard).then_some(()))
     })
     .await?;
     // Audited: the entry arrives on the record.
