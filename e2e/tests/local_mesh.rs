@@ -78,7 +78,8 @@ fn every_examples_path_the_banner_readme_and_docs_name_exists() {
 
 /// The texts bundle/local-mesh prints with `cat <<TXT … TXT`, in order.
 fn banners() -> Vec<String> {
-    let script = std::fs::read_to_string(root().join("bundle/local-mesh")).expect("bundle/local-mesh");
+    let script =
+        std::fs::read_to_string(root().join("bundle/local-mesh")).expect("bundle/local-mesh");
     let mut out = Vec::new();
     let mut current: Option<Vec<&str>> = None;
     for line in script.lines() {
@@ -123,7 +124,11 @@ fn run(mesh: &Mesh, command: &str) -> anyhow::Result<String> {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_local_mesh_banners_commands_run() -> anyhow::Result<()> {
     let texts = banners();
-    assert_eq!(texts.len(), 2, "the banner, and what it says of a revoked node");
+    assert_eq!(
+        texts.len(),
+        2,
+        "the banner, and what it says of a revoked node"
+    );
     let mut mesh = Mesh::start().await?;
 
     // A web node, labelled by its operator as the local mesh labels web-1.
@@ -148,14 +153,17 @@ async fn the_local_mesh_banners_commands_run() -> anyhow::Result<()> {
         }
     }
     assert!(
-        ran.iter().any(|c| c.starts_with("meshctl apply -f examples/")),
+        ran.iter()
+            .any(|c| c.starts_with("meshctl apply -f examples/")),
         "the banner declares no file: {ran:?}"
     );
     // What it declared lands on the web node.
     let motd = mesh.agent(&web).file("/etc/motd");
-    wait_for("the banner's file to land on the web node", WITHIN, || async {
-        Ok(motd.exists().then_some(()))
-    })
+    wait_for(
+        "the banner's file to land on the web node",
+        WITHIN,
+        || async { Ok(motd.exists().then_some(())) },
+    )
     .await?;
 
     // A node revoked in an earlier session: what the banner prints for it
@@ -163,21 +171,37 @@ async fn the_local_mesh_banners_commands_run() -> anyhow::Result<()> {
     // node and a hello here).
     let creds = mesh.env.add_node("revoked").await?;
     let node = creds.node.to_string();
-    publish_as(&creds, &format!("{node}.hello"), &hello(&node, &[]).encode(), true).await?;
+    publish_as(
+        &creds,
+        &format!("{node}.hello"),
+        &hello(&node, &[]).encode(),
+        true,
+    )
+    .await?;
     wait_for("the node to be listed", WITHIN, || async {
         Ok((mesh.get(&format!("/v1/nodes/{node}")).await?.0 == 200).then_some(()))
     })
     .await?;
     run(&mesh, &format!("meshctl node revoke {node}"))?;
-    let text = texts[1].replace("$name", &node).replace("$label", "role=web");
-    assert!(text.contains(&format!("meshctl node readmit {node}")), "{text}");
+    let text = texts[1]
+        .replace("$name", &node)
+        .replace("$label", "role=web");
+    assert!(
+        text.contains(&format!("meshctl node readmit {node}")),
+        "{text}"
+    );
     let mut ran = Vec::new();
     for line in text.lines() {
         if line.contains("mesh-bundle node-add") {
             let creds = mesh.env.add_node("revoked").await?;
             let listed = || async {
-                publish_as(&creds, &format!("{node}.hello"), &hello(&node, &[]).encode(), true)
-                    .await?;
+                publish_as(
+                    &creds,
+                    &format!("{node}.hello"),
+                    &hello(&node, &[]).encode(),
+                    true,
+                )
+                .await?;
                 let (_, v) = mesh.get(&format!("/v1/nodes/{node}")).await?;
                 Ok((v["state"] == "alive").then_some(()))
             };
