@@ -295,8 +295,10 @@ impl Identity {
             Some(at) => at,
             None if deleted => {
                 sqlx::query_scalar(
-                    "INSERT INTO identity.nodes (name, public_key, enrolled_by, revoked_at) \
-                     VALUES ($1, NULL, 'mesh-bundle node-add', now()) RETURNING revoked_at",
+                    "INSERT INTO identity.nodes AS n (name, public_key, enrolled_by, revoked_at) \
+                     VALUES ($1, NULL, 'mesh-bundle node-add', now()) \
+                     ON CONFLICT (name) DO UPDATE SET revoked_at = COALESCE(n.revoked_at, now()) \
+                     RETURNING revoked_at",
                 )
                 .bind(node.as_str())
                 .fetch_one(&mut *tx)
