@@ -449,6 +449,8 @@ fn advertised(address: &str, api_port: u16, amqps_port: u16) -> anyhow::Result<(
 /// node's broker user on vhost `mesh` with a node's rights and write
 /// `<state-dir>/credentials.toml` for its agent, with the controller's public
 /// signing key. Idempotent: an existing credentials file's password is kept.
+/// A revoked node is refused (exit status 3) until an admin re-admits it
+/// with `meshctl node readmit <id>` (decision 0050).
 /// The normal way to enrol a node is `meshctl node add` + `mesh-agent join`.
 #[derive(clap::Args)]
 struct NodeAdd {
@@ -461,6 +463,10 @@ struct NodeAdd {
     #[arg(long, env = "MESH_ETC")]
     etc: Option<PathBuf>,
 }
+
+/// `mesh-bundle node-add`'s exit status when it refused a revoked node, so
+/// that a script (bundle/local-mesh) tells it from a failure.
+const EXIT_REVOKED: u8 = 3;
 
 async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
     let node = mesh_protocol::NodeId::parse(&args.name)?;
@@ -488,10 +494,17 @@ async fn node_add(args: NodeAdd) -> anyhow::Result<()> {
         ),
         None => provision::Secret::generate(),
     };
-    let vhost = Names::production().vhost;
     let mut steps = provision::Steps::default();
-    let creds =
-        provision::add_node(&admin, &vhost, &node, &secret, &controller_key, &mut steps).await?;
+    // A revoked node is refused here, before anything changes (decision 0050).
+    let creds = provision::add_node(
+        &admin,
+        &Names::production(),
+        &node,
+        &secret,
+        &controller_key,
+        &mut steps,
+    )
+    .await?;
     let written = creds.write(&args.state_dir)?;
     println!(
         "node {node}: {} change(s); credentials in {}",
@@ -668,6 +681,15 @@ async fn main() -> ExitCode {
         }
         Command::NodeAdd(args) => match node_add(args).await {
             Ok(()) => ExitCode::SUCCESS,
+            Err(e)
+                if matches!(
+                    e.downcast_ref::<provision::ProvisionError>(),
+                    Some(provision::ProvisionError::Revoked { .. })
+                ) =>
+            {
+                eprintln!("mesh-bundle node-add refused: {e:#}");
+                ExitCode::from(EXIT_REVOKED)
+            }
             Err(e) => {
                 eprintln!("mesh-bundle node-add failed: {e:#}");
                 ExitCode::FAILURE

@@ -30,6 +30,14 @@ pub enum ProvisionError {
     Url { url: String, reason: String },
     #[error("check failed: {0}")]
     Check(String),
+    /// A revoked node is given no credentials (decision 0050).
+    #[error(
+        "node {node} was revoked at {at} and gets no credentials until an admin re-admits it: run `meshctl node readmit {node}` (audited), then add it again"
+    )]
+    Revoked {
+        node: NodeId,
+        at: chrono::DateTime<chrono::Utc>,
+    },
 }
 
 type Result<T> = std::result::Result<T, ProvisionError>;
@@ -845,19 +853,52 @@ pub async fn ensure_node_user(
     Ok(())
 }
 
+/// When `node` was revoked, if it is revoked now (decision 0050): identity's
+/// record (`identity.nodes`), read as the admin, a member of every context's
+/// role. None when it is not revoked, or when no controller has created
+/// identity's tables yet (then nothing was ever revoked).
+pub async fn revoked_at(
+    admin: &AdminCredentials,
+    database: &str,
+    node: &NodeId,
+) -> Result<Option<chrono::DateTime<chrono::Utc>>> {
+    let mut conn = connect_admin(admin, database).await?;
+    let has_table = "SELECT to_regclass('identity.nodes') IS NOT NULL";
+    if !exists(&mut conn, has_table, &[]).await? {
+        return Ok(None);
+    }
+    let sql = "SELECT revoked_at FROM identity.nodes WHERE name = $1";
+    let at: Option<Option<chrono::DateTime<chrono::Utc>>> = sqlx::query_scalar(sql)
+        .bind(node.as_str())
+        .fetch_optional(&mut conn)
+        .await
+        .map_err(pg(sql))?;
+    Ok(at.flatten())
+}
+
 /// A node without the controller: its broker user on `vhost` with a node's
 /// rights ([`ensure_node_user`]; `secret` is set on an existing user when it is
 /// fresh), and the credentials file its agent runs with (`controller_key` is the
 /// controller's public signing key). `mesh-bundle node-add` writes the result
 /// into the agent's state directory; the test kit hands it to tests.
+/// A node revoked in `database` is refused before anything is created or
+/// changed ([`ProvisionError::Revoked`]): revocation is final until an admin
+/// re-admits it (decision 0050).
 pub async fn add_node(
     admin: &AdminCredentials,
-    vhost: &str,
+    names: &Names,
     node: &NodeId,
     secret: &Secret,
     controller_key: &PublicKey,
     steps: &mut Steps,
 ) -> Result<AgentCredentials> {
+    if let Some(at) = revoked_at(admin, &names.database, node).await? {
+        return Err(ProvisionError::Revoked {
+            node: node.clone(),
+            at,
+        });
+    }
+    let vhost = names.vhost.as_str();
     ensure_node_user(&Rabbit::new(admin), vhost, node, secret, steps).await?;
     Ok(AgentCredentials {
         node: node.clone(),

@@ -177,6 +177,14 @@ async fn run_fenced(
         .await
         .map_err(ContextsError::from)?;
     tracing::info!(nodes = known, heartbeat = ?contexts.inventory.heartbeat(), "liveness ready");
+    // Before the first report too: a revoked node's reports are refused from
+    // its first one (decision 0050).
+    let revoked = contexts
+        .inventory
+        .load_revocations()
+        .await
+        .map_err(ContextsError::from)?;
+    tracing::info!(revoked, "revoked nodes loaded");
     if let Some(hash) = &creds.bootstrap_admin_token_sha256 {
         match contexts.identity.ensure_bootstrap_admin(hash).await {
             Ok(true) => tracing::info!("first admin API token (bootstrap-admin) registered"),

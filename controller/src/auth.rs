@@ -86,6 +86,8 @@ pub fn required(method: &Method, route: Option<&str>) -> Access {
         // Which keys make a node run code (decision 0048).
         (_, Some("/v1/signing-keys" | "/v1/signing-keys/{name}")) => Access::Role(Role::Admin),
         (&Method::DELETE, Some("/v1/nodes/{id}")) => Access::Role(Role::Admin),
+        // Undoing a revocation is an admin's decision (decision 0050).
+        (&Method::POST, Some("/v1/nodes/{id}/readmit")) => Access::Role(Role::Admin),
         // A unit's output may hold anything it prints (decision 0033).
         (&Method::GET, Some(LOGS_ROUTE)) => Access::Role(Role::Operator),
         (&Method::GET | &Method::HEAD, _) => Access::Role(Role::Viewer),
@@ -308,6 +310,7 @@ mod tests {
                 R(Role::Operator),
             ),
             (Method::DELETE, "/v1/nodes/{id}", R(Role::Admin)),
+            (Method::POST, "/v1/nodes/{id}/readmit", R(Role::Admin)),
             (Method::GET, "/v1/tokens", R(Role::Admin)),
             (Method::POST, "/v1/tokens", R(Role::Admin)),
             (Method::DELETE, "/v1/tokens/{id}", R(Role::Admin)),

@@ -472,7 +472,7 @@ impl Metrics {
             let queue = mesh_protocol::topology::report_queue(kind);
             let _ = self.handled.get_or_create(&Self::queue(&queue));
             let _ = self.retried.get_or_create(&Self::queue(&queue));
-            for reason in ["malformed", "invalid", "handler"] {
+            for reason in ["malformed", "invalid", "handler", "revoked"] {
                 let _ = self.dead_lettered.get_or_create(&ReasonLabels {
                     queue: queue.clone(),
                     reason: reason.to_owned(),

@@ -353,8 +353,13 @@ impl Pipeline {
             Source::Reports(kind) => {
                 let mut refused = Vec::new();
                 let mut good = Vec::with_capacity(batch.len());
+                // Once per batch, from memory (decision 0050).
+                let revoked = self.contexts.inventory.revoked_nodes();
                 for (i, d) in batch.iter().enumerate() {
                     match authenticate(kind, d) {
+                        Ok((env, _)) if revoked.contains(&env.node) => {
+                            refused.push((i, revoked_refusal(&env.node)))
+                        }
                         Ok((env, unknown)) => {
                             self.note_unknown(kind.as_str(), &env.node, &unknown);
                             good.push((i, env));
@@ -581,6 +586,17 @@ pub fn unroutable(d: &Delivery) -> Refusal {
         format!(
             "routing key `{}` from {sender} matches no queue: not `<node>.<kind>` with a report kind this controller knows",
             d.routing_key.as_str()
+        ),
+    )
+}
+
+/// Why a report of a revoked node is refused (decision 0050): it is never
+/// recorded, not even as liveness, until an admin re-admits the node.
+pub fn revoked_refusal(node: &NodeId) -> Refusal {
+    Refusal::new(
+        "revoked",
+        format!(
+            "node `{node}` is revoked: its reports are refused until an admin re-admits it with `meshctl node readmit {node}`"
         ),
     )
 }

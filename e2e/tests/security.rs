@@ -38,7 +38,7 @@ async fn listed(mesh: &Mesh, node: &str) -> anyhow::Result<()> {
 async fn identity_row(mesh: &Mesh, node: &str) -> anyhow::Result<Option<(String, bool)>> {
     let pool = sqlx::PgPool::connect(&mesh.env.database_url("identity")).await?;
     let row: Option<(String, bool)> = sqlx::query_as(
-        "SELECT public_key, revoked_at IS NOT NULL FROM identity.nodes WHERE name = $1",
+        "SELECT COALESCE(public_key, ''), revoked_at IS NOT NULL FROM identity.nodes WHERE name = $1",
     )
     .bind(node)
     .fetch_optional(&pool)
@@ -443,9 +443,12 @@ async fn publish_signed_bytes(
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_revoked_node_is_cut_off_and_can_rejoin_under_a_new_key() -> anyhow::Result<()> {
+async fn a_revoked_node_is_cut_off_refused_until_readmitted_then_rejoins_under_a_new_key()
+-> anyhow::Result<()> {
     let mut mesh = Mesh::start().await?;
     let (node, state) = mesh.join_node("r").await?;
+    // A token made before the revocation, kept by someone.
+    let kept = join_token(&mesh, &node, None).await?;
     let old_url = field(&state, "broker_url");
     mesh.add_joined_agent(&node, state.clone(), &[])?;
     listed(&mesh, &node).await?;
@@ -519,8 +522,58 @@ async fn a_revoked_node_is_cut_off_and_can_rejoin_under_a_new_key() -> anyhow::R
     );
     assert_eq!(identity_row(&mesh, &node).await?.map(|r| r.1), Some(true));
 
-    // A fresh token re-enrols it under a new key.
+    // Revocation is final (decision 0050): no join token, and the token kept
+    // from before the revocation does not enrol it either; each refusal
+    // names the node and the command that re-admits it.
     mesh.stop_agent(&node);
+    let readmit = format!("meshctl node readmit {node}");
+    let (status, v) = mesh
+        .post_json(&format!("/v1/nodes/{node}/join-tokens"), &json!({}))
+        .await?;
+    assert_eq!(status, 409, "{v}");
+    let detail = v["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains(&format!("`{node}`")) && detail.contains(&readmit),
+        "{v}"
+    );
+    assert!(
+        !mesh
+            .run_join(&node, &kept, &state, "revoked")
+            .await?
+            .success(),
+        "a revoked node joined with a token from before its revocation"
+    );
+    assert!(
+        mesh.log_of("join-revoked").contains(&readmit),
+        "the refused join does not say how to re-admit the node"
+    );
+    assert_eq!(identity_row(&mesh, &node).await?.map(|r| r.1), Some(true));
+    assert!(!rabbit.user_exists(&node).await?);
+
+    // Only an admin re-admits it, once; meshctl says what comes next.
+    let (status, _) = mesh
+        .request_as(
+            Method::POST,
+            &format!("/v1/nodes/{node}/readmit"),
+            Some(&operator),
+            None,
+        )
+        .await?;
+    assert_eq!(status, 403);
+    let (code, out, err) = mesh.meshctl(&["node", "readmit", &node])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains(&format!("node {node} re-admitted")), "{err}");
+    let v: Value = serde_json::from_str(&out)?;
+    assert_eq!(v["node"], node.as_str(), "{v}");
+    assert_eq!(v["readmitted_by"], "bootstrap-admin", "{v}");
+    let (code, out, err) = mesh.meshctl(&["node", "readmit", &node])?;
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("is not revoked"), "{err}");
+    assert_eq!(identity_row(&mesh, &node).await?.map(|r| r.1), Some(false));
+    // Re-admission gives no credential by itself.
+    assert!(!rabbit.user_exists(&node).await?);
+
+    // A fresh token re-enrols it under a new key.
     let token = join_token(&mesh, &node, None).await?;
     assert!(
         mesh.run_join(&node, &token, &state, "rejoin")
@@ -535,6 +588,145 @@ async fn a_revoked_node_is_cut_off_and_can_rejoin_under_a_new_key() -> anyhow::R
         .await
         .expect("publishes again");
     let _ = conn.close(200, "done".into()).await;
+    mesh.teardown().await
+}
+
+/// The node's state and when it was last heard (heard_at, last_seen), as
+/// the API shows it.
+async fn node_state(mesh: &Mesh, node: &str) -> anyhow::Result<(String, Value)> {
+    let (status, v) = mesh.get(&format!("/v1/nodes/{node}")).await?;
+    anyhow::ensure!(status == 200, "{status} {v}");
+    Ok((
+        v["state"].as_str().unwrap_or_default().to_owned(),
+        json!([v["heard_at"], v["last_seen"]]),
+    ))
+}
+
+/// Issue 39: a node added without the controller (`mesh-bundle node-add`,
+/// the local mesh) and revoked is refused by node-add until an admin
+/// re-admits it; a broker user re-created behind the controller's back
+/// still gets it nowhere: its reports, heartbeats included, are
+/// dead-lettered with reason `revoked`, counted, and never recorded as
+/// liveness. Re-admission restores it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_revoked_node_re_provisioned_behind_the_controllers_back_is_refused_until_readmitted()
+-> anyhow::Result<()> {
+    let mesh = Mesh::start().await?;
+    let creds = mesh.env.add_node("np").await?;
+    let node = creds.node.to_string();
+    let hello_of = |seq: u64| {
+        let mut h = hello(&node, &[]);
+        h.seq = seq;
+        h.id = uuid::Uuid::now_v7();
+        h.encode()
+    };
+    let heartbeat = |seq: u64| {
+        mesh_protocol::Envelope::new(
+            creds.node.clone(),
+            seq,
+            mesh_protocol::Report::Heartbeat(mesh_protocol::Heartbeat {
+                applied: Default::default(),
+                interval_ms: None,
+            }),
+        )
+        .encode()
+    };
+    publish_as(&creds, &format!("{node}.hello"), &hello_of(1), true).await?;
+    listed(&mesh, &node).await?;
+
+    let status = mesh.delete(&format!("/v1/nodes/{node}")).await?;
+    assert_eq!(status, 200);
+    let (_, heard) = wait_for("inventory to show the node revoked", WITHIN, || async {
+        let (state, heard) = node_state(&mesh, &node).await?;
+        Ok((state == "revoked").then_some((state, heard)))
+    })
+    .await?;
+
+    // node-add refuses it, naming the command that re-admits it.
+    let refused = mesh
+        .env
+        .add_node("np")
+        .await
+        .expect_err("a revoked node was provisioned again");
+    assert!(
+        format!("{refused:#}").contains(&format!("meshctl node readmit {node}")),
+        "{refused:#}"
+    );
+    let rabbit = Rabbit::new(mesh.env.admin_credentials());
+    assert!(!rabbit.user_exists(&node).await?);
+
+    // Its broker user re-created behind the controller's back (an older
+    // mesh-bundle, a hand-made user): what it sends is refused.
+    let password = creds.password.clone();
+    mesh_bundle::provision::ensure_node_user(
+        &rabbit,
+        mesh.env.vhost(),
+        &creds.node,
+        &mesh_bundle::provision::Secret::known(password),
+        &mut Default::default(),
+    )
+    .await?;
+    let _ = mesh_e2e::drain_dead_letters(&mesh.env.admin_amqp_url()).await?;
+    publish_as(&creds, &format!("{node}.heartbeat"), &heartbeat(2), true).await?;
+    publish_as(&creds, &format!("{node}.hello"), &hello_of(3), true).await?;
+    let url = mesh.env.admin_amqp_url();
+    let taken = std::sync::Mutex::new(Vec::new());
+    let letters = wait_for("both reports to be dead-lettered", WITHIN, || async {
+        let got = mesh_e2e::drain_dead_letters(&url).await?;
+        let mut taken = taken.lock().expect("not poisoned");
+        taken.extend(got);
+        Ok((taken.len() >= 2).then(|| taken.clone()))
+    })
+    .await?;
+    for (code, reason, user) in &letters {
+        assert_eq!(code, "revoked", "{reason}");
+        assert!(
+            reason.contains(&format!("meshctl node readmit {node}")),
+            "{reason}"
+        );
+        assert_eq!(user.as_deref(), Some(node.as_str()));
+    }
+    let metrics = reqwest::get(format!("{}/metrics", mesh.api))
+        .await?
+        .text()
+        .await?;
+    for queue in ["reports.heartbeat", "reports.hello"] {
+        let series = format!(
+            "mesh_controller_dead_lettered_total{{queue=\"{queue}\",reason=\"revoked\"}} 1"
+        );
+        assert!(metrics.contains(&series), "no {series} in\n{metrics}");
+    }
+    // Never recorded as liveness: still revoked, heard no later than before.
+    assert_eq!(
+        node_state(&mesh, &node).await?,
+        ("revoked".to_owned(), heard.clone())
+    );
+
+    // Re-admitted (admin, audited), it is added again and counts again.
+    let (status, v) = mesh.post(&format!("/v1/nodes/{node}/readmit")).await?;
+    assert_eq!(status, 200, "{v}");
+    wait_for("inventory to show the node re-admitted", WITHIN, || async {
+        Ok((node_state(&mesh, &node).await?.0 != "revoked").then_some(()))
+    })
+    .await?;
+    let creds = mesh.env.add_node("np").await?;
+    let seq = std::sync::atomic::AtomicU64::new(4);
+    wait_for("the re-admitted node to be heard", WITHIN, || async {
+        let n = seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        publish_as(&creds, &format!("{node}.hello"), &hello_of(n), true).await?;
+        let (state, now) = node_state(&mesh, &node).await?;
+        Ok((state == "alive" && now != heard).then_some(()))
+    })
+    .await?;
+    // Audited: the entry arrives on the record.
+    let query = format!("target=/v1/nodes/{node}/readmit");
+    let entries = wait_for("the re-admission's audit entry", WITHIN, || async {
+        let e = audit_entries(&mesh, &query).await?;
+        Ok((!e.is_empty()).then_some(e))
+    })
+    .await?;
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0]["action"], "POST /v1/nodes/{id}/readmit");
     mesh.teardown().await
 }
 
@@ -951,6 +1143,14 @@ async fn every_mutating_route_leaves_exactly_one_audit_entry_per_request() -> an
             None,
             200,
             "DELETE /v1/nodes/{id}",
+            "identity",
+        ),
+        (
+            Method::POST,
+            format!("/v1/nodes/{n}/readmit"),
+            None,
+            200,
+            "POST /v1/nodes/{id}/readmit",
             "identity",
         ),
         (

@@ -226,7 +226,13 @@ enum NodeCommand {
         join_command: bool,
     },
     /// Revoke node <id>: delete its broker user, close its connections (admin).
+    /// Final until `meshctl node readmit <id>`: a revoked node gets no join
+    /// token, `mesh-bundle node-add` refuses it, its reports are refused.
     Revoke { id: String },
+    /// Re-admit revoked node <id> (admin, audited): it may be given
+    /// credentials again (`meshctl node add <id>`, or `mesh-bundle node-add`
+    /// on a local mesh) and its reports count again.
+    Readmit { id: String },
 }
 
 #[derive(Subcommand)]
@@ -506,6 +512,17 @@ async fn run(mut cli: Cli, matches: &clap::ArgMatches) -> anyhow::Result<ExitCod
             let v = api
                 .call(Method::DELETE, &format!("/v1/nodes/{id}"), None)
                 .await?;
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Command::Node(NodeCommand::Readmit { id }) => {
+            let v = api
+                .call(Method::POST, &format!("/v1/nodes/{id}/readmit"), None)
+                .await?;
+            eprintln!(
+                "node {id} re-admitted (revoked at {}); {}",
+                v["revoked_at"].as_str().unwrap_or("?"),
+                v["next"].as_str().unwrap_or("give it credentials again")
+            );
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
         Command::Token(TokenCommand::Create { role, name, ttl }) => {
@@ -1063,6 +1080,10 @@ mod tests {
         assert!(matches!(
             ok(&["token", "list"]),
             Command::Token(TokenCommand::List)
+        ));
+        assert!(matches!(
+            ok(&["node", "readmit", "web-1"]),
+            Command::Node(NodeCommand::Readmit { id }) if id == "web-1"
         ));
         assert!(matches!(
             ok(&["node", "add", "web-3", "--join-command"]),

@@ -22,7 +22,7 @@ pub const AUDIT_EVENT: &str = "operator.audit";
 
 /// Every record event of this version, as `<context>.<event>` (`*` for any
 /// context). The compatibility corpus (tests/compat/v1/) holds one of each.
-pub const RECORD_EVENTS: [&str; 18] = [
+pub const RECORD_EVENTS: [&str; 19] = [
     "inventory.node.joined",
     "inventory.node.updated",
     "inventory.node.unreachable",
@@ -32,6 +32,7 @@ pub const RECORD_EVENTS: [&str; 18] = [
     "inventory.fleet.conditions",
     "identity.node.enrolled",
     "identity.node.revoked",
+    "identity.node.readmitted",
     "connectivity.certificate.issued",
     "observability.module.health",
     "observability.alert.raised",
@@ -86,6 +87,12 @@ pub enum RecordKind {
     NodeEnrolled(NodeIdentityChanged),
     /// `identity.node.revoked`: a node was revoked.
     NodeRevoked(NodeIdentityChanged),
+    /// `identity.node.readmitted`: an admin re-admitted a revoked node
+    /// (`POST /v1/nodes/{id}/readmit`, decision 0050): it may be given
+    /// credentials again (a join token, `mesh-bundle node-add`) and its
+    /// reports count again. It is not enrolled by this: it has no broker
+    /// user until it joins (or is added) again.
+    NodeReadmitted(NodeIdentityChanged),
     /// `connectivity.certificate.issued`: the mesh CA signed a certificate.
     CertificateIssued(crate::CertificateIssued),
     /// `observability.module.health`: a module's or a replica's health changed.
@@ -120,7 +127,9 @@ impl RecordKind {
             | RecordKind::ModulePlaced(_)
             | RecordKind::ModuleRemoved(_)
             | RecordKind::FleetConditions(_) => "inventory",
-            RecordKind::NodeEnrolled(_) | RecordKind::NodeRevoked(_) => "identity",
+            RecordKind::NodeEnrolled(_)
+            | RecordKind::NodeRevoked(_)
+            | RecordKind::NodeReadmitted(_) => "identity",
             RecordKind::CertificateIssued(_) => "connectivity",
             RecordKind::ModuleHealth(_)
             | RecordKind::AlertRaised(_)
@@ -153,6 +162,7 @@ impl RecordKind {
             RecordKind::GrantConditions(_) => "grants.conditions",
             RecordKind::NodeEnrolled(_) => "node.enrolled",
             RecordKind::NodeRevoked(_) => "node.revoked",
+            RecordKind::NodeReadmitted(_) => "node.readmitted",
             RecordKind::OperatorAudit { .. } => AUDIT_EVENT,
         }
     }
@@ -171,7 +181,9 @@ impl RecordKind {
             RecordKind::CredentialsWithdrawn(b) => serde_json::to_value(b),
             RecordKind::GrantConditions(b) => serde_json::to_value(b),
             RecordKind::AlertRaised(b) | RecordKind::AlertResolved(b) => serde_json::to_value(b),
-            RecordKind::NodeEnrolled(b) | RecordKind::NodeRevoked(b) => serde_json::to_value(b),
+            RecordKind::NodeEnrolled(b)
+            | RecordKind::NodeRevoked(b)
+            | RecordKind::NodeReadmitted(b) => serde_json::to_value(b),
             RecordKind::OperatorAudit { entry, .. } => serde_json::to_value(entry),
         };
         // Serializing plain data structures to JSON cannot fail.
@@ -234,6 +246,9 @@ impl RecordKind {
             }
             ("identity", "node.enrolled") => RecordKind::NodeEnrolled(parse(&key, body, unknown)?),
             ("identity", "node.revoked") => RecordKind::NodeRevoked(parse(&key, body, unknown)?),
+            ("identity", "node.readmitted") => {
+                RecordKind::NodeReadmitted(parse(&key, body, unknown)?)
+            }
             (context, AUDIT_EVENT) => {
                 validate_context(context)?;
                 RecordKind::OperatorAudit {
@@ -448,7 +463,8 @@ pub struct AuditEntry {
 }
 
 /// Body of `identity.node.enrolled` (a node joined with a join token, or
-/// re-joined under a new key) and `identity.node.revoked`.
+/// re-joined under a new key), `identity.node.revoked` and
+/// `identity.node.readmitted`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeIdentityChanged {
     pub node: NodeId,
@@ -489,6 +505,12 @@ mod tests {
             }
             .into_kind(),
             RecordKind::NodeRevoked(NodeIdentityChanged {
+                node: node(),
+                public_key: None,
+                at,
+                labels: None,
+            }),
+            RecordKind::NodeReadmitted(NodeIdentityChanged {
                 node: node(),
                 public_key: None,
                 at,

@@ -372,6 +372,12 @@ fn write_corpus() {
             at: at(),
             labels: None,
         }),
+        RecordKind::NodeReadmitted(NodeIdentityChanged {
+            node: node(),
+            public_key: None,
+            at: at(),
+            labels: None,
+        }),
         RecordKind::OperatorAudit {
             context: "config".into(),
             entry: AuditEntry {

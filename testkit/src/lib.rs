@@ -469,6 +469,8 @@ impl TestEnv {
 
     /// A node user `<id>-<suffix>` with a node's permissions on this vhost: write
     /// `reports` with routing keys `<node>.*`, read `decl.<node>`, configure nothing.
+    /// Refused, as `mesh-bundle node-add` is, for a node revoked in this
+    /// environment (decision 0050).
     pub async fn add_node(&self, suffix: &str) -> anyhow::Result<NodeCredentials> {
         let node = NodeId::parse(&format!("{}-{suffix}", self.id))
             .with_context(|| format!("node suffix `{suffix}`"))?;
@@ -476,7 +478,7 @@ impl TestEnv {
             .context("the environment's controller key")?;
         let creds = provision::add_node(
             &self.admin,
-            &self.names.vhost,
+            &self.names,
             &node,
             &Secret::generate(),
             &controller_key,

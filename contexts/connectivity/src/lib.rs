@@ -266,7 +266,9 @@ impl Connectivity {
                 RecordKind::NodeRevoked(body) => {
                     changed |= reports::identity(tx, body, true).await?
                 }
-                RecordKind::NodeEnrolled(body) => {
+                // Re-admitted (decision 0050): back as an enrolment is; it
+                // is on the overlay again once it states a key after it.
+                RecordKind::NodeEnrolled(body) | RecordKind::NodeReadmitted(body) => {
                     changed |= reports::identity(tx, body, false).await?
                 }
                 _ => {

@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use mesh_plumbing::api::{ApiJson, Problem, Role};
 use mesh_plumbing::audit::Audit;
 use mesh_plumbing::openapi::{
-    BadRequest, BodyErrors, Forbidden, NotFound, Unauthorized, Unavailable, Unprocessable,
+    BadRequest, BodyErrors, Conflict, Forbidden, NotFound, Unauthorized, Unavailable, Unprocessable,
 };
 use mesh_protocol::NodeId;
 use serde::{Deserialize, Serialize};
@@ -32,6 +32,7 @@ pub(crate) fn routes() -> OpenApiRouter<Arc<Identity>> {
         .routes(routes!(join))
         .routes(routes!(create_join_token))
         .routes(routes!(revoke_node))
+        .routes(routes!(readmit_node))
         .routes(routes!(create_token, list_tokens))
         .routes(routes!(revoke_token))
         .routes(routes!(rotate_token))
@@ -101,6 +102,7 @@ struct JoinTokenBody {
     responses(
         (status = 201, description = "The token, shown once", body = JoinTokenCreated),
         Unprocessable,
+        Conflict,
     )
 )]
 async fn create_join_token(
@@ -145,6 +147,7 @@ async fn create_join_token(
         BodyErrors,
         Unauthorized,
         Forbidden,
+        Conflict,
         Unavailable,
     )
 )]
@@ -185,6 +188,30 @@ async fn revoke_node(
 ) -> Result<Json<crate::Revoked>, Problem> {
     let node = node_id(&id)?;
     Ok(Json(identity.revoke_node(&node, &audit).await?))
+}
+
+/// Re-admit a revoked node (admin): it may be given credentials again (a join
+/// token, `mesh-bundle node-add`) and its reports count again. It has no
+/// broker user until then.
+#[utoipa::path(
+    post,
+    path = "/v1/nodes/{id}/readmit",
+    tag = "identity",
+    params(("id" = String, Path, description = "The node's id")),
+    responses(
+        (status = 200, description = "Re-admitted", body = crate::Readmitted),
+        NotFound,
+        Conflict,
+        Unprocessable,
+    )
+)]
+async fn readmit_node(
+    State(identity): State<Arc<Identity>>,
+    Path(id): Path<String>,
+    audit: Audit,
+) -> Result<Json<crate::Readmitted>, Problem> {
+    let node = node_id(&id)?;
+    Ok(Json(identity.readmit_node(&node, &audit).await?))
 }
 
 /// Body of `POST /v1/tokens`.

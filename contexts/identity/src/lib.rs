@@ -10,8 +10,9 @@
 //! the controller implements (with the RabbitMQ management API): this crate never
 //! speaks AMQP nor HTTP to the broker, and never reads another context's schema.
 //! It learns of operator actions from `*.operator.audit` record events and tells
-//! others of enrolments and revocations with `identity.node.enrolled` /
-//! `identity.node.revoked`, written to its outbox in the same transaction.
+//! others of enrolments, revocations and re-admissions with
+//! `identity.node.enrolled` / `identity.node.revoked` /
+//! `identity.node.readmitted`, written to its outbox in the same transaction.
 
 mod api;
 mod audit;
@@ -34,7 +35,9 @@ use sqlx::{PgConnection, PgPool};
 pub use audit::{AuditFilter, AuditPage, AuditRow};
 pub use error::Error;
 pub use mesh_plumbing::api::{Principal, Role};
-pub use nodes::{Enrolled, JoinRequest, NewJoinToken, NodeIdentity, Revoked};
+pub use nodes::{
+    Enrolled, JoinRequest, NewJoinToken, NodeIdentity, Readmitted, Revoked, revoked_refusal,
+};
 pub use tokens::{Authenticated, NewToken, TokenView};
 pub use trust::{
     EXCHANGED_MAX_TTL, Exchanged, HttpFetch, NoFetch, TrustSpec, TrustView, subject_matches,
@@ -193,6 +196,7 @@ impl Identity {
 
     /// The API routes this context serves: `POST /v1/join`,
     /// `POST /v1/nodes/{id}/join-tokens`, `DELETE /v1/nodes/{id}`,
+    /// `POST /v1/nodes/{id}/readmit`,
     /// `POST|GET /v1/tokens`, `DELETE /v1/tokens/{id}`, `POST /v1/tokens/{id}/rotate`,
     /// `POST /v1/tokens/exchange`, `GET|PUT|DELETE /v1/trust/{name}`, `GET /v1/trust`,
     /// `GET /v1/audit`.

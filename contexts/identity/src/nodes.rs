@@ -1,5 +1,7 @@
 //! Node enrolment and revocation: join tokens, the join itself (a node trades a
-//! join token and its public key for its broker account), and revocation.
+//! join token and its public key for its broker account), revocation, and
+//! re-admission. Revocation is final until an admin re-admits the node
+//! (decision 0050): a revoked node gets no join token and cannot join.
 
 use std::time::Duration;
 
@@ -55,7 +57,9 @@ pub struct Enrolled {
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct NodeIdentity {
     pub name: String,
-    pub public_key: String,
+    /// None for a node added by `mesh-bundle node-add` and then revoked: it
+    /// never enrolled a key through identity.
+    pub public_key: Option<String>,
     pub enrolled_at: DateTime<Utc>,
     pub enrolled_by: String,
     pub revoked_at: Option<DateTime<Utc>>,
@@ -71,6 +75,27 @@ pub struct Revoked {
     /// deleted it. Either way the user is gone once this is returned.
     pub broker_user_deleted: bool,
     pub connections_closed: usize,
+}
+
+/// The result of a re-admission.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Readmitted {
+    pub node: String,
+    /// When it had been revoked.
+    pub revoked_at: DateTime<Utc>,
+    pub readmitted_at: DateTime<Utc>,
+    /// The admin (token name) who re-admitted it.
+    pub readmitted_by: String,
+    /// What to do next: the node has no broker user until it is given
+    /// credentials again.
+    pub next: String,
+}
+
+/// Why a revoked node gets nothing, naming the command that re-admits it.
+pub fn revoked_refusal(node: &NodeId, revoked_at: DateTime<Utc>) -> String {
+    format!(
+        "node `{node}` was revoked at {revoked_at}: it gets no credentials until an admin re-admits it with `meshctl node readmit {node}`"
+    )
 }
 
 /// A join token's row: node, expires_at, used_at, created_by, expired now,
@@ -126,6 +151,17 @@ impl Identity {
         }
         let token = new_token(JOIN_TOKEN_PREFIX, rand::random());
         let mut tx = self.pool.begin().await?;
+        // FOR SHARE: a revocation (which locks the row for update) cannot
+        // slip between this check and the commit.
+        let revoked: Option<Option<DateTime<Utc>>> =
+            sqlx::query_scalar("SELECT revoked_at FROM identity.nodes WHERE name = $1 FOR SHARE")
+                .bind(node.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(Some(at)) = revoked {
+            tracing::warn!(%node, by, "join token refused: the node is revoked");
+            return Err(Error::Conflict(revoked_refusal(node, at)));
+        }
         let expires_at: DateTime<Utc> = sqlx::query_scalar(
             "INSERT INTO identity.join_tokens (token_sha256, node, created_by, expires_at, labels) \
              VALUES ($1, $2, $3, now() + make_interval(secs => $4), $5) RETURNING expires_at",
@@ -170,6 +206,17 @@ impl Identity {
             tracing::warn!(%node, reason = %why, "join refused");
             Err(Error::JoinRefused(why))
         };
+        let previous: Option<Option<DateTime<Utc>>> =
+            sqlx::query_scalar("SELECT revoked_at FROM identity.nodes WHERE name = $1 FOR UPDATE")
+                .bind(node.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(Some(at)) = previous {
+            // A token of a revoked node was voided by the revocation; this
+            // says why, rather than that it was used.
+            tracing::warn!(%node, "join refused: the node is revoked");
+            return Err(Error::Conflict(revoked_refusal(&node, at)));
+        }
         if let Some(at) = used_at {
             return refuse(format!("the join token was already used (at {at})"));
         }
@@ -183,11 +230,6 @@ impl Identity {
             .bind(token_sha256_hex(req.token.expose()))
             .execute(&mut *tx)
             .await?;
-        let previous: Option<Option<DateTime<Utc>>> =
-            sqlx::query_scalar("SELECT revoked_at FROM identity.nodes WHERE name = $1 FOR UPDATE")
-                .bind(node.as_str())
-                .fetch_optional(&mut *tx)
-                .await?;
         sqlx::query(
             "INSERT INTO identity.nodes (name, public_key, enrolled_by) VALUES ($1, $2, $3) \
              ON CONFLICT (name) DO UPDATE SET public_key = EXCLUDED.public_key, \
@@ -229,7 +271,8 @@ impl Identity {
     /// revoked, void its unused join tokens, and tell the record, with the
     /// request's audit entry in the same transaction. A node that was never
     /// enrolled through identity (bundle node-add) but has a broker user is
-    /// revoked too.
+    /// revoked too, and recorded (without a key) so that it stays revoked.
+    /// It stays revoked until [`Identity::readmit_node`].
     pub async fn revoke_node(&self, node: &NodeId, audit: &Audit) -> Result<Revoked, Error> {
         let mut tx = self.pool.begin().await?;
         let marked: Option<DateTime<Utc>> = sqlx::query_scalar(
@@ -245,7 +288,24 @@ impl Identity {
         .bind(node.as_str())
         .execute(&mut *tx)
         .await?;
-        let revoked_at = marked.unwrap_or_else(Utc::now);
+        // Delete first (no new connection can authenticate), then close what is open.
+        let deleted = self.accounts.delete_node_user(node).await?;
+        let closed = self.accounts.close_connections(node).await?;
+        let revoked_at = match marked {
+            Some(at) => at,
+            None if deleted => {
+                sqlx::query_scalar(
+                    "INSERT INTO identity.nodes AS n (name, public_key, enrolled_by, revoked_at) \
+                     VALUES ($1, NULL, 'mesh-bundle node-add', now()) \
+                     ON CONFLICT (name) DO UPDATE SET revoked_at = COALESCE(n.revoked_at, now()) \
+                     RETURNING revoked_at",
+                )
+                .bind(node.as_str())
+                .fetch_one(&mut *tx)
+                .await?
+            }
+            None => return Err(Error::NotFound(format!("no node `{node}` is enrolled"))),
+        };
         let event = RecordEvent::new(RecordKind::NodeRevoked(NodeIdentityChanged {
             node: node.clone(),
             public_key: None,
@@ -253,12 +313,6 @@ impl Identity {
             labels: None,
         }));
         outbox::record(&mut tx, SCHEMA, &event).await?;
-        // Delete first (no new connection can authenticate), then close what is open.
-        let deleted = self.accounts.delete_node_user(node).await?;
-        let closed = self.accounts.close_connections(node).await?;
-        if marked.is_none() && !deleted {
-            return Err(Error::NotFound(format!("no node `{node}` is enrolled")));
-        }
         audit::record_ok(&mut tx, SCHEMA, audit).await?;
         tx.commit().await?;
         self.signal.notify();
@@ -268,6 +322,64 @@ impl Identity {
             revoked_at,
             broker_user_deleted: deleted,
             connections_closed: closed,
+        })
+    }
+
+    /// Re-admit a revoked node: it may be given credentials again (a join
+    /// token, `mesh-bundle node-add`) and its reports count again. Clears the
+    /// revocation, keeps who re-admitted it and when, tells the record
+    /// (`identity.node.readmitted`), with the request's audit entry, all in
+    /// one transaction. It creates no broker user: the node has none until
+    /// it joins (or is added) again. 404 for a node identity never knew,
+    /// 409 for one that is not revoked.
+    pub async fn readmit_node(&self, node: &NodeId, audit: &Audit) -> Result<Readmitted, Error> {
+        let by = audit.principal().name.as_str();
+        let mut tx = self.pool.begin().await?;
+        let row: Option<Option<DateTime<Utc>>> =
+            sqlx::query_scalar("SELECT revoked_at FROM identity.nodes WHERE name = $1 FOR UPDATE")
+                .bind(node.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+        let revoked_at = match row {
+            None => {
+                return Err(Error::NotFound(format!(
+                    "no node `{node}` was ever enrolled or revoked"
+                )));
+            }
+            Some(None) => {
+                return Err(Error::Conflict(format!(
+                    "node `{node}` is not revoked: there is nothing to re-admit"
+                )));
+            }
+            Some(Some(at)) => at,
+        };
+        let readmitted_at: DateTime<Utc> = sqlx::query_scalar(
+            "UPDATE identity.nodes SET revoked_at = NULL, readmitted_at = now(), readmitted_by = $2 \
+             WHERE name = $1 RETURNING readmitted_at",
+        )
+        .bind(node.as_str())
+        .bind(by)
+        .fetch_one(&mut *tx)
+        .await?;
+        let event = RecordEvent::new(RecordKind::NodeReadmitted(NodeIdentityChanged {
+            node: node.clone(),
+            public_key: None,
+            at: readmitted_at,
+            labels: None,
+        }));
+        outbox::record(&mut tx, SCHEMA, &event).await?;
+        audit::record_ok(&mut tx, SCHEMA, audit).await?;
+        tx.commit().await?;
+        self.signal.notify();
+        tracing::info!(%node, by, %revoked_at, "node re-admitted");
+        Ok(Readmitted {
+            node: node.to_string(),
+            revoked_at,
+            readmitted_at,
+            readmitted_by: by.to_owned(),
+            next: format!(
+                "give it credentials again: `meshctl node add {node}` then `mesh-agent join` on the node, or `mesh-bundle node-add {node} --state-dir <its state dir>` on a local mesh"
+            ),
         })
     }
 

@@ -40,6 +40,7 @@ pub mod placement;
 mod protocol;
 mod query;
 mod reports;
+mod revocations;
 mod state;
 mod sweep;
 mod targets;
@@ -166,6 +167,8 @@ pub struct Inventory {
     /// Whether a sweep since start has declared the whole fleet's sections
     /// with the settings' endpoints.
     endpoints_told: std::sync::atomic::AtomicBool,
+    /// The revoked nodes, in memory (decision 0050).
+    revocations: revocations::Revocations,
 }
 
 impl Inventory {
@@ -180,7 +183,21 @@ impl Inventory {
             settings,
             observing_since: Mutex::new(None),
             endpoints_told: std::sync::atomic::AtomicBool::new(false),
+            revocations: Default::default(),
         }
+    }
+
+    /// Load the revoked nodes into memory (at start, before reports are
+    /// consumed). Returns how many are revoked.
+    pub async fn load_revocations(&self) -> Result<usize, Error> {
+        self.revocations.load(&self.pool).await
+    }
+
+    /// The nodes revoked now, as identity last said on the record (decision
+    /// 0050): their reports are refused, never recorded. One shared set, read
+    /// once per batch: no database read per report.
+    pub fn revoked_nodes(&self) -> Arc<std::collections::HashSet<NodeId>> {
+        self.revocations.snapshot()
     }
 
     /// The controller started consuming reports at `at` (its broker session is up).
@@ -270,6 +287,10 @@ impl Context for Inventory {
         &self.pool
     }
 
+    fn committed(&self) {
+        self.revocations.committed();
+    }
+
     async fn handle_reports(
         &self,
         tx: &mut PgConnection,
@@ -281,7 +302,8 @@ impl Context for Inventory {
     }
 
     /// Identity's word on a node: revoked nodes are never scheduled again (the
-    /// next sweep moves their stateless assignments); re-enrolment makes them
+    /// next sweep moves their stateless assignments) and their reports are
+    /// refused (decision 0050); re-admission and re-enrolment make them
     /// schedulable again. Observability's word on a module's health, shown
     /// in the module view. Delivery's word on which revision each node's
     /// replicas of a module run: the sections of the nodes it changes are
@@ -302,7 +324,7 @@ impl Context for Inventory {
     ) -> Result<(), HandlerError> {
         let (body, revoked) = match &event.kind {
             RecordKind::NodeRevoked(body) => (body, true),
-            RecordKind::NodeEnrolled(body) => (body, false),
+            RecordKind::NodeEnrolled(body) | RecordKind::NodeReadmitted(body) => (body, false),
             RecordKind::ModuleHealth(body) => {
                 return query::record_module_health(tx, body)
                     .await
@@ -318,6 +340,9 @@ impl Context for Inventory {
                 return Ok(());
             }
         };
+        self.revocations
+            .record(tx, &body.node, revoked, body.at)
+            .await?;
         if let (false, Some(labels)) = (revoked, &body.labels) {
             nodes::enrolled_labels(tx, body, labels, &self.settings.label_trust).await?;
         }

@@ -425,7 +425,8 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
             "V12__module_targets",
             "V13__module_resources",
             "V14__trusted_labels",
-            "V15__node_label"
+            "V15__node_label",
+            "V16__revoked_nodes"
         ],
         "{applied:?}"
     );
@@ -492,7 +493,8 @@ async fn the_conditions_migration_drops_the_alerts_and_starts_with_nothing_told(
             "V12__module_targets",
             "V13__module_resources",
             "V14__trusted_labels",
-            "V15__node_label"
+            "V15__node_label",
+            "V16__revoked_nodes"
         ]
     );
     let alerts: Option<String> = sqlx::query_scalar("SELECT to_regclass('inventory.alerts')::text")
@@ -823,11 +825,13 @@ async fn identity_event_with(
     let event = RecordEvent::new(match event {
         "node.enrolled" => RecordKind::NodeEnrolled(body),
         "node.revoked" => RecordKind::NodeRevoked(body),
+        "node.readmitted" => RecordKind::NodeReadmitted(body),
         other => panic!("not an identity event: {other}"),
     });
     let mut tx = f.pool.begin().await.unwrap();
     f.inventory.handle_event(&mut tx, &event).await.unwrap();
     tx.commit().await.unwrap();
+    f.inventory.committed();
 }
 
 async fn state_of(f: &Fixture, node: &NodeId) -> String {
@@ -851,6 +855,45 @@ async fn identity_revocation_and_reenrolment_reach_inventory_in_order() {
     // A newer one (re-enrolment under a fresh key) makes it schedulable again.
     identity_event(&f, "node.enrolled", &a, t0 + Duration::seconds(5)).await;
     assert_eq!(state_of(&f, &a).await, "alive");
+    f.env.teardown().await.unwrap();
+}
+
+/// Decision 0050: the revoked nodes are known in memory (what the pipeline
+/// refuses reports by), from the first revocation on, for a node inventory
+/// never heard from too; a re-admission takes it out once committed, and a
+/// controller started later loads the same set.
+#[tokio::test]
+async fn revoked_nodes_are_known_in_memory_until_readmitted_and_across_restarts() {
+    let f = setup().await;
+    let a = node(&f, "a");
+    let unheard = node(&f, "never-heard");
+    handle(&f, &[hello(&a, 1, labels(&[]), &[])]).await;
+    assert!(f.inventory.revoked_nodes().is_empty());
+    let t0 = Utc::now();
+    identity_event(&f, "node.revoked", &a, t0).await;
+    identity_event(&f, "node.revoked", &unheard, t0).await;
+    let revoked = f.inventory.revoked_nodes();
+    assert!(revoked.contains(&a) && revoked.contains(&unheard));
+    assert_eq!(state_of(&f, &a).await, "revoked");
+
+    // A controller started now loads both.
+    let restarted = Inventory::new(
+        f.pool.clone(),
+        OutboxSignal::default(),
+        InventorySettings::default(),
+    );
+    assert_eq!(restarted.load_revocations().await.unwrap(), 2);
+    assert!(restarted.revoked_nodes().contains(&unheard));
+
+    // A re-admission older than the revocation changes nothing; a newer one
+    // makes the node active (unreachable until it is heard) and counted.
+    identity_event(&f, "node.readmitted", &a, t0 - Duration::seconds(5)).await;
+    assert!(f.inventory.revoked_nodes().contains(&a));
+    identity_event(&f, "node.readmitted", &a, t0 + Duration::seconds(5)).await;
+    assert!(!f.inventory.revoked_nodes().contains(&a));
+    assert!(f.inventory.revoked_nodes().contains(&unheard));
+    assert_ne!(state_of(&f, &a).await, "revoked");
+    assert_eq!(restarted.load_revocations().await.unwrap(), 1);
     f.env.teardown().await.unwrap();
 }
 
@@ -1376,7 +1419,10 @@ async fn the_trusted_labels_migration_keeps_what_selected_each_node() {
             .await
             .unwrap();
     let applied = mesh_inventory::migrate(&url).await.unwrap();
-    assert_eq!(applied, ["V14__trusted_labels", "V15__node_label"]);
+    assert_eq!(
+        applied,
+        ["V14__trusted_labels", "V15__node_label", "V16__revoked_nodes"]
+    );
     let after: Vec<(String, sqlx::types::Json<Labels>, i64)> = sqlx::query_as(
         "SELECT id, operator_labels, labels_revision FROM inventory.nodes ORDER BY id",
     )

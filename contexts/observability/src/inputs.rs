@@ -264,7 +264,9 @@ pub(crate) async fn events(tx: &mut PgConnection, events: &[&RecordEvent]) -> Re
                 .execute(&mut *tx)
                 .await?;
             }
-            RecordKind::NodeEnrolled(b) | RecordKind::NodeRevoked(b) => {
+            RecordKind::NodeEnrolled(b)
+            | RecordKind::NodeRevoked(b)
+            | RecordKind::NodeReadmitted(b) => {
                 let revoked = matches!(e.kind, RecordKind::NodeRevoked(_));
                 sqlx::query(
                     "INSERT INTO observability.nodes AS n (node, revoked) VALUES ($1, $2) \

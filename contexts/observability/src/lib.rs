@@ -74,7 +74,7 @@ pub async fn migrate(url: &str) -> Result<Vec<String>, MigrateError> {
 /// [`mesh_protocol::RECORD_EVENTS`] but `*.operator.audit` and
 /// `provisioning.credentials.*` (encrypted credentials: not for the
 /// viewers' event stream).
-pub const SUBSCRIPTIONS: [&str; 15] = [
+pub const SUBSCRIPTIONS: [&str; 16] = [
     "inventory.node.joined",
     "inventory.node.updated",
     "inventory.node.unreachable",
@@ -84,6 +84,7 @@ pub const SUBSCRIPTIONS: [&str; 15] = [
     "inventory.fleet.conditions",
     "identity.node.enrolled",
     "identity.node.revoked",
+    "identity.node.readmitted",
     "connectivity.certificate.issued",
     "observability.module.health",
     "observability.alert.raised",
