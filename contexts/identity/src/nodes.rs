@@ -291,10 +291,10 @@ impl Identity {
         // Delete first (no new connection can authenticate), then close what is open.
         let deleted = self.accounts.delete_node_user(node).await?;
         let closed = self.accounts.close_connections(node).await?;
-        let revoked_at = match marked {
-            Some(at) => at,
-            None if deleted => {
-                sqlx::query_scalar(
+        let revoked_at =
+            match marked {
+                Some(at) => at,
+                None if deleted => sqlx::query_scalar(
                     "INSERT INTO identity.nodes AS n (name, public_key, enrolled_by, revoked_at) \
                      VALUES ($1, NULL, 'mesh-bundle node-add', now()) \
                      ON CONFLICT (name) DO UPDATE SET revoked_at = COALESCE(n.revoked_at, now()) \
@@ -302,10 +302,9 @@ impl Identity {
                 )
                 .bind(node.as_str())
                 .fetch_one(&mut *tx)
-                .await?
-            }
-            None => return Err(Error::NotFound(format!("no node `{node}` is enrolled"))),
-        };
+                .await?,
+                None => return Err(Error::NotFound(format!("no node `{node}` is enrolled"))),
+            };
         let event = RecordEvent::new(RecordKind::NodeRevoked(NodeIdentityChanged {
             node: node.clone(),
             public_key: None,

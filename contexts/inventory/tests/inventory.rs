@@ -1421,7 +1421,11 @@ async fn the_trusted_labels_migration_keeps_what_selected_each_node() {
     let applied = mesh_inventory::migrate(&url).await.unwrap();
     assert_eq!(
         applied,
-        ["V14__trusted_labels", "V15__node_label", "V16__revoked_nodes"]
+        [
+            "V14__trusted_labels",
+            "V15__node_label",
+            "V16__revoked_nodes"
+        ]
     );
     let after: Vec<(String, sqlx::types::Json<Labels>, i64)> = sqlx::query_as(
         "SELECT id, operator_labels, labels_revision FROM inventory.nodes ORDER BY id",
