@@ -32,6 +32,10 @@ fn units_report(units: usize) -> Report {
     Report::Units(Units {
         units: (0..units)
             .map(|u| UnitStatus {
+                reason: None,
+                oom_kills: 0,
+                uid: None,
+                data_bytes: None,
                 revision: None,
                 name: format!("m{u}"),
                 module: format!("m{u}"),

@@ -149,6 +149,10 @@ async fn one(n: usize) -> anyhow::Result<Row> {
                     seq,
                     Report::Units(Units {
                         units: vec![UnitStatus {
+                            reason: None,
+                            oom_kills: 0,
+                            uid: None,
+                            data_bytes: None,
                             name: "web-0".into(),
                             module: "web".into(),
                             state: UnitState::Running,

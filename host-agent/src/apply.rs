@@ -693,6 +693,9 @@ mod tests {
     fn units_are_recorded_for_the_inventory_section_only() {
         let fx = fixture();
         let unit = mesh_protocol::UnitItem {
+            user: Default::default(),
+            limits: Default::default(),
+            stateful: false,
             artifact: None,
             revision: None,
             name: "web-0".into(),

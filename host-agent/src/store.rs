@@ -392,6 +392,9 @@ mod tests {
             last_error: None,
             updated_at: Some(Utc::now()),
             units: vec![UnitItem {
+                user: Default::default(),
+                limits: Default::default(),
+                stateful: false,
                 artifact: None,
                 revision: None,
                 name: "web".into(),

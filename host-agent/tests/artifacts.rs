@@ -245,6 +245,9 @@ async fn artifacts_are_verified_cached_once_and_run_from() -> anyhow::Result<()>
     let r1 = uuid::Uuid::now_v7();
     let out = marks.path().join("out");
     let unit = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: Some(v1.clone()),
         revision: Some(r1),
         name: "app-0".into(),
@@ -500,6 +503,9 @@ async fn artifacts_are_verified_cached_once_and_run_from() -> anyhow::Result<()>
     // A new revision of the same artifact is a new spec: restarted.
     let r2 = uuid::Uuid::now_v7();
     let unit2 = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         revision: Some(r2),
         ..unit.clone()
     };
@@ -587,6 +593,9 @@ async fn a_unit_waits_for_its_artifact() -> anyhow::Result<()> {
     }));
     let out = marks.path().join("out");
     let unit = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: Some(d.clone()),
         revision: None,
         name: "w-0".into(),

@@ -537,6 +537,9 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
     assert_eq!(r.user_id.as_deref(), Some(node.as_str()));
 
     let unit = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         name: "svc-0".into(),
@@ -694,6 +697,9 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
          log_max_bytes = 1024\nlog_files = 2\n",
     )?;
     let unit = |name: &str, script: &str| UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         name: name.into(),

@@ -91,6 +91,9 @@ fn probe(json: serde_json::Value) -> Probe {
 
 fn python_unit(name: &str, script: &str, port: u16, flag: &Path, probes: Vec<Probe>) -> UnitItem {
     UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         name: name.into(),
@@ -346,6 +349,9 @@ async fn an_http_probe_turns_unhealthy_after_its_threshold_and_back() -> anyhow:
         generation: 2,
         items: DeclarationItems {
             units: vec![UnitItem {
+                user: Default::default(),
+                limits: Default::default(),
+                stateful: false,
                 artifact: None,
                 revision: None,
                 probes: vec![],
@@ -508,6 +514,9 @@ async fn tcp_and_exec_probes_turn_and_return() {
 
     // Other probes: only the new one is listed.
     let other = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         probes: vec![probe(serde_json::json!({
@@ -789,6 +798,9 @@ async fn the_first_check_waits_the_initial_delay_and_a_stopped_unit_drops_its_pr
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let unit = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         name: "late-0".into(),
@@ -831,6 +843,9 @@ async fn the_first_check_waits_the_initial_delay_and_a_stopped_unit_drops_its_pr
 
     // Stopped: no probes. Running again: anew, unknown first.
     let stopped = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         desired: DesiredState::Stopped,

@@ -1217,6 +1217,9 @@ async fn the_agent_provisions_a_postgres_grant_over_the_broker() {
 
     // 1. The provider module's server, as the node's unit.
     let unit = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         name: "pg".into(),

@@ -35,6 +35,9 @@ fn fast() -> UnitsConfig {
 
 fn sh(name: &str, script: &str) -> UnitItem {
     UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         name: name.into(),
@@ -151,6 +154,9 @@ async fn starts_restarts_after_kill_and_stops() {
 
     // Desired stopped: stopped, still listed.
     let stopped = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         desired: DesiredState::Stopped,
@@ -192,6 +198,9 @@ async fn spec_change_restarts_and_policy_change_does_not() {
 
     // Restart policy only: applied in place, the process is untouched.
     let v1b = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         restart: RestartPolicy::OnFailure,
@@ -203,6 +212,9 @@ async fn spec_change_restarts_and_policy_change_does_not() {
 
     // New args: the old process stops, a new one starts with the new spec.
     let v2 = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         args: vec!["-c".into(), "exec sleep 999".into()],
@@ -229,18 +241,27 @@ async fn spec_change_restarts_and_policy_change_does_not() {
 async fn restart_policies() {
     let mut fx = fixture(fast()).await;
     let never = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         restart: RestartPolicy::Never,
         ..sh("never", "exec sleep 1000")
     };
     let clean_exit = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         restart: RestartPolicy::OnFailure,
         ..sh("clean", "exit 0")
     };
     let failing = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         restart: RestartPolicy::OnFailure,
@@ -248,6 +269,9 @@ async fn restart_policies() {
     };
     let missing = sh("missing", "unused");
     let missing = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         command: "/nonexistent/mesh-test-binary".into(),
@@ -370,6 +394,9 @@ async fn output_is_captured_and_rotation_caps_its_size() {
     let mut fx = fixture(fast()).await;
     std::fs::create_dir_all(fx.root.join("srv/app")).unwrap();
     let item = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         env: [("GREETING".to_owned(), "hello".to_owned())].into(),
@@ -410,6 +437,9 @@ async fn output_is_captured_and_rotation_caps_its_size() {
     // The first line (declared env, working dir under the root) before it was
     // rotated away: run a unit that only says it.
     let probe = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         restart: RestartPolicy::Never,
@@ -419,6 +449,9 @@ async fn output_is_captured_and_rotation_caps_its_size() {
         )
     };
     let probe = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         env: item.env.clone(),
@@ -605,6 +638,9 @@ async fn wait_metric(port: u16, line: &str) {
 /// INT), and otherwise runs until it is killed.
 fn trapping(name: &str, marks: &Path) -> UnitItem {
     UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         env: [(
@@ -650,6 +686,9 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
     );
     // `e` ran once and failed; `never` restart it.
     let e = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         restart: RestartPolicy::Never,
@@ -690,6 +729,9 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
     // The next supervisor: `c` is no longer declared, `d` has a new spec.
     let mut next = Supervisor::start(fast(), &root, &state, Metrics::new()).await;
     let d2 = UnitItem {
+        user: Default::default(),
+        limits: Default::default(),
+        stateful: false,
         artifact: None,
         revision: None,
         env: [

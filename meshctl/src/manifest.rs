@@ -203,6 +203,9 @@ impl ModuleDoc {
             ));
         }
         UnitItem {
+            user: Default::default(),
+            limits: Default::default(),
+            stateful: false,
             name: self.name.clone(),
             module: self.name.clone(),
             command: self.unit.command.clone(),

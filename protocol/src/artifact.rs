@@ -356,6 +356,9 @@ impl RevisionUnit {
         desired: Option<crate::DesiredState>,
     ) -> crate::UnitItem {
         crate::UnitItem {
+            user: Default::default(),
+            limits: Default::default(),
+            stateful: false,
             name: unit_name.to_owned(),
             module: module.to_owned(),
             command: self.command.clone(),

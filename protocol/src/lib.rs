@@ -92,7 +92,9 @@ pub use report::{
 pub use secret::{Secret, new_token, redact_url, token_sha256_hex};
 pub use signing::{DeclarationSigner, PublicKey, SignatureError};
 pub use unit::{
-    DesiredState, RestartPolicy, UnitItem, UnitState, UnitStatus, Units, validate_unit_name,
+    DesiredState, MIN_CPU_MILLIS, MIN_MEMORY_BYTES, MIN_PIDS, MODULE_UID_MAX, MODULE_UID_MIN,
+    REASON_OOM_KILLED, RestartPolicy, UnitItem, UnitLimits, UnitState, UnitStatus, UnitUser, Units,
+    validate_unit_name,
 };
 
 /// Largest report (hello, heartbeat, applied) the controller accepts, in bytes of

@@ -167,6 +167,14 @@ impl Report {
                 if u.units.len() > crate::MAX_ITEMS {
                     return Err(DecodeError::invalid("body.units", "too many units"));
                 }
+                for (i, s) in u.units.iter().enumerate() {
+                    if s.reason.as_ref().is_some_and(|r| r.chars().count() > 64) {
+                        return Err(DecodeError::invalid(
+                            format!("body.units[{i}].reason"),
+                            "longer than 64 characters",
+                        ));
+                    }
+                }
                 Ok(())
             }
             Report::Certificates(c) => c.validate(),

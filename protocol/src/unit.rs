@@ -66,6 +66,97 @@ pub struct UnitItem {
     /// rollout knows which revision is running where.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<uuid::Uuid>,
+    /// Who the unit runs as: its module's own unprivileged user (default), or
+    /// root, which only an admin may ask for (decision 0051). An agent older
+    /// than the sandbox ignores it and runs every unit as itself.
+    #[serde(default, skip_serializing_if = "UnitUser::is_module")]
+    pub user: UnitUser,
+    /// The unit's limits, enforced through its cgroup; all absent: none but the
+    /// agent's default pids limit.
+    #[serde(default, skip_serializing_if = "UnitLimits::is_empty")]
+    pub limits: UnitLimits,
+    /// The module is stateful and pinned to this node: its data volume is
+    /// never removed by the agent when the module leaves.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stateful: bool,
+}
+
+/// Who a unit runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum UnitUser {
+    /// `mesh-<module>`, a system user the agent allocates per module on the
+    /// node (uid in [`MODULE_UID_MIN`]..=[`MODULE_UID_MAX`]).
+    #[default]
+    Module,
+    /// uid 0: the agent's own rights. Admin only, audited.
+    Root,
+}
+
+impl UnitUser {
+    pub fn is_module(&self) -> bool {
+        *self == UnitUser::Module
+    }
+}
+
+/// The first uid (and gid) the agent gives a module's user.
+pub const MODULE_UID_MIN: u32 = 60_100;
+/// The last: 900 modules per node, below systemd's dynamic users (61184).
+pub const MODULE_UID_MAX: u32 = 60_999;
+
+/// A unit's resource limits, enforced by its cgroup: over `memory_bytes` the
+/// kernel OOM-kills it (reported `oom_killed`); `pids` caps its processes and
+/// threads; `cpu_millis` is its CPU quota in thousandths of a core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UnitLimits {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_millis: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u64>,
+}
+
+/// The smallest limits a unit may declare: below them nothing starts.
+pub const MIN_CPU_MILLIS: u64 = 10;
+pub const MIN_MEMORY_BYTES: u64 = 4 * 1024 * 1024;
+pub const MIN_PIDS: u64 = 2;
+
+impl UnitLimits {
+    pub fn is_empty(&self) -> bool {
+        *self == UnitLimits::default()
+    }
+
+    /// Each limit, if present, at least its minimum (and CPU at most 1024 cores).
+    pub fn validate(&self, field: &str) -> Result<(), DecodeError> {
+        let bad = |f: &str, reason: String| {
+            Err(DecodeError::Invalid {
+                field: format!("{field}.{f}"),
+                reason,
+            })
+        };
+        if let Some(c) = self.cpu_millis
+            && !(MIN_CPU_MILLIS..=1_024_000).contains(&c)
+        {
+            return bad("cpu_millis", format!("{c}: must be {MIN_CPU_MILLIS} to 1024000"));
+        }
+        if let Some(m) = self.memory_bytes
+            && m < MIN_MEMORY_BYTES
+        {
+            return bad(
+                "memory_bytes",
+                format!("{m}: must be at least {MIN_MEMORY_BYTES} (4 MiB)"),
+            );
+        }
+        if let Some(p) = self.pids
+            && p < MIN_PIDS
+        {
+            return bad("pids", format!("{p}: must be at least {MIN_PIDS}"));
+        }
+        Ok(())
+    }
 }
 
 /// Unit names: 1 to 63 characters of `[a-z0-9-_.]`, starting with a letter or digit.
@@ -122,6 +213,7 @@ impl UnitItem {
         if let Some(dir) = &self.working_dir {
             crate::validate_path(&format!("{field}.working_dir"), dir)?;
         }
+        self.limits.validate(&format!("{field}.limits"))?;
         crate::validate_probes(&format!("{field}.probes"), &self.probes)
     }
 }
@@ -169,6 +261,27 @@ pub struct UnitStatus {
     /// The revision of the unit as declared (its `revision`), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<uuid::Uuid>,
+    /// Why the last process ended, when the agent knows more than its exit
+    /// code: [`REASON_OOM_KILLED`] (over its memory limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Times the unit was OOM-killed since it was (re)declared.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub oom_kills: u32,
+    /// The uid its process runs as.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// Bytes in its module's data volume on this node (as of the report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_bytes: Option<u64>,
+}
+
+/// A unit's last process was killed by the kernel for going over its memory
+/// limit.
+pub const REASON_OOM_KILLED: &str = "oom_killed";
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Body of the `units` report: the state of every unit the node supervises.

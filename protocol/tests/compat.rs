@@ -273,6 +273,10 @@ fn write_corpus() {
         }),
         Report::Units(Units {
             units: vec![UnitStatus {
+                reason: None,
+                oom_kills: 0,
+                uid: None,
+                data_bytes: None,
                 revision: None,
                 name: "web-0".into(),
                 module: "web".into(),
@@ -292,6 +296,9 @@ fn write_corpus() {
     for (n, section) in Section::ALL.into_iter().enumerate() {
         let units = if section == Section::Inventory {
             vec![UnitItem {
+                user: Default::default(),
+                limits: Default::default(),
+                stateful: false,
                 artifact: None,
                 revision: None,
                 name: "web-0".into(),

@@ -200,6 +200,10 @@ impl Fixture {
             node,
             Report::Units(Units {
                 units: vec![UnitStatus {
+                    reason: None,
+                    oom_kills: 0,
+                    uid: None,
+                    data_bytes: None,
                     revision: Some(revision),
                     name: "web-0".to_owned(),
                     module: "web".to_owned(),

@@ -137,6 +137,9 @@ impl ModuleSpec {
     /// The unit one replica runs, under the name `unit_name`.
     pub fn unit_item(&self, module: &str, unit_name: &str) -> UnitItem {
         UnitItem {
+            user: Default::default(),
+            limits: Default::default(),
+            stateful: false,
             artifact: None,
             revision: None,
             name: unit_name.to_owned(),

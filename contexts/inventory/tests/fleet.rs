@@ -274,6 +274,10 @@ impl Fixture {
                 units: units
                     .iter()
                     .map(|(name, module, state, restarts)| UnitStatus {
+                        reason: None,
+                        oom_kills: 0,
+                        uid: None,
+                        data_bytes: None,
                         revision: None,
                         name: name.to_string(),
                         module: module.to_string(),

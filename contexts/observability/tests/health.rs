@@ -143,6 +143,10 @@ fn placed(module: &str, version: i64, nodes: &[&NodeId]) -> RecordEvent {
 fn units(module: &str, unit: &str, state: UnitState, restarts: u32) -> Report {
     Report::Units(Units {
         units: vec![UnitStatus {
+            reason: None,
+            oom_kills: 0,
+            uid: None,
+            data_bytes: None,
             revision: None,
             name: unit.into(),
             module: module.into(),

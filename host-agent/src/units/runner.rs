@@ -205,6 +205,10 @@ impl Runner {
         self.shared.update(
             self.id,
             UnitStatus {
+                reason: None,
+                oom_kills: 0,
+                uid: None,
+                data_bytes: None,
                 revision: self.item.revision,
                 name: self.item.name.clone(),
                 module: self.item.module.clone(),
