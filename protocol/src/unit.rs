@@ -140,7 +140,10 @@ impl UnitLimits {
         if let Some(c) = self.cpu_millis
             && !(MIN_CPU_MILLIS..=1_024_000).contains(&c)
         {
-            return bad("cpu_millis", format!("{c}: must be {MIN_CPU_MILLIS} to 1024000"));
+            return bad(
+                "cpu_millis",
+                format!("{c}: must be {MIN_CPU_MILLIS} to 1024000"),
+            );
         }
         if let Some(m) = self.memory_bytes
             && m < MIN_MEMORY_BYTES

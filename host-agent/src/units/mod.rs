@@ -51,11 +51,14 @@
 //! ([`probes`]); their results land on a [`probes::HealthBoard`], which the
 //! agent turns into `health` reports ([`probes::HealthReporter`]).
 
+pub mod cgroup;
 mod logs;
 pub mod probes;
 mod process;
 mod runner;
+pub mod sandbox;
 pub mod shim;
+pub mod systemd;
 pub mod tail;
 
 use std::collections::BTreeMap;
@@ -110,6 +113,24 @@ pub struct UnitsConfig {
     /// reach a unit at its (re)start: an adopted process keeps those it was
     /// started with.
     pub log_files: usize,
+    /// Whether each module's units run as the module's own user `mesh-<module>`
+    /// (units declared `user: root` excepted). Default true; only an agent
+    /// running as root can. See [`sandbox`].
+    pub module_users: bool,
+    /// How units' limits are enforced: `auto` (default: systemd's transient
+    /// scopes where systemd is PID 1, the cgroup filesystem elsewhere),
+    /// `systemd`, `cgroupfs`, or `off`.
+    pub cgroups: sandbox::CgroupMode,
+    /// The cgroup (under each hierarchy) that holds the units' cgroups with the
+    /// `cgroupfs` backend. Default `mesh-units`.
+    pub cgroup_root: String,
+    /// A unit's pids limit when it declares none. Default 4096.
+    pub default_pids: u64,
+    /// How long the data volume of a module that left the node is kept before
+    /// it (and the module's user) is removed; never for a stateful module.
+    /// Default 24 h.
+    #[serde(deserialize_with = "crate::config::de_duration")]
+    pub data_retention: Duration,
     /// The program run as each unit's shim, with the argument `unit-shim`. Not
     /// a config file setting: `None` (the agent's own executable) outside
     /// tests, which run the agent inside a test binary and name `mesh-agent`.
@@ -126,6 +147,11 @@ impl Default for UnitsConfig {
             restart_reset_after: Duration::from_secs(60),
             log_max_bytes: 10 * 1024 * 1024,
             log_files: 5,
+            module_users: true,
+            cgroups: sandbox::CgroupMode::Auto,
+            cgroup_root: "mesh-units".to_owned(),
+            default_pids: 4096,
+            data_retention: Duration::from_secs(24 * 3600),
             shim_program: None,
         }
     }
@@ -150,6 +176,18 @@ impl UnitsConfig {
         if self.log_files > 1000 {
             return bad("log_files", "must be at most 1000");
         }
+        if self.default_pids < mesh_protocol::MIN_PIDS {
+            return bad("default_pids", "must be at least 2");
+        }
+        if self.cgroup_root.is_empty()
+            || self.cgroup_root.contains(['/', '\0'])
+            || self.cgroup_root.starts_with('.')
+        {
+            return bad(
+                "cgroup_root",
+                "must be one directory name (no /, not starting with .)",
+            );
+        }
         Ok(())
     }
 }
@@ -172,6 +210,61 @@ struct Shared {
     /// Bumped whenever the artifact cache gains an artifact: a unit waiting
     /// for its artifact tries again.
     cache: watch::Sender<u64>,
+    /// What of the sandbox this agent can give its units.
+    sandbox: SandboxEnv,
+}
+
+/// What of the sandbox this agent can give (decided once, at start).
+#[derive(Debug, Clone)]
+pub(crate) struct SandboxEnv {
+    /// Units run as their modules' users.
+    pub users: bool,
+    /// Who enforces limits, if anyone.
+    pub backend: Option<sandbox::Backend>,
+    /// Tells this agent's cgroups and scopes from another's on the same host
+    /// (a hash of its units directory).
+    pub key: String,
+}
+
+impl SandboxEnv {
+    fn decide(config: &UnitsConfig, units_dir: &Path) -> SandboxEnv {
+        let root = rustix::process::geteuid().is_root();
+        let key = format!(
+            "{:08x}",
+            sandbox::fnv(units_dir.as_os_str().as_encoded_bytes()) as u32
+        );
+        if !root {
+            warn!("the agent does not run as root: units run as its own user, without limits");
+            return SandboxEnv {
+                users: false,
+                backend: None,
+                key,
+            };
+        }
+        let cgroupfs = || sandbox::Backend::Cgroupfs {
+            root: config.cgroup_root.clone(),
+        };
+        let backend = match config.cgroups {
+            sandbox::CgroupMode::Off => None,
+            sandbox::CgroupMode::Systemd => Some(sandbox::Backend::Systemd),
+            sandbox::CgroupMode::Cgroupfs => Some(cgroupfs()),
+            sandbox::CgroupMode::Auto if systemd::booted() => Some(sandbox::Backend::Systemd),
+            sandbox::CgroupMode::Auto if cgroup::detect().is_some() => Some(cgroupfs()),
+            sandbox::CgroupMode::Auto => {
+                warn!("no cgroup filesystem and no systemd: units' limits are not enforced");
+                None
+            }
+        };
+        if !config.module_users {
+            warn!("units.module_users is off: units run as root");
+        }
+        info!(module_users = config.module_users, backend = ?backend, "units run boxed");
+        SandboxEnv {
+            users: config.module_users,
+            backend,
+            key,
+        }
+    }
 }
 
 impl Shared {
@@ -245,6 +338,7 @@ impl Supervisor {
         }
         let (status, _) = watch::channel(Snapshot::new());
         metrics.set_units_running(0);
+        let sandbox = SandboxEnv::decide(&config, &units_dir);
         let board = probes::HealthBoard::new(metrics.clone());
         Supervisor {
             shared: Arc::new(Shared {
@@ -256,6 +350,7 @@ impl Supervisor {
                 board,
                 state_dir: state_dir.to_owned(),
                 cache: watch::channel(0).0,
+                sandbox,
             }),
             units: BTreeMap::new(),
             stopping: BTreeMap::new(),
@@ -270,6 +365,14 @@ impl Supervisor {
     /// stopped if not.
     pub fn declare(&mut self, wanted: &[UnitItem]) {
         self.stopping.retain(|_, t| !t.is_finished());
+        sandbox::mark_present(&self.shared.state_dir, wanted);
+        let modules = wanted.iter().map(|u| u.module.clone()).collect();
+        sandbox::sweep_volumes(
+            &self.shared.state_dir,
+            &modules,
+            self.shared.config.data_retention,
+            self.shared.sandbox.users,
+        );
         let wanted: BTreeMap<&str, &UnitItem> =
             wanted.iter().map(|u| (u.name.as_str(), u)).collect();
 

@@ -102,6 +102,12 @@ pub struct ProcessSpec {
     pub artifact: Option<mesh_protocol::ArtifactDigest>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<uuid::Uuid>,
+    /// Absent (the module's user, no limits) in records of agents older than
+    /// the sandbox, so those records still compare equal.
+    #[serde(default, skip_serializing_if = "mesh_protocol::UnitUser::is_module")]
+    pub user: mesh_protocol::UnitUser,
+    #[serde(default, skip_serializing_if = "mesh_protocol::UnitLimits::is_empty")]
+    pub limits: mesh_protocol::UnitLimits,
 }
 
 impl ProcessSpec {
@@ -114,6 +120,8 @@ impl ProcessSpec {
             working_dir: item.working_dir.clone(),
             artifact: item.artifact.clone(),
             revision: item.revision,
+            user: item.user,
+            limits: item.limits,
         }
     }
 }
@@ -212,6 +220,10 @@ pub struct ExitRecord {
     /// The restart count when this process started.
     pub restarts: u32,
     pub spec: ProcessSpec,
+    /// Why it ended, when the shim knows more than the exit code
+    /// ([`mesh_protocol::REASON_OOM_KILLED`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 impl ExitRecord {

@@ -22,6 +22,7 @@ use super::process::{
     EXIT_FILE, ExitRecord, Found, PID_FILE, PidRecord, ProcRef, ProcessSpec, read_record,
     remove_record, signal_group,
 };
+use super::sandbox::{self, CgroupPlan, Limits, Plan};
 use super::shim::{self, Launch, Reply};
 
 /// `PATH` for units when the agent has none.
@@ -126,6 +127,14 @@ pub(super) struct Runner {
     started_at: Option<DateTime<Utc>>,
     /// The unit's probes while its process runs (they end when dropped).
     probes: Option<ProbeSet>,
+    /// The uid its process runs as (its module's user, or root).
+    uid: Option<u32>,
+    /// Why its last process ended, when more is known than the exit code.
+    reason: Option<String>,
+    /// OOM kills since it was declared (by this agent).
+    oom_kills: u32,
+    /// Its module's data volume's size, as of its last start or exit.
+    data_bytes: Option<u64>,
 }
 
 impl Runner {
@@ -147,6 +156,10 @@ impl Runner {
             exit_code: None,
             started_at: None,
             probes: None,
+            uid: None,
+            reason: None,
+            oom_kills: 0,
+            data_bytes: None,
         }
     }
 
@@ -205,10 +218,10 @@ impl Runner {
         self.shared.update(
             self.id,
             UnitStatus {
-                reason: None,
-                oom_kills: 0,
-                uid: None,
-                data_bytes: None,
+                reason: self.reason.clone(),
+                oom_kills: self.oom_kills,
+                uid: self.uid,
+                data_bytes: self.data_bytes,
                 revision: self.item.revision,
                 name: self.item.name.clone(),
                 module: self.item.module.clone(),
@@ -251,6 +264,8 @@ impl Runner {
                 self.state = UnitState::Running;
                 self.pid = Some(record.pid);
                 self.started_at = record.started_at;
+                self.uid = process_uid(record.pid);
+                self.measure_volume();
                 self.publish();
                 (Some(r), None)
             }
@@ -262,6 +277,7 @@ impl Runner {
                 info!(unit = %name, pid = exit.pid, exit_code = ?exit.code, "the unit exited while the agent was away");
                 self.restarts = exit.restarts;
                 self.started_once = true;
+                self.ended_because(exit.reason.clone());
                 (None, self.exited(exit.success, exit.code, exit.ran()))
             }
             Some(Found::Lost(record)) => {
@@ -347,9 +363,11 @@ impl Runner {
                 () = shim_exited(&mut running), if running.is_some() => {
                     let Some(r) = running.take() else { continue };
                     self.idle_probes();
-                    let (ok, code) = collect_exit(&self.item.name, &self.dir, &r);
+                    let (ok, code, reason) = collect_exit(&self.item.name, &self.dir, &r);
                     let ran = r.started.elapsed();
-                    info!(unit = %self.item.name, pid = r.leader.pid, exit_code = ?code, ran_for = ?ran, "unit process exited");
+                    info!(unit = %self.item.name, pid = r.leader.pid, exit_code = ?code, ?reason, ran_for = ?ran, "unit process exited");
+                    self.ended_because(reason);
+                    self.measure_volume();
                     next_start = self.exited(ok, code, ran);
                 }
                 () = sleep_until(next_start.unwrap_or_else(Instant::now)), if next_start.is_some() && running.is_none() => {}
@@ -393,6 +411,8 @@ impl Runner {
                     if restart_now {
                         // Declared running again: a fresh start, a fresh count.
                         self.restarts = 0;
+                        self.oom_kills = 0;
+                        self.reason = None;
                         self.started_once = false;
                         self.backoff = self.shared.config.restart_backoff_min;
                         self.exit_code = None;
@@ -449,8 +469,54 @@ impl Runner {
         next
     }
 
+    /// Note why the last process ended (an OOM kill counts).
+    fn ended_because(&mut self, reason: Option<String>) {
+        if reason.as_deref() == Some(mesh_protocol::REASON_OOM_KILLED) {
+            self.oom_kills = self.oom_kills.saturating_add(1);
+            warn!(unit = %self.item.name, oom_kills = self.oom_kills, memory_limit = ?self.item.limits.memory_bytes, "the unit was killed for going over its memory limit");
+        }
+        self.reason = reason;
+    }
+
+    /// Its module's data volume's size, now.
+    fn measure_volume(&mut self) {
+        let dir = sandbox::data_dir(&self.shared.state_dir, &self.item.module);
+        self.data_bytes = dir.is_dir().then(|| sandbox::tree_bytes(&dir));
+    }
+
+    /// The unit's box (decision 0051): its module's user (made if new) unless
+    /// it runs as root, its data volume, and its cgroup with its limits.
+    async fn boxed(&mut self) -> std::io::Result<Plan> {
+        let shared = self.shared.clone();
+        let env = &shared.sandbox;
+        let user = if env.users && sandbox::runs_as_module(&self.item) {
+            let module = self.item.module.clone();
+            let made = tokio::task::spawn_blocking(move || sandbox::ensure_user(&module))
+                .await
+                .map_err(std::io::Error::other)??;
+            Some(made)
+        } else {
+            None
+        };
+        sandbox::ensure_volume(&self.shared.state_dir, &self.item.module, user.as_ref())?;
+        self.uid = Some(
+            user.as_ref()
+                .map_or_else(|| rustix::process::geteuid().as_raw(), |u| u.uid),
+        );
+        self.measure_volume();
+        Ok(Plan {
+            uid: user.as_ref().map(|u| u.uid),
+            gid: user.as_ref().map(|u| u.gid),
+            cgroup: env.backend.clone().map(|backend| CgroupPlan {
+                backend,
+                name: format!("mesh-{}-{}", self.item.name, env.key),
+                limits: Limits::of(&self.item.limits, self.shared.config.default_pids),
+            }),
+        })
+    }
+
     /// What the shim is told to run.
-    fn launch(&self, restarts: u32) -> Launch {
+    fn launch(&self, restarts: u32, sandbox: Plan) -> Launch {
         let item = &self.item;
         let env = self.env();
         Launch {
@@ -464,6 +530,7 @@ impl Runner {
             log_files: self.shared.config.log_files,
             restarts,
             spec: ProcessSpec::of(item),
+            sandbox,
         }
     }
 
@@ -480,6 +547,14 @@ impl Runner {
         }
         env.insert("MESH_UNIT".to_owned(), item.name.clone());
         env.insert("MESH_MODULE".to_owned(), item.module.clone());
+        let data = sandbox::data_dir(&self.shared.state_dir, &item.module)
+            .to_string_lossy()
+            .into_owned();
+        if self.shared.sandbox.users && sandbox::runs_as_module(item) {
+            // The agent's HOME is not the module user's to read.
+            env.insert("HOME".to_owned(), data.clone());
+        }
+        env.insert("MESH_DATA_DIR".to_owned(), data);
         if let Some(dir) = self.artifact_dir() {
             env.insert(
                 "MESH_ARTIFACT_DIR".to_owned(),
@@ -497,7 +572,9 @@ impl Runner {
         } else {
             self.restarts
         };
-        let launch = serde_json::to_vec(&self.launch(restarts)).map_err(std::io::Error::other)?;
+        let plan = self.boxed().await?;
+        let launch =
+            serde_json::to_vec(&self.launch(restarts, plan)).map_err(std::io::Error::other)?;
         let shim_log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -656,7 +733,7 @@ pub(super) async fn stop_process(
             let _ = tokio::time::timeout(grace, r.watch.exited()).await;
         }
     }
-    let (_, code) = collect_exit(name, dir, &r);
+    let (_, code, _) = collect_exit(name, dir, &r);
     info!(unit = %name, pid = r.leader.pid, exit_code = ?code, "unit stopped");
     code
 }
@@ -667,19 +744,29 @@ pub(super) async fn stop_process(
 /// restart policy, its restart count).
 /// A shim that ended without one (killed) leaves a unit whose output has
 /// nowhere to go: what is left of it is killed, and it counts as failed.
-fn collect_exit(name: &str, dir: &Path, r: &Running) -> (bool, Option<i32>) {
+fn collect_exit(name: &str, dir: &Path, r: &Running) -> (bool, Option<i32>, Option<String>) {
     let exit: Option<ExitRecord> = read_record(dir, EXIT_FILE);
     remove_record(dir, PID_FILE);
     match exit {
-        Some(e) if e.pid == r.leader.pid => (e.success, e.code),
+        Some(e) if e.pid == r.leader.pid => (e.success, e.code, e.reason),
         _ => {
             warn!(unit = %name, pid = r.leader.pid, shim = r.shim.pid, "the unit's shim ended without recording the unit's exit");
             if r.leader.leads_its_group() {
                 let _ = signal_group(r.leader.pid, Signal::KILL);
             }
-            (false, None)
+            (false, None, None)
         }
     }
+}
+
+/// The real uid of `pid`, from `/proc/<pid>/status`.
+fn process_uid(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
 }
 
 fn restarts_after(policy: RestartPolicy, ok: bool) -> bool {

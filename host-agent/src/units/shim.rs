@@ -33,11 +33,14 @@ use chrono::{DateTime, Utc};
 use rustix::process::Signal;
 use serde::{Deserialize, Serialize};
 
+use super::cgroup::{self, Cgroup};
 use super::logs::{RotatingLog, pump};
 use super::process::{
     EXIT_FILE, ExitRecord, PID_FILE, PidRecord, ProcRef, ProcessSpec, boot_id, remove_record,
     signal_group, write_record,
 };
+use super::sandbox::{Backend, CgroupPlan, Plan};
+use super::systemd;
 
 /// The subcommand the agent runs its shims with (hidden from `--help`).
 pub const SUBCOMMAND: &str = "unit-shim";
@@ -63,6 +66,10 @@ pub struct Launch {
     pub restarts: u32,
     /// The declaration this process runs, kept in the records.
     pub spec: ProcessSpec,
+    /// The unit's box: its user and cgroup (decision 0051). Absent from an
+    /// older agent's launch: the shim's own user, no cgroup.
+    #[serde(default)]
+    pub sandbox: Plan,
 }
 
 /// The shim's one answer.
@@ -111,19 +118,9 @@ pub fn main() -> ExitCode {
     // terminal's ^C, a service manager signalling its group) are not for us.
     let _ = rustix::process::setsid();
 
-    let mut child = match std::process::Command::new(&launch.command)
-        .args(&launch.args)
-        .env_clear()
-        .envs(&launch.env)
-        .current_dir(&launch.working_dir)
-        .process_group(0)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    {
+    let (mut child, placed) = match spawn_boxed(&launch) {
         Ok(c) => c,
-        Err(e) => return fail(e.to_string()),
+        Err(e) => return fail(e),
     };
     let pid = child.id();
     let started_at = Utc::now();
@@ -186,8 +183,10 @@ pub fn main() -> ExitCode {
 
     let status = child.wait();
     let exited_at = Utc::now();
-    // What is left of the group goes with its leader.
+    // What is left of the group goes with its leader; with a cgroup, whatever
+    // is left in it (a process that left the group) goes too.
     let _ = signal_group(pid, Signal::KILL);
+    let oom_killed = placed.as_ref().is_some_and(Placed::finish);
     let deadline = std::time::Instant::now() + DRAIN;
     for _ in 0..pumps {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -217,6 +216,7 @@ pub fn main() -> ExitCode {
         exited_at,
         restarts: launch.restarts,
         spec: launch.spec,
+        reason: oom_killed.then(|| mesh_protocol::REASON_OOM_KILLED.to_owned()),
     };
     if let Err(e) = write_record(&launch.dir, EXIT_FILE, &exit) {
         eprintln!(
@@ -226,4 +226,127 @@ pub fn main() -> ExitCode {
     }
     remove_record(&launch.dir, PID_FILE);
     ExitCode::SUCCESS
+}
+
+/// Where a unit process was put.
+enum Placed {
+    Cgroupfs(Cgroup),
+    Systemd(systemd::Scope),
+}
+
+impl Placed {
+    /// After the unit's leader exited: kill what is left, say whether the
+    /// kernel OOM-killed in it, and let go of the cgroup.
+    fn finish(&self) -> bool {
+        match self {
+            Placed::Cgroupfs(cg) => {
+                let oom = cg.oom_kills() > 0;
+                cg.remove(DRAIN);
+                oom
+            }
+            Placed::Systemd(scope) => systemd::finish(scope),
+        }
+    }
+}
+
+/// The cgroup a plan asks for, made before the process exists.
+fn prepare(plan: &CgroupPlan) -> Result<Option<Cgroup>, String> {
+    match &plan.backend {
+        Backend::Systemd => Ok(None),
+        Backend::Cgroupfs { root } => {
+            let layout = cgroup::detect().ok_or("no cgroup filesystem is mounted")?;
+            Cgroup::create(&layout, root, &plan.name, &plan.limits)
+                .map(Some)
+                .map_err(|e| format!("cannot make the unit's cgroup: {e}"))
+        }
+    }
+}
+
+/// Start the unit as its user, and in its cgroup before it runs anything of
+/// its own: the child, after `setuid`, writes its pid to one pipe and waits on
+/// another until the shim has placed it (a write to `cgroup.procs`, or a
+/// systemd scope made for it), then execs. `Command::spawn` returns only once
+/// the child exec'd, so it runs on a thread of its own meanwhile.
+fn spawn_boxed(launch: &Launch) -> Result<(std::process::Child, Option<Placed>), String> {
+    let mut cmd = std::process::Command::new(&launch.command);
+    cmd.args(&launch.args)
+        .env_clear()
+        .envs(&launch.env)
+        .current_dir(&launch.working_dir)
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // With a uid and no groups said, std drops the supplementary groups too.
+    if let Some(gid) = launch.sandbox.gid {
+        cmd.gid(gid);
+    }
+    if let Some(uid) = launch.sandbox.uid {
+        cmd.uid(uid);
+    }
+    let Some(plan) = launch.sandbox.cgroup.clone() else {
+        return cmd.spawn().map(|c| (c, None)).map_err(|e| e.to_string());
+    };
+    let cg = prepare(&plan)?;
+    let (pid_r, pid_w) = pipe().map_err(|e| format!("cannot make a pipe: {e}"))?;
+    let (go_r, go_w) = pipe().map_err(|e| format!("cannot make a pipe: {e}"))?;
+    // SAFETY: the hook runs in the forked child before exec and only makes
+    // raw system calls (getpid, write, read) on descriptors it owns.
+    unsafe {
+        cmd.pre_exec(move || {
+            let pid = rustix::process::getpid()
+                .as_raw_nonzero()
+                .get()
+                .to_ne_bytes();
+            rustix::io::write(&pid_w, &pid)?;
+            let mut go = [0u8; 1];
+            match rustix::io::read(&go_r, &mut go) {
+                Ok(1) => Ok(()),
+                // The shim could not place it: it must not run unboxed.
+                _ => Err(std::io::Error::other("not placed in its cgroup")),
+            }
+        });
+    }
+    let spawner = std::thread::spawn(move || cmd.spawn());
+    let mut buf = [0u8; 4];
+    let placed = match rustix::io::read(&pid_r, &mut buf) {
+        Ok(4) => {
+            let pid = i32::from_ne_bytes(buf) as u32;
+            match (&plan.backend, cg) {
+                (Backend::Cgroupfs { .. }, Some(cg)) => cg
+                    .add(pid)
+                    .map(|()| Placed::Cgroupfs(cg))
+                    .map_err(|e| format!("cannot move the unit into its cgroup: {e}")),
+                _ => systemd::start_scope(&plan.name, pid, &plan.limits).map(Placed::Systemd),
+            }
+        }
+        // The child never got to the hook: spawn's own error says why.
+        _ => Err(String::new()),
+    };
+    if placed.is_ok() {
+        let _ = rustix::io::write(&go_w, &[1]);
+    }
+    drop(go_w);
+    drop(pid_r);
+    let spawned = spawner
+        .join()
+        .map_err(|_| "the spawning thread panicked".to_owned())?;
+    match (spawned, placed) {
+        (Ok(child), Ok(placed)) => Ok((child, Some(placed))),
+        (Ok(mut child), Err(e)) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
+        (Err(e), Ok(placed)) => {
+            placed.finish();
+            Err(e.to_string())
+        }
+        (Err(e), Err(why)) if why.is_empty() => Err(e.to_string()),
+        (Err(_), Err(why)) => Err(why),
+    }
+}
+
+fn pipe() -> std::io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(std::io::Error::from)
 }
