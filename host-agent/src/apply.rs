@@ -27,7 +27,8 @@ use mesh_protocol::{
     SealedFileItem, Secret, Section, UnknownFields, digest_items, validate_path,
 };
 
-use crate::store::{SectionState, write_atomic};
+use crate::store::{SectionState, write_atomic_owned};
+use crate::units::sandbox::{ModuleUser, ensure_user};
 
 /// Decode a delivery's body: the agent's one parse point for declarations. The
 /// envelope must be addressed to this node. Fields this agent does not know (a
@@ -95,6 +96,10 @@ pub struct Applier {
     /// This node and its seal key, to open secrets with; none: every declared
     /// secret is refused.
     sealing: Option<(NodeId, SealSecretKey)>,
+    /// Files under `/modules/<module>/` belong to the module's user (the
+    /// sandbox, decision 0051): its secrets 0400, no other module's user
+    /// reaches them.
+    module_owners: bool,
 }
 
 /// Why one path cannot be applied.
@@ -115,6 +120,7 @@ impl Applier {
             canonical_root,
             protected,
             sealing: None,
+            module_owners: false,
         })
     }
 
@@ -123,6 +129,75 @@ impl Applier {
     pub fn with_seal_key(mut self, node: NodeId, key: SealSecretKey) -> Applier {
         self.sealing = Some((node, key));
         self
+    }
+
+    /// Give files under `/modules/<module>/` to the module's user (made if
+    /// new): only an agent running as root can.
+    pub fn with_module_owners(mut self, on: bool) -> Applier {
+        self.module_owners = on;
+        self
+    }
+
+    /// The module a declared path belongs to (`/modules/<module>/...`), if
+    /// its files are given to the module's user.
+    fn owning_module<'a>(&self, declared: &'a str) -> Option<&'a str> {
+        if !self.module_owners {
+            return None;
+        }
+        let rest = declared.strip_prefix("/modules/")?;
+        let (module, tail) = rest.split_once('/')?;
+        (!module.is_empty() && !tail.is_empty()).then_some(module)
+    }
+
+    /// Make `<root>/modules/<module>` `root:<module>` 0750 and the directories
+    /// below it down to `target` the module user's (`secrets` 0500, others
+    /// 0750), so that no other module's user gets in.
+    fn own_dirs(&self, module: &str, target: &Path, user: &ModuleUser) -> std::io::Result<()> {
+        use std::os::unix::fs::chown;
+        let modules = self.root.join("modules");
+        let top = modules.join(module);
+        chown(&modules, Some(0), Some(0))?;
+        std::fs::set_permissions(&modules, std::fs::Permissions::from_mode(0o755))?;
+        chown(&top, Some(0), Some(user.gid))?;
+        std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o750))?;
+        let mut dir = target.parent();
+        while let Some(d) = dir {
+            if d == top || !d.starts_with(&top) {
+                break;
+            }
+            chown(d, Some(user.uid), Some(user.gid))?;
+            let mode = if d.file_name().is_some_and(|n| n == "secrets") {
+                0o500
+            } else {
+                0o750
+            };
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode))?;
+            dir = d.parent();
+        }
+        Ok(())
+    }
+
+    /// Write one declared file or secret, owned by its module's user where
+    /// it has one.
+    fn write_item(
+        &self,
+        declared: &str,
+        target: &Path,
+        content: &[u8],
+        mode: u32,
+        secret: bool,
+    ) -> std::io::Result<()> {
+        let Some(module) = self.owning_module(declared) else {
+            return write_file(target, content, mode, None);
+        };
+        let user = ensure_user(module)?;
+        // A module's secret is for its user to read, and nobody else.
+        let mode = if secret { 0o400 } else { mode };
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        self.own_dirs(module, target, &user)?;
+        write_file(target, content, mode, Some((user.uid, user.gid)))
     }
 
     /// The public key secrets are sealed to, once [`Applier::with_seal_key`] gave one.
@@ -271,19 +346,21 @@ impl Applier {
             .files
             .iter()
             .zip(&targets)
-            .map(|(f, t)| (&f.path, t, f.content.as_bytes(), f.mode.bits()))
+            .map(|(f, t)| (&f.path, t, f.content.as_bytes(), f.mode.bits(), false))
             .chain(
                 decl.items
                     .secrets
                     .iter()
                     .zip(&opened)
-                    .map(|(s, (t, value))| (&s.path, t, value.expose().as_slice(), s.mode.bits())),
+                    .map(|(s, (t, value))| {
+                        (&s.path, t, value.expose().as_slice(), s.mode.bits(), true)
+                    }),
             );
         let mut items = Vec::with_capacity(decl.items.files.len() + opened.len());
         let mut written = BTreeSet::new();
         let mut failed = false;
-        for (path, target, content, mode) in writes {
-            match write_file(target, content, mode) {
+        for (path, target, content, mode, secret) in writes {
+            match self.write_item(path, target, content, mode, secret) {
                 Ok(()) => {
                     written.insert(path.clone());
                     items.push(ItemOutcome {
@@ -437,12 +514,20 @@ impl Applier {
     }
 }
 
-/// Write one file atomically, unless it already has this content and mode.
-fn write_file(target: &Path, content: &[u8], mode: u32) -> std::io::Result<()> {
+/// Write one file atomically, unless it already has this content, mode and
+/// owner.
+fn write_file(
+    target: &Path,
+    content: &[u8],
+    mode: u32,
+    owner: Option<(u32, u32)>,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
     if let Ok(m) = std::fs::symlink_metadata(target)
         && m.is_file()
         && m.len() == content.len() as u64
         && m.permissions().mode() & 0o7777 == mode
+        && owner.is_none_or(|(u, g)| m.uid() == u && m.gid() == g)
     {
         let mut existing = Vec::with_capacity(content.len());
         std::fs::File::open(target)?.read_to_end(&mut existing)?;
@@ -453,7 +538,7 @@ fn write_file(target: &Path, content: &[u8], mode: u32) -> std::io::Result<()> {
     if let Some(parent) = target.parent() {
         std::fs::create_dir_all(parent)?;
     }
-    write_atomic(target, content, mode)
+    write_atomic_owned(target, content, mode, owner)
 }
 
 /// Remove one file (already gone is fine) and make the removal durable.

@@ -131,7 +131,8 @@ pub async fn run(
             path: config.root.clone(),
             error,
         })?
-        .with_seal_key(creds.node.clone(), seal_key);
+        .with_seal_key(creds.node.clone(), seal_key)
+        .with_module_owners(config.units.module_users && rustix::process::geteuid().is_root());
     let (connectivity, made) = connectivity::Connectivity::open(&config)?;
     if made && let Some(facts) = connectivity.facts() {
         info!(

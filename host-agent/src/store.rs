@@ -341,6 +341,17 @@ fn parse(bytes: &[u8], path: &Path) -> Result<StoreData, StoreError> {
 /// see the old content or the new, never a mix; a crash leaves at most a stray
 /// temp file (named `.<name>.mesh-tmp-<random>`), never a torn file.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    write_atomic_owned(path, bytes, mode, None)
+}
+
+/// [`write_atomic`], the file owned by `owner` (uid, gid) from the moment it
+/// has its name.
+pub fn write_atomic_owned(
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+    owner: Option<(u32, u32)>,
+) -> std::io::Result<()> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let dir = path
         .parent()
@@ -362,6 +373,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()>
         f.write_all(bytes)?;
         // Set the mode explicitly: the open mode is filtered by the umask.
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::fchown(&f, Some(uid), Some(gid))?;
+        }
         f.sync_all()?;
         drop(f);
         std::fs::rename(&tmp, path)?;

@@ -30,6 +30,7 @@ fn fast() -> UnitsConfig {
         log_max_bytes: 1024,
         log_files: 2,
         shim_program: Some(env!("CARGO_BIN_EXE_mesh-agent").into()),
+        ..UnitsConfig::default()
     }
 }
 
@@ -634,6 +635,18 @@ async fn wait_metric(port: u16, line: &str) {
     }
 }
 
+/// Make `dir` (and let units through its parent) writable by units, which
+/// run as their module's user, not as this test.
+fn open_to_units(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    if let Some(parent) = dir.parent() {
+        let mode = std::fs::metadata(parent).unwrap().permissions().mode();
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(mode | 0o111)).unwrap();
+    }
+}
+
 /// A unit that writes `<marks>/<name>` if it is ever signalled (TERM, HUP,
 /// INT), and otherwise runs until it is killed.
 fn trapping(name: &str, marks: &Path) -> UnitItem {
@@ -677,7 +690,7 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
         sup: mut first,
     } = fixture(fast()).await;
     let marks = dir.path().join("marks");
-    std::fs::create_dir_all(&marks).unwrap();
+    open_to_units(&marks);
     let (a, b, c, d) = (
         trapping("a", &marks),
         trapping("b", &marks),
@@ -876,6 +889,7 @@ async fn a_crashed_agents_units_are_adopted_by_the_next_agent() {
     let state = tempfile::tempdir().unwrap();
     let root = tempfile::tempdir().unwrap();
     let marks = tempfile::tempdir().unwrap();
+    open_to_units(marks.path());
     let port = free_port();
     let config = Config {
         metrics_listen: Some(([127, 0, 0, 1], port).into()),

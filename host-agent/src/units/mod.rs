@@ -61,7 +61,7 @@ pub mod shim;
 pub mod systemd;
 pub mod tail;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -316,6 +316,45 @@ pub struct Supervisor {
     /// What a previous agent left, until the first [`Supervisor::declare`].
     found: Option<BTreeMap<String, Found>>,
     next_runner: u64,
+    /// The modules of the declared units (none before the first
+    /// declaration), for the sweep of the volumes of modules that left.
+    declared_modules: watch::Sender<Option<BTreeSet<String>>>,
+    sweeper: JoinHandle<()>,
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        self.sweeper.abort();
+    }
+}
+
+/// Sweep the data volumes of modules that left (see [`sandbox`]) at each
+/// declaration and every quarter of the retention (1 s to 1 h).
+async fn sweep_volumes(
+    shared: Arc<Shared>,
+    mut declared: watch::Receiver<Option<BTreeSet<String>>>,
+) {
+    let every =
+        (shared.config.data_retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600));
+    loop {
+        let modules = declared.borrow_and_update().clone();
+        if let Some(modules) = modules {
+            let s = shared.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                sandbox::sweep_volumes(
+                    &s.state_dir,
+                    &modules,
+                    s.config.data_retention,
+                    s.sandbox.users,
+                )
+            })
+            .await;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            changed = declared.changed() => if changed.is_err() { return },
+        }
+    }
 }
 
 impl Supervisor {
@@ -340,22 +379,27 @@ impl Supervisor {
         metrics.set_units_running(0);
         let sandbox = SandboxEnv::decide(&config, &units_dir);
         let board = probes::HealthBoard::new(metrics.clone());
+        let shared = Arc::new(Shared {
+            config,
+            root: root.to_owned(),
+            units_dir,
+            status,
+            metrics,
+            board,
+            state_dir: state_dir.to_owned(),
+            cache: watch::channel(0).0,
+            sandbox,
+        });
+        let (declared_modules, rx) = watch::channel(None);
+        let sweeper = tokio::spawn(sweep_volumes(shared.clone(), rx));
         Supervisor {
-            shared: Arc::new(Shared {
-                config,
-                root: root.to_owned(),
-                units_dir,
-                status,
-                metrics,
-                board,
-                state_dir: state_dir.to_owned(),
-                cache: watch::channel(0).0,
-                sandbox,
-            }),
+            shared,
             units: BTreeMap::new(),
             stopping: BTreeMap::new(),
             found: Some(found),
             next_runner: 1,
+            declared_modules,
+            sweeper,
         }
     }
 
@@ -366,13 +410,12 @@ impl Supervisor {
     pub fn declare(&mut self, wanted: &[UnitItem]) {
         self.stopping.retain(|_, t| !t.is_finished());
         sandbox::mark_present(&self.shared.state_dir, wanted);
-        let modules = wanted.iter().map(|u| u.module.clone()).collect();
-        sandbox::sweep_volumes(
-            &self.shared.state_dir,
-            &modules,
-            self.shared.config.data_retention,
-            self.shared.sandbox.users,
-        );
+        let modules: BTreeSet<String> = wanted.iter().map(|u| u.module.clone()).collect();
+        self.declared_modules.send_if_modified(|m| {
+            let changed = m.as_ref() != Some(&modules);
+            *m = Some(modules);
+            changed
+        });
         let wanted: BTreeMap<&str, &UnitItem> =
             wanted.iter().map(|u| (u.name.as_str(), u)).collect();
 

@@ -328,9 +328,14 @@ const STATEFUL_FILE: &str = "stateful";
 /// Note that these modules' units run here (and which are stateful).
 pub fn mark_present(state_dir: &Path, items: &[UnitItem]) {
     for u in items {
-        let marker = module_dir(state_dir, &u.module).join(STATEFUL_FILE);
+        let dir = module_dir(state_dir, &u.module);
+        let marker = dir.join(STATEFUL_FILE);
         if u.stateful && !marker.exists() {
-            let _ = std::fs::write(&marker, b"");
+            if let Err(e) =
+                std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&marker, b""))
+            {
+                warn!(module = %u.module, error = %e, "cannot mark the module stateful: its volume could be swept");
+            }
         }
     }
 }
