@@ -27,6 +27,7 @@ mod paths;
 mod plan;
 mod queues;
 mod rollout;
+mod starts;
 
 #[derive(Parser)]
 #[command(name = "mesh-bench")]
@@ -170,6 +171,17 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', default_value = "10,100,1000")]
         nodes: Vec<usize>,
     },
+    /// Unit starts per second through the agent's supervisor, as the agent's
+    /// own user without a cgroup and then boxed (module user, cgroup with
+    /// limits; decision 0051). Needs root.
+    UnitStarts {
+        /// Units started at once per round.
+        #[arg(long, default_value_t = 200)]
+        units: usize,
+        /// Rounds per mode (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// Heartbeat ingest: reports/s committed, controller CPU and RSS.
     Heartbeats {
         /// Simulated nodes (broker users and connections).
@@ -252,6 +264,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::ConnectivityPlan { nodes } => plan::run(&nodes),
         Cmd::Health { nodes, units } => health::run(&nodes, units).await,
         Cmd::Rollout { nodes } => rollout::run(&nodes).await,
+        Cmd::UnitStarts { units, rounds } => starts::run(units, rounds).await,
         Cmd::Heartbeats {
             nodes,
             seconds,

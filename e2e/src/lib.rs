@@ -326,6 +326,12 @@ impl Mesh {
     /// broker: [`TestEnv::on_broker`]).
     pub fn prepare_on(env: TestEnv) -> anyhow::Result<Mesh> {
         let dir = tempfile::tempdir()?;
+        // Units run as their modules' users (decision 0051): they pass through
+        // to their agent's root, as they would through `/`.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        }
         env.write_controller_credentials(&dir.path().join("credentials.toml"))?;
         let api_port = free_port()?;
         std::fs::write(

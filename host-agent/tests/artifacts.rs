@@ -194,8 +194,9 @@ async fn artifacts_are_verified_cached_once_and_run_from() -> anyhow::Result<()>
     };
 
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
-    let marks = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
+    let marks = mesh_testkit::units_tempdir()?;
+    mesh_testkit::open_to_units(marks.path())?;
     creds.write_to(state.path())?;
     let metrics_port = free_port();
     let config = || Config {
@@ -570,8 +571,9 @@ async fn a_unit_waits_for_its_artifact() -> anyhow::Result<()> {
         .await?;
 
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
-    let marks = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
+    let marks = mesh_testkit::units_tempdir()?;
+    mesh_testkit::open_to_units(marks.path())?;
     creds.write_to(state.path())?;
     let config = Config {
         state_dir: state.path().to_owned(),
@@ -708,7 +710,7 @@ async fn the_nodes_lease_goes_on_while_it_pulls_an_artifact() -> anyhow::Result<
     let slow = slow_proxy(upstream, Duration::from_secs(2)).await?;
 
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let config = Config {
         state_dir: state.path().to_owned(),

@@ -157,7 +157,7 @@ async fn hello_declarations_and_shutdown() -> anyhow::Result<()> {
 
     // The agent, in-process.
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let metrics_port = free_port();
     let config = Config {
@@ -357,7 +357,7 @@ async fn reconnects_after_losing_the_broker() -> anyhow::Result<()> {
     declaration_queue_for(&ch, &node).await?;
 
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let metrics_port = free_port();
     let config = Config {
@@ -430,7 +430,7 @@ async fn binary_runs_and_stops_on_sigterm() -> anyhow::Result<()> {
     let creds = env.add_node("bin").await?;
     let (admin, _ch, mut reports) = controller_side(&env).await?;
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let config_file = state.path().join("agent.toml");
     std::fs::write(
@@ -507,7 +507,7 @@ async fn declared_units_run_and_are_reported() -> anyhow::Result<()> {
     declaration_queue_for(&ch, &node).await?;
 
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let config = Config {
         state_dir: state.path().to_owned(),
@@ -686,8 +686,9 @@ async fn an_agents_restart_restarts_no_unit() -> anyhow::Result<()> {
     declaration_queue_for(&ch, &node).await?;
 
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
-    let marks = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
+    let marks = mesh_testkit::units_tempdir()?;
+    mesh_testkit::open_to_units(marks.path())?;
     creds.write_to(state.path())?;
     let config = state.path().join("agent.toml");
     std::fs::write(
@@ -906,7 +907,7 @@ async fn an_unknown_section_is_reported_unsupported_and_nothing_else_stops() -> 
     let node = creds.node.clone();
     let (admin, ch, mut reports) = controller_side(&env).await?;
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let metrics_port = free_port();
     let config = Config {
@@ -1022,7 +1023,7 @@ async fn a_sealed_secret_arrives_and_is_written_0600() -> anyhow::Result<()> {
     let node = creds.node.clone();
     let (admin, ch, mut reports) = controller_side(&env).await?;
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let key_file = state
         .path()
@@ -1169,7 +1170,7 @@ async fn declared_endpoints_are_kept_and_an_invalid_one_is_rejected() -> anyhow:
     let node = creds.node.clone();
     let (admin, ch, mut reports) = controller_side(&env).await?;
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let config = Config {
         state_dir: state.path().to_owned(),

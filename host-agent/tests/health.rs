@@ -33,6 +33,11 @@ const DEADLINE: Duration = Duration::from_secs(30);
 
 /// The real python3 (not a shim that needs the test's environment).
 fn python() -> String {
+    // The system's: units run as their module's user, who cannot reach an
+    // interpreter under root's home (pyenv).
+    if Path::new("/usr/bin/python3").is_file() {
+        return "/usr/bin/python3".to_owned();
+    }
     let out = std::process::Command::new("python3")
         .args(["-c", "import sys; print(sys.executable)"])
         .output()
@@ -258,8 +263,8 @@ async fn an_http_probe_turns_unhealthy_after_its_threshold_and_back() -> anyhow:
     declaration_queue_for(&ch, &node).await?;
 
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
-    let flags = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
+    let flags = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let port = free_port();
     let failing = flags.path().join("fail");
@@ -422,7 +427,7 @@ fn both(results: &[ProbeResult], state: ProbeState) -> bool {
 /// replace the old; removing the unit drops them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_and_exec_probes_turn_and_return() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = mesh_testkit::units_tempdir().unwrap();
     let root = dir.path().join("root");
     let state = dir.path().join("state");
     std::fs::create_dir_all(&root).unwrap();
@@ -562,8 +567,8 @@ async fn an_agents_restart_keeps_the_unit_and_its_probes_resume() -> anyhow::Res
     declaration_queue_for(&ch, &node).await?;
 
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
-    let flags = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
+    let flags = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let port = free_port();
     let ready = probe(serde_json::json!({
@@ -654,7 +659,7 @@ async fn the_first_hello_after_an_outage_states_it() -> anyhow::Result<()> {
     declaration_queue_for(&ch, &node).await?;
 
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let metrics_port = free_port();
     let agent = start_agent(Config {
@@ -787,7 +792,7 @@ fn metric_value(text: &str, name: &str) -> Option<f64> {
 /// anew.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_check_waits_the_initial_delay_and_a_stopped_unit_drops_its_probes() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = mesh_testkit::units_tempdir().unwrap();
     let root = dir.path().join("root");
     let state = dir.path().join("state");
     std::fs::create_dir_all(&root).unwrap();

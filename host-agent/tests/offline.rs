@@ -20,7 +20,7 @@ fn config(state: &std::path::Path, root: &std::path::Path) -> Config {
 #[tokio::test]
 async fn missing_or_malformed_credentials_refuse_to_start() {
     let state = tempfile::tempdir().unwrap();
-    let root = tempfile::tempdir().unwrap();
+    let root = mesh_testkit::units_tempdir().unwrap();
     let err = mesh_host_agent::run(config(state.path(), root.path()), async {})
         .await
         .unwrap_err();
@@ -37,7 +37,7 @@ async fn missing_or_malformed_credentials_refuse_to_start() {
 #[tokio::test]
 async fn keeps_running_without_a_broker_and_stops_when_told() {
     let state = tempfile::tempdir().unwrap();
-    let root = tempfile::tempdir().unwrap();
+    let root = mesh_testkit::units_tempdir().unwrap();
     // Nothing listens on port 1.
     std::fs::write(
         state.path().join("credentials.toml"),

@@ -700,7 +700,7 @@ async fn certificates_are_asked_installed_and_renewed_at_two_thirds() -> anyhow:
     };
     declaration_queue_for(&ch, &node).await?;
     let state = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
     creds.write_to(state.path())?;
     let mut config = mesh_host_agent::Config {
         state_dir: state.path().to_owned(),

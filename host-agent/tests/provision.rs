@@ -73,7 +73,7 @@ fn wait_until(what: &str, deadline: Duration, mut ready: impl FnMut() -> bool) {
 }
 
 fn start_postgres() -> Server {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = mesh_testkit::units_tempdir().unwrap();
     // The server runs as the postgres user: it must reach its data dir.
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let base = dir.path().join("pg");
@@ -538,7 +538,7 @@ fn free_rabbitmq_port() -> u16 {
 fn start_rabbitmq() -> (Server, String) {
     let mut last_log = String::new();
     for _ in 0..3 {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = mesh_testkit::units_tempdir().unwrap();
         let base = dir.path().join("rmq");
         let port = free_rabbitmq_port();
         let node = format!("mesh-prov-{port}@localhost");
@@ -815,7 +815,7 @@ async fn rabbitmq_grant_lifecycle() {
 }
 
 fn start_garage() -> Server {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = mesh_testkit::units_tempdir().unwrap();
     let base = dir.path().join("garage");
     let port = free_port();
     let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
@@ -1168,7 +1168,7 @@ async fn the_agent_provisions_a_postgres_grant_over_the_broker() {
     let (admin, ch, mut reports) = common::controller_side(&env).await.unwrap();
     common::declaration_queue_for(&ch, &node).await.unwrap();
 
-    let dir = tempfile::tempdir().unwrap();
+    let dir = mesh_testkit::units_tempdir().unwrap();
     // PostgreSQL runs as the postgres user: it must reach its data dir.
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let state = dir.path().join("state");
@@ -1216,8 +1216,9 @@ async fn the_agent_provisions_a_postgres_grant_over_the_broker() {
     };
 
     // 1. The provider module's server, as the node's unit.
+    // A provider's server switches to its own user (postgres): it runs as root.
     let unit = UnitItem {
-        user: Default::default(),
+        user: mesh_protocol::UnitUser::Root,
         limits: Default::default(),
         stateful: false,
         artifact: None,

@@ -61,7 +61,7 @@ struct Fixture {
 }
 
 async fn fixture(config: UnitsConfig) -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = mesh_testkit::units_tempdir().unwrap();
     let root = dir.path().join("root");
     let state = dir.path().join("state");
     std::fs::create_dir_all(&root).unwrap();
@@ -551,7 +551,7 @@ async fn unit_pid(state: &Path, name: &str, not: Option<u32>) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_runs_units_from_its_store_while_the_broker_is_unreachable() {
     let state = tempfile::tempdir().unwrap();
-    let root = tempfile::tempdir().unwrap();
+    let root = mesh_testkit::units_tempdir().unwrap();
     seed_store(state.path(), vec![sh("kept", "exec sleep 1000")]);
 
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -635,18 +635,6 @@ async fn wait_metric(port: u16, line: &str) {
     }
 }
 
-/// Make `dir` (and let units through its parent) writable by units, which
-/// run as their module's user, not as this test.
-fn open_to_units(dir: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
-    if let Some(parent) = dir.parent() {
-        let mode = std::fs::metadata(parent).unwrap().permissions().mode();
-        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(mode | 0o111)).unwrap();
-    }
-}
-
 /// A unit that writes `<marks>/<name>` if it is ever signalled (TERM, HUP,
 /// INT), and otherwise runs until it is killed.
 fn trapping(name: &str, marks: &Path) -> UnitItem {
@@ -690,7 +678,7 @@ async fn units_outlive_their_supervisor_and_are_adopted() {
         sup: mut first,
     } = fixture(fast()).await;
     let marks = dir.path().join("marks");
-    open_to_units(&marks);
+    mesh_testkit::open_to_units(&marks).unwrap();
     let (a, b, c, d) = (
         trapping("a", &marks),
         trapping("b", &marks),
@@ -887,9 +875,9 @@ async fn output_written_while_no_supervisor_runs_is_kept_and_rotated() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashed_agents_units_are_adopted_by_the_next_agent() {
     let state = tempfile::tempdir().unwrap();
-    let root = tempfile::tempdir().unwrap();
-    let marks = tempfile::tempdir().unwrap();
-    open_to_units(marks.path());
+    let root = mesh_testkit::units_tempdir().unwrap();
+    let marks = mesh_testkit::units_tempdir().unwrap();
+    mesh_testkit::open_to_units(marks.path()).unwrap();
     let port = free_port();
     let config = Config {
         metrics_listen: Some(([127, 0, 0, 1], port).into()),

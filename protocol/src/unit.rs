@@ -120,7 +120,7 @@ pub struct UnitLimits {
 }
 
 /// The smallest limits a unit may declare: below them nothing starts.
-pub const MIN_CPU_MILLIS: u64 = 10;
+pub const MIN_CPU_MILLIS: u64 = 1;
 pub const MIN_MEMORY_BYTES: u64 = 4 * 1024 * 1024;
 pub const MIN_PIDS: u64 = 2;
 

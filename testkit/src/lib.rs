@@ -573,3 +573,27 @@ impl Drop for TestEnv {
         let _ = handle.join();
     }
 }
+
+/// A directory that the units of a test's agent may write into (a test's
+/// marks, their output): units run as their module's own user (decision
+/// 0051), and a test's temporary directory is its owner's alone (0700).
+/// Makes `dir` world-writable with the sticky bit (as /tmp), and lets anyone
+/// through its parent.
+pub fn open_to_units(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777))?;
+    if let Some(parent) = dir.parent() {
+        let mode = std::fs::metadata(parent)?.permissions().mode();
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(mode | 0o111))?;
+    }
+    Ok(())
+}
+
+/// A temporary directory for a test's agent root, or for files its units
+/// write or read: open to units as [`open_to_units`] makes it.
+pub fn units_tempdir() -> std::io::Result<tempfile::TempDir> {
+    let dir = tempfile::tempdir()?;
+    open_to_units(dir.path())?;
+    Ok(dir)
+}

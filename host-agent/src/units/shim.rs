@@ -120,7 +120,17 @@ pub fn main() -> ExitCode {
 
     let (mut child, placed) = match spawn_boxed(&launch) {
         Ok(c) => c,
-        Err(e) => return fail(e),
+        Err(e) => {
+            let who = launch
+                .sandbox
+                .uid
+                .map_or_else(String::new, |u| format!(" as uid {u}"));
+            return fail(format!(
+                "cannot start {}{who} in {}: {e}",
+                launch.command,
+                launch.working_dir.display()
+            ));
+        }
     };
     let pid = child.id();
     let started_at = Utc::now();
