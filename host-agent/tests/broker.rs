@@ -1238,3 +1238,135 @@ async fn declared_endpoints_are_kept_and_an_invalid_one_is_rejected() -> anyhow:
     let _ = admin.close(200, "done".into()).await;
     env.teardown().await
 }
+
+/// A unit hammering at its pids limit (issue 30) does not stop its node from
+/// answering: the agent's heartbeats keep their interval while the unit's
+/// every fork past the limit fails. The hammer is bounded (at most 400
+/// children, 8 s) so that a broken limit could not hurt the machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_at_its_pids_limit_leaves_the_heartbeats_on_time() -> anyhow::Result<()> {
+    use mesh_protocol::{DesiredState, RestartPolicy, UnitItem, UnitLimits, UnitState};
+    if !rustix::process::geteuid().is_root() {
+        return mesh_testkit::skip("the pids limit needs root (cgroups)");
+    }
+    let env = TestEnv::new().await?;
+    let creds = env.add_node("bomb").await?;
+    let node = creds.node.clone();
+    let (admin, ch, mut reports) = controller_side(&env).await?;
+    declaration_queue_for(&ch, &node).await?;
+    let state = tempfile::tempdir()?;
+    let root = mesh_testkit::units_tempdir()?;
+    creds.write_to(state.path())?;
+    let interval = Duration::from_millis(500);
+    let config = Config {
+        state_dir: state.path().to_owned(),
+        root: root.path().to_owned(),
+        heartbeat_interval: interval,
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(400),
+        units: mesh_host_agent::units::UnitsConfig {
+            shim_program: Some(env!("CARGO_BIN_EXE_mesh-agent").into()),
+            ..Default::default()
+        },
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(mesh_host_agent::run(config, async {
+        let _ = stopped.await;
+    }));
+    const HAMMER: &str = "import os, time\n\
+        end, n, refused = time.time() + 8, 0, 0\n\
+        while time.time() < end and n < 400:\n    \
+            try:\n        \
+                if os.fork() == 0:\n            \
+                    time.sleep(30)\n            \
+                    os._exit(0)\n        \
+                n += 1\n    \
+            except OSError:\n        \
+                refused += 1\n\
+        print('forked', n, 'refused', refused, flush=True)\n\
+        time.sleep(1000)\n";
+    let bomb = UnitItem {
+        name: "bomb".into(),
+        module: "bombmod".into(),
+        command: "/usr/bin/python3".into(),
+        args: vec!["-c".into(), HAMMER.into()],
+        env: Default::default(),
+        working_dir: None,
+        restart: RestartPolicy::Never,
+        desired: DesiredState::Running,
+        probes: Vec::new(),
+        artifact: None,
+        revision: None,
+        user: Default::default(),
+        limits: UnitLimits {
+            pids: Some(32),
+            ..Default::default()
+        },
+        stateful: false,
+    };
+    let decl = Declaration {
+        section: Section::Inventory,
+        generation: 1,
+        items: DeclarationItems {
+            units: vec![bomb],
+            ..Default::default()
+        },
+    };
+    publish_raw(
+        &ch,
+        env.signer(),
+        &node,
+        &Envelope::new(node.clone(), 1, decl).encode(),
+    )
+    .await?;
+    wait_report(&mut reports, "units report: the bomb running", |r| {
+        units_of(r).is_some_and(|u| {
+            u.iter()
+                .any(|s| s.name == "bomb" && s.state == UnitState::Running)
+        })
+    })
+    .await?;
+    // Heartbeats while it hammers: none late.
+    let mut beats = Vec::new();
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        let r = wait_report(&mut reports, "a heartbeat", |r| {
+            r.kind.as_deref() == Some("heartbeat")
+        })
+        .await?;
+        assert_eq!(r.user_id.as_deref(), Some(node.as_str()));
+        beats.push(Instant::now());
+    }
+    let worst = beats
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .context("at least two heartbeats")?;
+    anyhow::ensure!(
+        worst <= interval * 3,
+        "a heartbeat came {worst:?} after the one before (interval {interval:?})"
+    );
+    // It was at its limit, refused forks all along.
+    let log = state.path().join("units/bomb/stdout.log");
+    let until = Instant::now() + DEADLINE;
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("forked")
+    {
+        anyhow::ensure!(Instant::now() < until, "the hammer never said what it did");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let said = std::fs::read_to_string(&log)?;
+    anyhow::ensure!(said.starts_with("forked 31 refused "), "{said}");
+    anyhow::ensure!(!said.contains("refused 0\n"), "{said}");
+
+    let _ = stop.send(());
+    timeout(Duration::from_secs(15), agent)
+        .await
+        .context("agent did not stop")???;
+    mesh_host_agent::units::drain_local(&state.path().join("units"), Duration::from_secs(2)).await;
+    drop(reports);
+    let _ = admin.close(200, "done".into()).await;
+    env.teardown().await
+}

@@ -217,7 +217,19 @@ async fn a_unit_runs_as_its_modules_user_and_reaches_no_other_modules_secrets_no
         user: UnitUser::Root,
         ..sh("boxr", "boxr", "exec sleep 1000")
     };
-    sup.declare(&[sh("boxa", "boxa", &a_script), root_unit]);
+    // Its exec probe runs as it does.
+    let whoami: mesh_protocol::Probe = serde_json::from_value(serde_json::json!({
+        "name": "whoami",
+        "exec": {"command": "sh", "args": ["-c", format!("[ \"$(id -un)\" = {} ]", user_name("boxa"))]},
+        "interval_secs": 1,
+        "timeout_secs": 1,
+        "success_threshold": 1,
+    }))?;
+    let a_unit = UnitItem {
+        probes: vec![whoami],
+        ..sh("boxa", "boxa", &a_script)
+    };
+    sup.declare(&[a_unit, root_unit]);
     let a = wait_unit(&sup, "boxa", "boxa running", running).await;
     let r = wait_unit(&sup, "boxr", "boxr running", running).await;
     let a_uid = passwd_uid(&user_name("boxa")).expect("boxa's user exists");
@@ -236,6 +248,12 @@ async fn a_unit_runs_as_its_modules_user_and_reaches_no_other_modules_secrets_no
         ["denied", "denied", "denied", "read"],
         "another module's secret, its settings and the agent's seal key are unreadable; its own secret is not"
     );
+    wait_for("boxa's exec probe healthy (it runs as boxa's user)", || {
+        sup.probe_results()
+            .iter()
+            .any(|r| r.probe == "whoami" && r.state == mesh_protocol::ProbeState::Healthy)
+    })
+    .await;
     sup.stop_all().await;
     Ok(())
 }

@@ -286,6 +286,7 @@ pub enum Check {
         check: ExecCheck,
         env: BTreeMap<String, String>,
         dir: PathBuf,
+        user: Option<(u32, u32)>,
     },
 }
 
@@ -294,6 +295,9 @@ pub enum Check {
 pub struct ExecContext {
     pub env: BTreeMap<String, String>,
     pub dir: PathBuf,
+    /// The unit's (uid, gid), when it runs as its module's user: its probes
+    /// do too.
+    pub user: Option<(u32, u32)>,
 }
 
 impl Check {
@@ -306,6 +310,7 @@ impl Check {
                 check: e.clone(),
                 env: ctx.env.clone(),
                 dir: ctx.dir.clone(),
+                user: ctx.user,
             },
         })
     }
@@ -320,7 +325,12 @@ impl Check {
             Check::Tcp(t) => tokio::time::timeout(timeout, tcp(t))
                 .await
                 .unwrap_or_else(|_| Err(timed_out())),
-            Check::Exec { check, env, dir } => exec(check, env, dir, timeout).await,
+            Check::Exec {
+                check,
+                env,
+                dir,
+                user,
+            } => exec(check, env, dir, *user, timeout).await,
         }
     }
 }
@@ -422,9 +432,14 @@ async fn exec(
     e: &ExecCheck,
     env: &BTreeMap<String, String>,
     dir: &std::path::Path,
+    user: Option<(u32, u32)>,
     timeout: Duration,
 ) -> Result<String, String> {
-    let mut child = tokio::process::Command::new(&e.command)
+    let mut cmd = tokio::process::Command::new(&e.command);
+    if let Some((uid, gid)) = user {
+        cmd.uid(uid).gid(gid);
+    }
+    let mut child = cmd
         .args(&e.args)
         .env_clear()
         .envs(env)
@@ -721,6 +736,7 @@ mod tests {
         let ctx = ExecContext {
             env: [("PATH".to_owned(), "/usr/bin:/bin".to_owned())].into(),
             dir: PathBuf::from("/"),
+            user: None,
         };
         let exec = |script: &str| {
             Check::of(
@@ -772,6 +788,7 @@ mod tests {
             },
             env: BTreeMap::new(),
             dir: PathBuf::from("/"),
+            user: None,
         };
         assert_eq!(
             missing.run(Duration::from_secs(1)).await,

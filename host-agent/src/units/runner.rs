@@ -179,9 +179,14 @@ impl Runner {
             self.shared.board.forget(self.id, &self.item.name);
             return;
         }
+        let user = (self.shared.sandbox.users && sandbox::runs_as_module(&self.item))
+            .then(|| sandbox::ensure_user(&self.item.module).ok())
+            .flatten()
+            .map(|u| (u.uid, u.gid));
         let ctx = ExecContext {
             env: self.env(),
             dir: self.working_dir(),
+            user,
         };
         self.probes = Some(ProbeSet::start(
             &self.shared.board,
