@@ -330,12 +330,12 @@ pub fn mark_present(state_dir: &Path, items: &[UnitItem]) {
     for u in items {
         let dir = module_dir(state_dir, &u.module);
         let marker = dir.join(STATEFUL_FILE);
-        if u.stateful && !marker.exists() {
-            if let Err(e) =
+        if u.stateful
+            && !marker.exists()
+            && let Err(e) =
                 std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&marker, b""))
-            {
-                warn!(module = %u.module, error = %e, "cannot mark the module stateful: its volume could be swept");
-            }
+        {
+            warn!(module = %u.module, error = %e, "cannot mark the module stateful: its volume could be swept");
         }
     }
 }
