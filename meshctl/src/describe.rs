@@ -1193,7 +1193,10 @@ mod tests {
             t.contains("Box:           user root, cpu_millis none, memory_bytes 67108864, pids 64"),
             "{t}"
         );
-        assert!(t.contains("UID   OOM KILLS   REASON       DATA BYTES"), "{t}");
+        assert!(
+            t.contains("UID   OOM KILLS   REASON       DATA BYTES"),
+            "{t}"
+        );
         assert!(t.contains("0     3           oom_killed   4096"), "{t}");
     }
 

@@ -159,12 +159,7 @@ impl ModuleSpec {
     /// runs in is the module's: its user, its limits (from `resources`), its
     /// stateful flag, and its desired state. Every unit inventory declares
     /// is made here.
-    pub fn runs(
-        &self,
-        module: &str,
-        unit_name: &str,
-        revision: Option<&RevisionUnit>,
-    ) -> UnitItem {
+    pub fn runs(&self, module: &str, unit_name: &str, revision: Option<&RevisionUnit>) -> UnitItem {
         let mut item = match revision {
             Some(r) => r.unit_item(module, unit_name, Some(self.desired)),
             None => self.unit_item(module, unit_name),
@@ -289,7 +284,10 @@ mod tests {
             pids: Some(64),
         };
         let own = spec.runs("db", "db", None);
-        assert_eq!((own.user, own.limits, own.stateful), (UnitUser::Root, want, true));
+        assert_eq!(
+            (own.user, own.limits, own.stateful),
+            (UnitUser::Root, want, true)
+        );
         assert_eq!(own.revision, None);
         let revision = RevisionUnit {
             id: uuid::Uuid::from_u128(7),

@@ -180,9 +180,7 @@ async fn put_module(
     spec.validate(&name)?;
     if spec.runs_as_root() {
         // Said in the entry of the change, or of its refusal (decision 0051).
-        audit.note(format!(
-            "module `{name}` runs as root (unit.user: root)"
-        ));
+        audit.note(format!("module `{name}` runs as root (unit.user: root)"));
         let principal = audit.principal();
         if principal.role < Role::Admin {
             return Err(Problem::forbidden(format!(

@@ -360,7 +360,10 @@ async fn a_unit_oom_killed_three_times_is_alerted_until_it_is_redeclared() {
         f.report(&a, oom_killed("db", "db", kills)).await;
         f.evaluate().await;
         assert!(
-            f.open().await.iter().all(|x| x["kind"] != "unit_oom_killed"),
+            f.open()
+                .await
+                .iter()
+                .all(|x| x["kind"] != "unit_oom_killed"),
             "{kills} OOM kills are not yet an alert"
         );
     }
@@ -384,7 +387,10 @@ async fn a_unit_oom_killed_three_times_is_alerted_until_it_is_redeclared() {
     assert_eq!(oom["subject"], format!("unit/{a}/db"));
     assert_eq!(oom["severity"], "warning");
     assert!(
-        oom["message"].as_str().unwrap().contains("OOM-killed 3 times"),
+        oom["message"]
+            .as_str()
+            .unwrap()
+            .contains("OOM-killed 3 times"),
         "{oom}"
     );
     assert_eq!(told("observability.alert.raised").await, 1);
@@ -402,7 +408,12 @@ async fn a_unit_oom_killed_three_times_is_alerted_until_it_is_redeclared() {
     // Redeclared (a new limit, say): its node counts from 0 again.
     f.report(&a, oom_killed("db", "db", 0)).await;
     f.evaluate().await;
-    assert!(f.open().await.iter().all(|x| x["kind"] != "unit_oom_killed"));
+    assert!(
+        f.open()
+            .await
+            .iter()
+            .all(|x| x["kind"] != "unit_oom_killed")
+    );
     assert_eq!(told("observability.alert.resolved").await, 1);
     f.env.teardown().await.unwrap();
 }
