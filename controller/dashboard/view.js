@@ -104,22 +104,36 @@ export function modules(modules) {
     const health = m.health ? m.health.health : "unknown";
     const replicas = m.health ? m.health.replicas : [];
     const healthy = replicas.filter((r) => r.health === "healthy").length;
-    const placed = (m.assignments || []).length;
+    const assignments = m.assignments || [];
+    const placed = assignments.length;
+    const ooms = assignments.reduce((n, a) => n + (a.oom_kills || 0), 0);
+    // A replica's box as its node reported it: uid, OOM kills, data volume.
+    const box = (r) => {
+      const a = assignments.find((x) => x.node === r.node && x.name === r.unit);
+      if (!a) return "";
+      const parts = [];
+      if (a.uid !== null && a.uid !== undefined) parts.push(`uid ${a.uid}`);
+      if (a.oom_kills) parts.push(`${a.oom_kills} OOM kills`);
+      if (a.data_bytes !== null && a.data_bytes !== undefined) parts.push(`data ${a.data_bytes} B`);
+      return parts.length ? `; ${parts.join(", ")}` : "";
+    };
     return el(
       "article",
       { class: "row module", "data-module": m.name, "data-health": health },
       el("div", { class: "main" },
         el("strong", {}, m.name),
         pill(health),
-        m.desired === "stopped" ? pill("stopped") : null),
+        m.desired === "stopped" ? pill("stopped") : null,
+        m.unit && m.unit.user === "root" ? pill("root") : null),
       el("div", { class: "replicas" },
         el("span", { class: "ratio" }, `${healthy}/${m.effective_replicas} healthy`),
         el("span", { class: "dots" }, replicas.map((r) =>
           el("span", {
             class: `rep ${r.health}`,
-            title: `${r.unit} on ${r.node}: ${r.health}${r.reason ? ` (${r.reason})` : ""}`,
+            title: `${r.unit} on ${r.node}: ${r.health}${r.reason ? ` (${r.reason})` : ""}${box(r)}`,
           }))),
-        placed < m.effective_replicas ? el("span", { class: "warn" }, `${placed} placed`) : null),
+        placed < m.effective_replicas ? el("span", { class: "warn" }, `${placed} placed`) : null,
+        ooms > 0 ? el("span", { class: "warn", "data-oom-kills": String(ooms) }, `${ooms} OOM kills`) : null),
       m.placement_error ? el("div", { class: "detail error" }, m.placement_error) : null,
     );
   });

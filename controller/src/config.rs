@@ -218,6 +218,9 @@ pub struct Settings {
     pub crash_restarts: u32,
     /// Default 600 (10 minutes).
     pub crash_window_secs: u64,
+    /// OOM kills of one unit since it was declared (its node counts them)
+    /// that raise `unit_oom_killed`. Default 3; at least 1.
+    pub oom_kills: u32,
     /// A certificate with less left than this, in seconds, or than a
     /// quarter of its lifetime (agents renew at two thirds; whichever is
     /// shorter), raises `certificate_expiring`. Default 1209600 (14 days).
@@ -357,6 +360,7 @@ impl Default for Settings {
             grant_retention_secs: mesh_provisioning::DEFAULT_GRANT_RETENTION.as_secs(),
             crash_restarts: 3,
             crash_window_secs: 600,
+            oom_kills: 3,
             certificate_alert_secs: 14 * 24 * 3600,
             behind_alert_secs: 300,
             outage_alert_secs: 900,
@@ -550,6 +554,7 @@ impl Settings {
             ("grant_retention_secs", self.grant_retention_secs),
             ("crash_restarts", u64::from(self.crash_restarts)),
             ("crash_window_secs", self.crash_window_secs),
+            ("oom_kills", u64::from(self.oom_kills)),
             ("outage_alert_secs", self.outage_alert_secs),
         ] {
             if value == 0 {

@@ -228,6 +228,7 @@ impl Contexts {
                 alert_retention: std::time::Duration::from_secs(settings.alert_retention_secs),
                 crash_restarts: settings.crash_restarts,
                 crash_window: std::time::Duration::from_secs(settings.crash_window_secs),
+                oom_kills: settings.oom_kills,
                 certificate_window: std::time::Duration::from_secs(settings.certificate_alert_secs),
                 behind_after: std::time::Duration::from_secs(settings.behind_alert_secs),
                 outage_window: std::time::Duration::from_secs(settings.outage_alert_secs),

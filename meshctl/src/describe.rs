@@ -303,6 +303,19 @@ pub fn module_text(m: &Value, recent: &Result<Vec<events::SseEvent>, String>) ->
         s(m, "stateful"),
         s(m, "revision")
     );
+    let resources = &unit["resources"];
+    let limit = |key: &str| match resources.get(key).and_then(Value::as_u64) {
+        None | Some(0) => "none".to_owned(),
+        Some(n) => n.to_string(),
+    };
+    let _ = writeln!(
+        out,
+        "Box:           user {}, cpu_millis {}, memory_bytes {}, pids {}",
+        unit["user"].as_str().unwrap_or("module"),
+        limit("cpu_millis"),
+        limit("memory_bytes"),
+        limit("pids")
+    );
     let _ = writeln!(
         out,
         "Placement:     {}",
@@ -348,6 +361,10 @@ pub fn module_text(m: &Value, recent: &Result<Vec<events::SseEvent>, String>) ->
                         s(x, "unit_state"),
                         s(x, "restarts"),
                         h.map_or("-".into(), |h| s(h, "health")),
+                        s(x, "uid"),
+                        s(x, "oom_kills"),
+                        s(x, "reason"),
+                        s(x, "data_bytes"),
                         s(x, "revision"),
                     ]
                 })
@@ -359,7 +376,18 @@ pub fn module_text(m: &Value, recent: &Result<Vec<events::SseEvent>, String>) ->
     } else {
         out.push_str(&indent(&output::table(
             &[
-                "REPLICA", "NODE", "UNIT", "ROLE", "STATE", "RESTARTS", "HEALTH", "REVISION",
+                "REPLICA",
+                "NODE",
+                "UNIT",
+                "ROLE",
+                "STATE",
+                "RESTARTS",
+                "HEALTH",
+                "UID",
+                "OOM KILLS",
+                "REASON",
+                "DATA BYTES",
+                "REVISION",
             ],
             &rows,
         )));
@@ -1149,6 +1177,27 @@ mod tests {
             e.contains("0193aa00-0000-7000-8000-000000000002   app/db   revoked"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_module_shows_each_replicas_box() {
+        let m = json!({"name": "db", "revision": 2, "desired": "running", "stateful": true,
+            "unit": {"command": "/usr/bin/db", "restart": "always", "user": "root",
+                     "resources": {"cpu_millis": 0, "memory_bytes": 67108864, "pids": 64}},
+            "placement": {"exact_node": {"node": "db-1"}}, "effective_replicas": 1,
+            "assignments": [{"replica": 0, "node": "db-1", "name": "db", "role": "active",
+                "unit_state": "running", "restarts": 3, "uid": 0, "oom_kills": 3,
+                "reason": "oom_killed", "data_bytes": 4096, "revision": null}]});
+        let t = module_text(&m, &Ok(vec![]));
+        assert!(
+            t.contains("Box:           user root, cpu_millis none, memory_bytes 67108864, pids 64"),
+            "{t}"
+        );
+        assert!(
+            t.contains("UID   OOM KILLS   REASON       DATA BYTES"),
+            "{t}"
+        );
+        assert!(t.contains("0     3           oom_killed   4096"), "{t}");
     }
 
     #[test]

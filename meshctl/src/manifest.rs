@@ -21,9 +21,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use mesh_protocol::{
-    DecodeError, DesiredState, FileMode, Labels, ModulePort, NodeId, Probe, RestartPolicy,
-    SettingsFile, UnitItem, validate_file_name, validate_labels, validate_module_name,
-    validate_path, validate_ports, validate_settings_files,
+    DecodeError, DesiredState, FileMode, Labels, MIN_CPU_MILLIS, MIN_MEMORY_BYTES, MIN_PIDS,
+    ModulePort, NodeId, Probe, RestartPolicy, SettingsFile, UnitItem, UnitLimits, UnitUser,
+    validate_file_name, validate_labels, validate_module_name, validate_path, validate_ports,
+    validate_settings_files,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -149,6 +150,9 @@ pub struct UnitSpec {
     pub resources: Resources,
     #[serde(default)]
     pub probes: Vec<Probe>,
+    /// `root` (admin only) or absent: the module's own unprivileged user.
+    #[serde(default, skip_serializing_if = "UnitUser::is_module")]
+    pub user: UnitUser,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -158,6 +162,28 @@ pub struct Resources {
     pub cpu_millis: u64,
     #[serde(default)]
     pub memory_bytes: u64,
+    /// The replica's process limit (a limit only, never placed on); 0: the
+    /// agent's default.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pids: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl Resources {
+    /// As the controller maps them (inventory's `Resources::limits`): each
+    /// request is the replica's limit, raised to the smallest an agent
+    /// enforces; 0 is none.
+    fn limits(&self) -> UnitLimits {
+        let some = |n: u64| (n > 0).then_some(n);
+        UnitLimits {
+            cpu_millis: some(self.cpu_millis).map(|c| c.clamp(MIN_CPU_MILLIS, 1_024_000)),
+            memory_bytes: some(self.memory_bytes).map(|m| m.max(MIN_MEMORY_BYTES)),
+            pids: some(self.pids),
+        }
+    }
 }
 
 /// Where a module runs: exactly one of these.
@@ -202,10 +228,16 @@ impl ModuleDoc {
                 "must not end in -<digits>: replica units are named <module>-<replica>",
             ));
         }
+        if self.unit.resources.pids != 0 && self.unit.resources.pids < MIN_PIDS {
+            return Err(inv(
+                "unit.resources.pids",
+                format!("at least {MIN_PIDS} (0: the agent's default limit)"),
+            ));
+        }
         UnitItem {
-            user: Default::default(),
-            limits: Default::default(),
-            stateful: false,
+            user: self.unit.user,
+            limits: self.unit.resources.limits(),
+            stateful: self.stateful,
             name: self.name.clone(),
             module: self.name.clone(),
             command: self.unit.command.clone(),
@@ -1146,6 +1178,39 @@ mod tests {
             "placement": {"match_labels": {"labels": {"role": "web"}, "replicas": 1}},
         });
         assert_eq!(rs[0].live(&live).unwrap(), rs[0].desired());
+    }
+
+    #[test]
+    fn a_module_may_run_as_root_with_a_pids_limit() {
+        let rs = yaml(
+            "kind: Module\nname: db\nstateful: true\n\
+             unit: {command: /bin/sleep, user: root, resources: {memory_bytes: 67108864, pids: 32}}\n\
+             placement: {exact_node: {node: db-1}}\n",
+        )
+        .unwrap();
+        let body = rs[0].body();
+        assert_eq!(body["unit"]["user"], "root");
+        assert_eq!(
+            body["unit"]["resources"],
+            json!({"cpu_millis": 0, "memory_bytes": 67108864, "pids": 32})
+        );
+        let live = json!({
+            "name": "db", "stateful": true, "desired": "running",
+            "unit": {"command": "/bin/sleep", "user": "root",
+                     "resources": {"cpu_millis": 0, "memory_bytes": 67108864, "pids": 32}},
+            "placement": {"exact_node": {"node": "db-1"}},
+        });
+        assert_eq!(rs[0].live(&live).unwrap(), rs[0].desired());
+        let e = error_of(yaml(
+            "kind: Module\nname: db\nunit: {command: /bin/sleep, resources: {pids: 1}}\n\
+             placement: {controller_node: {}}\n",
+        ));
+        assert_eq!(e.field.as_deref(), Some("unit.resources.pids"), "{e}");
+        let e = error_of(yaml(
+            "kind: Module\nname: db\nunit: {command: /bin/sleep, user: nobody}\n\
+             placement: {controller_node: {}}\n",
+        ));
+        assert!(e.to_string().contains("user"), "{e}");
     }
 
     fn error_of(r: Result<Vec<Resource>, ManifestError>) -> ManifestError {

@@ -460,6 +460,11 @@ pub struct AuditEntry {
     /// The HTTP status: 200 for every `ok` entry (it commits with the change,
     /// before the response exists), the status the request ended with otherwise.
     pub status: u16,
+    /// What the route alone does not say and an auditor must see, in words:
+    /// e.g. that a module written runs as root (decision 0051). Absent for
+    /// most entries (and from an older controller).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// Body of `identity.node.enrolled` (a node joined with a join token, or

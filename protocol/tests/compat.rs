@@ -397,6 +397,7 @@ fn write_corpus() {
                 at: at(),
                 outcome: "ok".into(),
                 status: 200,
+                detail: None,
             },
         },
         RecordKind::ModulePlaced(ModulePlacement {

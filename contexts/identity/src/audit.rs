@@ -19,8 +19,8 @@ pub(crate) async fn append(
 ) -> Result<(), Error> {
     sqlx::query(
         "INSERT INTO identity.audit (event_id, context, principal_id, principal, role, action, \
-         target, request_id, at, outcome, status) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (event_id) DO NOTHING",
+         target, request_id, at, outcome, status, detail) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (event_id) DO NOTHING",
     )
     .bind(event.id)
     .bind(event.context())
@@ -33,6 +33,7 @@ pub(crate) async fn append(
     .bind(entry.at)
     .bind(&entry.outcome)
     .bind(i32::from(entry.status))
+    .bind(entry.detail.as_deref())
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -53,6 +54,10 @@ pub struct AuditRow {
     pub at: DateTime<Utc>,
     pub outcome: String,
     pub status: i32,
+    /// What the route alone does not say (e.g. that the module written runs
+    /// as root); absent for most entries.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// Filters of `GET /v1/audit`; every one optional, all must hold.
@@ -94,7 +99,7 @@ impl Identity {
             .lag_tolerant(|pool| async move {
                 sqlx::query_as(
             "SELECT seq, context, principal_id, principal, role, action, target, request_id, at, \
-             outcome, status FROM identity.audit \
+             outcome, status, detail FROM identity.audit \
              WHERE ($1::text IS NULL OR principal = $1) \
                AND ($2::text IS NULL OR action = $2) \
                AND ($3::text IS NULL OR target = $3) \

@@ -371,6 +371,7 @@ fn place_modules(
                     capacity: Resources {
                         cpu_millis: u64::try_from(n.cpus).unwrap_or(0).saturating_mul(1000),
                         memory_bytes: u64::try_from(n.memory_bytes).unwrap_or(0),
+                        pids: 0,
                     },
                     used: used
                         .get(&n.id)
@@ -741,7 +742,8 @@ async fn publish_placements(
 
 /// The units `node` runs: per assignment, the revision the module's targets
 /// name for the node (its artifact and revision id with it), else the
-/// module's own spec; the desired state is always the module's.
+/// module's own spec; the desired state, user, limits and stateful flag are
+/// always the module's ([`crate::module::ModuleSpec::runs`]).
 fn units_of(
     node: &str,
     assignments: &BTreeMap<(String, String), Assignment>,
@@ -754,11 +756,9 @@ fn units_of(
         .take_while(|((n, _), _)| n == node);
     for (_, a) in held {
         if let Some(m) = modules.get(&a.module) {
-            let unit = match m.targets.of(node) {
-                Some(revision) => revision.unit_item(&a.module, &a.name, Some(m.spec.desired)),
-                None => m.spec.unit_item(&a.module, &a.name),
-            };
-            items.units.push(unit);
+            items
+                .units
+                .push(m.spec.runs(&a.module, &a.name, m.targets.of(node)));
         }
     }
     items

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use mesh_protocol::{
-    DesiredState, ModulePort, Probe, Provides, Requirement, RestartPolicy, SettingsFile, UnitItem,
-    validate_ports, validate_settings_files,
+    DesiredState, MIN_PIDS, ModulePort, Probe, Provides, Requirement, RestartPolicy, RevisionUnit,
+    SettingsFile, UnitItem, UnitUser, validate_ports, validate_settings_files,
 };
 use serde::{Deserialize, Serialize};
 
@@ -28,9 +28,16 @@ pub struct UnitSpec {
     /// `always` (default), `on_failure` or `never`.
     #[serde(default)]
     pub restart: RestartPolicy,
-    /// Requests of one replica; placement only puts it where they fit.
+    /// Requests of one replica; placement only puts it where they fit. They
+    /// are also its limits, enforced by the agent through the unit's cgroup
+    /// (with `pids`, which is a limit only); 0 is no limit.
     #[serde(default)]
     pub resources: Resources,
+    /// Who the unit runs as: absent (or `module`), the module's own
+    /// unprivileged user on each node; `root`, the agent's own rights, which
+    /// only an admin may ask for (the change is audited as such).
+    #[serde(default, skip_serializing_if = "UnitUser::is_module")]
+    pub user: UnitUser,
     /// Probes the agent runs beside each replica (at most 8, names unique):
     /// HTTP GET, TCP connect or a command; their results decide the
     /// replica's health (observability).
@@ -101,6 +108,13 @@ impl ModuleSpec {
     /// the stateful rule, replica bounds.
     pub fn validate(&self, name: &str) -> Result<(), Error> {
         validate_name(name)?;
+        let pids = self.unit.resources.pids;
+        if pids != 0 && pids < MIN_PIDS {
+            return Err(Error::Invalid {
+                field: "unit.resources.pids".to_owned(),
+                reason: format!("{pids}: at least {MIN_PIDS} (0: the agent's default limit)"),
+            });
+        }
         self.unit_item(name, name).validate("unit").map_err(|e| {
             // The agent's field names are the unit's: `unit.command`, ...
             Error::from(e)
@@ -134,12 +148,35 @@ impl ModuleSpec {
         }
     }
 
-    /// The unit one replica runs, under the name `unit_name`.
+    /// Whether the unit runs as root (admin only; decision 0051).
+    pub fn runs_as_root(&self) -> bool {
+        self.unit.user == UnitUser::Root
+    }
+
+    /// The unit one replica runs, under the name `unit_name`: the revision
+    /// delivery targets its node to, when there is one (its command, artifact
+    /// and revision id), else the module's own unit. Either way the box it
+    /// runs in is the module's: its user, its limits (from `resources`), its
+    /// stateful flag, and its desired state. Every unit inventory declares
+    /// is made here.
+    pub fn runs(&self, module: &str, unit_name: &str, revision: Option<&RevisionUnit>) -> UnitItem {
+        let mut item = match revision {
+            Some(r) => r.unit_item(module, unit_name, Some(self.desired)),
+            None => self.unit_item(module, unit_name),
+        };
+        item.user = self.unit.user;
+        item.limits = self.unit.resources.limits();
+        item.stateful = self.stateful;
+        item
+    }
+
+    /// The unit one replica runs from the module's own spec, under the name
+    /// `unit_name` (no revision: see [`ModuleSpec::runs`]).
     pub fn unit_item(&self, module: &str, unit_name: &str) -> UnitItem {
         UnitItem {
-            user: Default::default(),
-            limits: Default::default(),
-            stateful: false,
+            user: self.unit.user,
+            limits: self.unit.resources.limits(),
+            stateful: self.stateful,
             artifact: None,
             revision: None,
             name: unit_name.to_owned(),
@@ -230,5 +267,82 @@ mod tests {
             Error::Invalid { field, .. } => assert_eq!(field, "unit.command"),
             other => panic!("{other}"),
         }
+    }
+    #[test]
+    fn the_box_is_the_modules_whatever_unit_runs() {
+        let spec: ModuleSpec = serde_json::from_str(
+            r#"{"unit": {"command": "/bin/sleep", "user": "root",
+                         "resources": {"cpu_millis": 500, "memory_bytes": 67108864, "pids": 64}},
+                "stateful": true, "placement": {"exact_node": {"node": "db-1"}}}"#,
+        )
+        .unwrap();
+        spec.validate("db").unwrap();
+        assert!(spec.runs_as_root());
+        let want = mesh_protocol::UnitLimits {
+            cpu_millis: Some(500),
+            memory_bytes: Some(64 << 20),
+            pids: Some(64),
+        };
+        let own = spec.runs("db", "db", None);
+        assert_eq!(
+            (own.user, own.limits, own.stateful),
+            (UnitUser::Root, want, true)
+        );
+        assert_eq!(own.revision, None);
+        let revision = RevisionUnit {
+            id: uuid::Uuid::from_u128(7),
+            artifact: None,
+            command: "/usr/bin/db-v2".to_owned(),
+            args: vec![],
+            env: BTreeMap::new(),
+            working_dir: None,
+            restart: RestartPolicy::Always,
+            probes: vec![],
+        };
+        let targeted = spec.runs("db", "db", Some(&revision));
+        assert_eq!(targeted.command, "/usr/bin/db-v2");
+        assert_eq!(targeted.revision, Some(revision.id));
+        assert_eq!(
+            (targeted.user, targeted.limits, targeted.stateful),
+            (UnitUser::Root, want, true)
+        );
+        targeted.validate("unit").unwrap();
+        // Absent: the module's own user, no limits; and so serialized.
+        let spec: ModuleSpec = serde_json::from_str(
+            r#"{"unit": {"command": "/bin/sleep"}, "placement": {"controller_node": {}}}"#,
+        )
+        .unwrap();
+        let item = spec.runs("x", "x", None);
+        assert_eq!(item.user, UnitUser::Module);
+        assert!(item.limits.is_empty() && !item.stateful);
+        let v = serde_json::to_value(&spec).unwrap();
+        assert!(v["unit"].get("user").is_none(), "{v}");
+        assert!(v["unit"]["resources"].get("pids").is_none(), "{v}");
+    }
+
+    #[test]
+    fn limits_below_the_smallest_are_raised_to_it_and_pids_refused() {
+        let spec: ModuleSpec = serde_json::from_str(
+            r#"{"unit": {"command": "/bin/sleep", "resources": {"cpu_millis": 1, "memory_bytes": 1}},
+                "placement": {"controller_node": {}}}"#,
+        )
+        .unwrap();
+        spec.validate("x").unwrap();
+        let limits = spec.runs("x", "x", None).limits;
+        assert_eq!(limits.cpu_millis, Some(mesh_protocol::MIN_CPU_MILLIS));
+        assert_eq!(limits.memory_bytes, Some(mesh_protocol::MIN_MEMORY_BYTES));
+        let spec: ModuleSpec = serde_json::from_str(
+            r#"{"unit": {"command": "/bin/sleep", "resources": {"pids": 1}},
+                "placement": {"controller_node": {}}}"#,
+        )
+        .unwrap();
+        match spec.validate("x").unwrap_err() {
+            Error::Invalid { field, .. } => assert_eq!(field, "unit.resources.pids"),
+            other => panic!("{other}"),
+        }
+        let bad = serde_json::from_str::<ModuleSpec>(
+            r#"{"unit": {"command": "/bin/sleep", "user": "nobody"}, "placement": {"controller_node": {}}}"#,
+        );
+        assert!(bad.is_err());
     }
 }

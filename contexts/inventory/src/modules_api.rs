@@ -15,7 +15,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::header::{ETAG, IF_MATCH, IF_NONE_MATCH};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use mesh_plumbing::api::{ApiJson, Problem};
+use mesh_plumbing::api::{ApiJson, Problem, Role};
 use mesh_plumbing::audit::{self, Audit};
 use mesh_plumbing::etag::{Precondition, check_write, conditional_get, etag, precondition};
 use mesh_plumbing::openapi::{
@@ -149,7 +149,8 @@ async fn get_module(
 
 /// Create or replace a module, then reconcile the fleet. Replacing needs
 /// `If-Match` (the ETag of the revision replaced, or `*`); `If-None-Match: *`
-/// only creates.
+/// only creates. A module whose unit runs as root (`unit.user: root`) needs
+/// the admin role (403 otherwise), and its audit entry says so.
 #[utoipa::path(
     put,
     path = "/v1/modules/{name}",
@@ -164,6 +165,7 @@ async fn get_module(
         (status = 200, description = "Replaced", body = ModuleView, headers(("ETag" = String, description = "`\"<revision>\"`: give it as `If-Match` to replace or delete this revision"))),
         (status = 201, description = "Created", body = ModuleView, headers(("ETag" = String, description = "`\"<revision>\"`: give it as `If-Match` to replace or delete this revision"))),
         BodyErrors,
+        (status = 403, description = "The token's role is smaller than `operator`; or the module runs as root (`unit.user: root`) and the token's role is not `admin`: `detail` says which.", body = Problem, content_type = "application/problem+json"),
         PreconditionFailed,
         PreconditionRequired,
     )
@@ -176,6 +178,17 @@ async fn put_module(
     ApiJson(spec): ApiJson<ModuleSpec>,
 ) -> Result<Response, Problem> {
     spec.validate(&name)?;
+    if spec.runs_as_root() {
+        // Said in the entry of the change, or of its refusal (decision 0051).
+        audit.note(format!("module `{name}` runs as root (unit.user: root)"));
+        let principal = audit.principal();
+        if principal.role < Role::Admin {
+            return Err(Problem::forbidden(format!(
+                "module `{name}` asks to run as root (`unit.user: root`): that needs the admin role; token `{}` has {}",
+                principal.name, principal.role
+            )));
+        }
+    }
     let if_match = precondition(&headers, IF_MATCH)?;
     let if_none_match = precondition(&headers, IF_NONE_MATCH)?;
     let created = inventory

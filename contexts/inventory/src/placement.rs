@@ -37,13 +37,27 @@ pub struct Resources {
     /// Bytes of memory. Default 0.
     #[serde(default)]
     pub memory_bytes: u64,
+    /// Processes and threads one replica may have (its cgroup's `pids.max`).
+    /// A limit only, never a request: placement ignores it, and a node offers
+    /// none. Default 0: the agent's default limit.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pids: u64,
+}
+
+/// The largest CPU limit a unit may declare (1024 cores), as agents check it.
+pub const MAX_CPU_MILLIS: u64 = 1_024_000;
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Resources {
+    /// Sums of requests; `pids` is not a request and is not summed.
     pub fn saturating_add(self, other: Resources) -> Resources {
         Resources {
             cpu_millis: self.cpu_millis.saturating_add(other.cpu_millis),
             memory_bytes: self.memory_bytes.saturating_add(other.memory_bytes),
+            pids: 0,
         }
     }
 
@@ -51,10 +65,29 @@ impl Resources {
         Resources {
             cpu_millis: self.cpu_millis.saturating_sub(other.cpu_millis),
             memory_bytes: self.memory_bytes.saturating_sub(other.memory_bytes),
+            pids: 0,
         }
     }
 
-    /// Whether `request` fits in what is left of `self` after `used`.
+    /// The unit's limits: each request is also the replica's limit (its
+    /// cgroup's CPU quota and memory maximum), and `pids` its process limit;
+    /// 0 is no limit. A CPU or memory request below the smallest limit an
+    /// agent enforces (or CPU above the largest) is limited at that bound, so
+    /// a module stored before limits existed is never declared a unit its
+    /// agents would refuse. `pids` is checked where it is written
+    /// ([`crate::module::ModuleSpec::validate`]).
+    pub fn limits(&self) -> mesh_protocol::UnitLimits {
+        use mesh_protocol::{MIN_CPU_MILLIS, MIN_MEMORY_BYTES};
+        let some = |n: u64| (n > 0).then_some(n);
+        mesh_protocol::UnitLimits {
+            cpu_millis: some(self.cpu_millis).map(|c| c.clamp(MIN_CPU_MILLIS, MAX_CPU_MILLIS)),
+            memory_bytes: some(self.memory_bytes).map(|m| m.max(MIN_MEMORY_BYTES)),
+            pids: some(self.pids),
+        }
+    }
+
+    /// Whether `request` fits in what is left of `self` after `used`
+    /// (CPU and memory; `pids` is a limit only).
     pub fn fits(self, used: Resources, request: Resources) -> bool {
         let left = self.saturating_sub(used);
         request.cpu_millis <= left.cpu_millis && request.memory_bytes <= left.memory_bytes
@@ -319,6 +352,7 @@ mod tests {
             capacity: Resources {
                 cpu_millis: 4000,
                 memory_bytes: 8 << 30,
+                pids: 0,
             },
             used: Resources::default(),
         }
@@ -481,10 +515,12 @@ mod tests {
                 capacity: Resources {
                     cpu_millis: cap * 1000,
                     memory_bytes: cap << 30,
+                    pids: 0,
                 },
                 used: Resources {
                     cpu_millis: used * 1000,
                     memory_bytes: used << 30,
+                    pids: 0,
                 },
             })
     }
@@ -524,7 +560,7 @@ mod tests {
                 controller_node: controller.map(|c| format!("n{c}")),
             };
             let current = current.into_iter().map(|(r, n)| (r, format!("n{n}"))).collect();
-            (snapshot, placement, stateful, Resources { cpu_millis: cpu * 1000, memory_bytes: 0 }, current)
+            (snapshot, placement, stateful, Resources { cpu_millis: cpu * 1000, memory_bytes: 0, pids: 0 }, current)
         }
     }
 

@@ -311,6 +311,16 @@ pub struct AssignmentView {
     pub restarts: i64,
     pub started_at: Option<DateTime<Utc>>,
     pub reported_at: Option<DateTime<Utc>>,
+    /// Why the unit's last process ended, when its agent knows more than the
+    /// exit code: `oom_killed` (over its memory limit).
+    pub reason: Option<String>,
+    /// Times the unit was OOM-killed since it was (re)declared on the node.
+    pub oom_kills: i64,
+    /// The uid the unit runs as (none: not running, or an agent older than
+    /// the sandbox): its module's own user, or 0 for a module run as root.
+    pub uid: Option<i64>,
+    /// Bytes in the module's data volume on the node, as last reported.
+    pub data_bytes: Option<i64>,
     /// The revision the replica runs, as delivery targets the module on the
     /// node (`delivery.module.targets`); null: it runs the module's own spec.
     pub revision: Option<uuid::Uuid>,
@@ -435,7 +445,8 @@ impl Inventory {
     ) -> Result<Vec<AssignmentView>, Error> {
         Ok(sqlx::query_as(
             "SELECT a.module, a.replica, a.node, a.name, a.role, a.placed_at, a.unit_state, a.pid, \
-             a.exit_code, a.restarts, a.started_at, a.reported_at, \
+             a.exit_code, a.restarts, a.started_at, a.reported_at, a.reason, a.oom_kills, a.uid, \
+             a.data_bytes, \
              (SELECT (t ->> 'revision')::uuid FROM inventory.module_targets mt, \
                      jsonb_array_elements(mt.targets) AS t \
               WHERE mt.module = a.module AND t ->> 'node' = a.node \

@@ -22,10 +22,18 @@ use tower::ServiceExt;
 
 /// What the controller's auth layer puts in every authenticated request.
 fn audit(method: &str, uri: &str) -> mesh_plumbing::audit::Audit {
+    audit_as(mesh_plumbing::api::Role::Admin, method, uri)
+}
+
+fn audit_as(
+    role: mesh_plumbing::api::Role,
+    method: &str,
+    uri: &str,
+) -> mesh_plumbing::audit::Audit {
     let principal = mesh_plumbing::api::Principal {
         id: uuid::Uuid::now_v7(),
         name: "tester".into(),
-        role: mesh_plumbing::api::Role::Admin,
+        role,
     };
     mesh_plumbing::audit::Audit::new(
         principal,
@@ -187,11 +195,25 @@ impl Fixture {
         headers: &[(&str, &str)],
         body: Option<Value>,
     ) -> (StatusCode, Option<String>, Value) {
+        self.request_with(audit(method, uri), method, uri, headers, body)
+            .await
+    }
+
+    /// A request carrying `audit` (its principal and role), as the auth
+    /// layer hands it on.
+    async fn request_with(
+        &self,
+        audit: mesh_plumbing::audit::Audit,
+        method: &str,
+        uri: &str,
+        headers: &[(&str, &str)],
+        body: Option<Value>,
+    ) -> (StatusCode, Option<String>, Value) {
         let mut builder = Request::builder()
             .method(method)
             .uri(uri)
             .header("content-type", "application/json")
-            .extension(audit(method, uri));
+            .extension(audit);
         for (k, v) in headers {
             builder = builder.header(*k, *v);
         }
@@ -1456,5 +1478,174 @@ async fn probes_are_validated_and_declared_with_the_unit() {
     assert_eq!(unit.probes[1].kind(), "tcp");
     assert_eq!(unit.probes[1].interval_secs, 5);
     assert_eq!(unit.probes[1].failure_threshold, 2);
+    f.env.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_module_as_root_needs_an_admin_and_its_replicas_show_their_box() {
+    use mesh_plumbing::api::Role;
+    let f = setup().await;
+    f.observed();
+    let db = f.hello("db", &[("role", "db")]).await;
+    let uri = "/v1/modules/db";
+    let module = json!({
+        "unit": {"command": "/bin/sleep", "args": ["1000"], "user": "root",
+                 "resources": {"memory_bytes": 64 << 20, "pids": 16}},
+        "stateful": true,
+        "placement": {"exact_node": {"node": db}}
+    });
+    let audited = |kind: &'static str| {
+        let pool = f.pool.clone();
+        async move {
+            let rows: Vec<Value> = sqlx::query_scalar(
+                "SELECT convert_from(payload, 'UTF8')::jsonb -> 'body' FROM inventory.outbox \
+                 WHERE exchange = 'record' AND routing_key = $1 ORDER BY id",
+            )
+            .bind(kind)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            rows
+        }
+    };
+
+    // An operator may not make a module run as root: 403 naming why, nothing
+    // written, and the refusal's entry (the auth layer writes it) says root.
+    let operator = audit_as(Role::Operator, "PUT", uri);
+    let (status, _, body) = f
+        .request_with(operator.clone(), "PUT", uri, &[], Some(module.clone()))
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    let detail = body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("root") && detail.contains("admin"),
+        "{detail}"
+    );
+    assert!(detail.contains("operator"), "{detail}");
+    let (status, _, _) = f.request("GET", uri, &[], None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(f.declared_units(&db).await.is_none());
+    assert!(audited("inventory.operator.audit").await.is_empty());
+    assert!(!operator.recorded());
+    assert!(operator.detail().unwrap().contains("runs as root"));
+
+    // An admin may; the entry committed with the change says it runs as root.
+    let (status, _, view) = f
+        .request_with(
+            audit_as(Role::Admin, "PUT", uri),
+            "PUT",
+            uri,
+            &[],
+            Some(module.clone()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{view}");
+    assert_eq!(view["unit"]["user"], "root");
+    assert_eq!(view["unit"]["resources"]["pids"], 16);
+    let entries = audited("inventory.operator.audit").await;
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0]["outcome"], "ok");
+    assert_eq!(entries[0]["role"], "admin");
+    assert!(
+        entries[0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("module `db` runs as root"),
+        "{entries:?}"
+    );
+    // The unit declared runs as root, in its limits, stateful.
+    let payload: Vec<u8> = sqlx::query_scalar(
+        "SELECT payload FROM inventory.outbox WHERE exchange = 'declarations' AND node = $1 \
+         ORDER BY id DESC LIMIT 1",
+    )
+    .bind(&db)
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    let env: Envelope<Declaration> =
+        Envelope::decode(&payload, mesh_protocol::MAX_DECLARATION_BYTES).unwrap();
+    let unit = &env.body.items.units[0];
+    assert_eq!(unit.user, mesh_protocol::UnitUser::Root);
+    assert_eq!(
+        unit.limits,
+        mesh_protocol::UnitLimits {
+            cpu_millis: None,
+            memory_bytes: Some(64 << 20),
+            pids: Some(16),
+        }
+    );
+    assert!(unit.stateful);
+
+    // An operator changing the module back to its own user needs no admin,
+    // and the entry says nothing of root.
+    let mut own = module.clone();
+    own["unit"].as_object_mut().unwrap().remove("user");
+    let (status, _, view) = f
+        .request_with(
+            audit_as(Role::Operator, "PUT", uri),
+            "PUT",
+            uri,
+            &[("if-match", "*")],
+            Some(own),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{view}");
+    assert!(view["unit"].get("user").is_none(), "{view}");
+    let entries = audited("inventory.operator.audit").await;
+    assert_eq!(entries.len(), 2);
+    assert!(entries[1].get("detail").is_none(), "{entries:?}");
+
+    // The node reports the unit's box: the view shows it per replica.
+    let env = Envelope::new(
+        NodeId::parse(&db).unwrap(),
+        5,
+        Report::Units(Units {
+            units: vec![UnitStatus {
+                reason: Some(mesh_protocol::REASON_OOM_KILLED.to_owned()),
+                oom_kills: 2,
+                uid: Some(mesh_protocol::MODULE_UID_MIN),
+                data_bytes: Some(4096),
+                revision: None,
+                name: "db".into(),
+                module: "db".into(),
+                state: UnitState::Running,
+                pid: Some(77),
+                exit_code: None,
+                restarts: 2,
+                started_at: Some(Utc::now()),
+            }],
+        }),
+    );
+    f.handle(&[env]).await;
+    let (status, _, view) = f.request("GET", uri, &[], None).await;
+    assert_eq!(status, StatusCode::OK);
+    let replica = &view["assignments"][0];
+    assert_eq!(replica["node"], db.as_str());
+    assert_eq!(replica["reason"], "oom_killed");
+    assert_eq!(replica["oom_kills"], 2);
+    assert_eq!(replica["uid"], mesh_protocol::MODULE_UID_MIN);
+    assert_eq!(replica["data_bytes"], 4096);
+    // The node's view (the controller's, from the same read) lists the same.
+    let units = f.inventory.assignments(None, Some(&db)).await.unwrap();
+    assert_eq!(
+        (units[0].oom_kills, units[0].reason.as_deref()),
+        (2, Some("oom_killed"))
+    );
+    // A report no longer listing the unit: no uid (not running); the last
+    // reason, kills and volume size stay as last reported.
+    let env = Envelope::new(
+        NodeId::parse(&db).unwrap(),
+        6,
+        Report::Units(Units { units: vec![] }),
+    );
+    f.handle(&[env]).await;
+    let (_, _, view) = f.request("GET", uri, &[], None).await;
+    let replica = &view["assignments"][0];
+    assert!(
+        replica["uid"].is_null() && replica["unit_state"].is_null(),
+        "{replica}"
+    );
+    assert_eq!(replica["oom_kills"], 2);
+    assert_eq!(replica["data_bytes"], 4096);
     f.env.teardown().await.unwrap();
 }

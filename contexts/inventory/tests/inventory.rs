@@ -426,7 +426,8 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
             "V13__module_resources",
             "V14__trusted_labels",
             "V15__node_label",
-            "V16__revoked_nodes"
+            "V16__revoked_nodes",
+            "V17__unit_sandbox"
         ],
         "{applied:?}"
     );
@@ -494,7 +495,8 @@ async fn the_conditions_migration_drops_the_alerts_and_starts_with_nothing_told(
             "V13__module_resources",
             "V14__trusted_labels",
             "V15__node_label",
-            "V16__revoked_nodes"
+            "V16__revoked_nodes",
+            "V17__unit_sandbox"
         ]
     );
     let alerts: Option<String> = sqlx::query_scalar("SELECT to_regclass('inventory.alerts')::text")
@@ -1424,7 +1426,8 @@ async fn the_trusted_labels_migration_keeps_what_selected_each_node() {
         [
             "V14__trusted_labels",
             "V15__node_label",
-            "V16__revoked_nodes"
+            "V16__revoked_nodes",
+            "V17__unit_sandbox"
         ]
     );
     let after: Vec<(String, sqlx::types::Json<Labels>, i64)> = sqlx::query_as(

@@ -388,3 +388,44 @@ async fn a_new_replica_runs_the_spec_and_a_deleted_module_forgets_its_targets() 
     }
     f.env.teardown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_targeted_revision_runs_in_the_modules_box() {
+    let f = setup().await;
+    let a = f.hello("a").await;
+    let module = json!({
+        "unit": {"command": "/bin/sleep", "args": ["1000"], "user": "root",
+                 "resources": {"cpu_millis": 250, "memory_bytes": 64 << 20, "pids": 32}},
+        "stateful": true,
+        "placement": {"exact_node": {"node": a}}
+    });
+    let (status, view) = f.request("PUT", "/v1/modules/web", &[], Some(module)).await;
+    assert_eq!(status, StatusCode::CREATED, "{view}");
+    let boxed = |unit: &UnitItem| {
+        assert_eq!(unit.user, mesh_protocol::UnitUser::Root, "{unit:?}");
+        assert_eq!(
+            unit.limits,
+            mesh_protocol::UnitLimits {
+                cpu_millis: Some(250),
+                memory_bytes: Some(64 << 20),
+                pids: Some(32),
+            }
+        );
+        assert!(unit.stateful, "{unit:?}");
+    };
+    let (generation, own) = f.declared(&a).await;
+    assert_eq!(generation, 1);
+    runs_spec(&own, "/bin/sleep");
+    boxed(&own);
+    // Delivery targets the node at a revision: its command, artifact and
+    // revision id, in the module's box (user, limits, stateful).
+    let v2 = revision("v2");
+    f.targets(1, &[&v2], &[(&a, v2.id)]).await;
+    let (generation, targeted) = f.declared(&a).await;
+    assert_eq!(generation, 2);
+    runs(&targeted, &v2);
+    boxed(&targeted);
+    targeted.validate("unit").unwrap();
+    assert_eq!(f.resync_declares().await, 0, "the resync agrees");
+    f.env.teardown().await.unwrap();
+}

@@ -18,9 +18,10 @@ use crate::health::{ModuleHealthView, NodeRow};
 use crate::{Error, Settings};
 
 /// Every kind of alert there is, as `GET /v1/alerts?kind=` names them.
-pub const ALERT_KINDS: [&str; 15] = [
+pub const ALERT_KINDS: [&str; 16] = [
     NODE_UNREACHABLE,
     UNIT_CRASH_LOOPING,
+    UNIT_OOM_KILLED,
     MODULE_BELOW_REPLICAS,
     MODULE_DEGRADED,
     STATEFUL_MODULE_UNREACHABLE,
@@ -38,6 +39,9 @@ pub const ALERT_KINDS: [&str; 15] = [
 
 pub const NODE_UNREACHABLE: &str = "node_unreachable";
 pub const UNIT_CRASH_LOOPING: &str = "unit_crash_looping";
+/// A unit was OOM-killed `oom_kills` times since it was declared (over its
+/// memory limit; decision 0051).
+pub const UNIT_OOM_KILLED: &str = "unit_oom_killed";
 pub const MODULE_BELOW_REPLICAS: &str = "module_below_replicas";
 pub const MODULE_DEGRADED: &str = "module_degraded";
 pub const STATEFUL_MODULE_UNREACHABLE: &str = "stateful_module_unreachable";
@@ -124,6 +128,17 @@ pub(crate) struct Restarting {
     pub first: DateTime<Utc>,
 }
 
+/// A unit its node reports OOM-killed at least `oom_kills` times since it
+/// was declared.
+#[derive(Debug, Clone)]
+pub(crate) struct OomKilled {
+    pub node: String,
+    pub unit: String,
+    pub module: String,
+    pub state: String,
+    pub kills: i64,
+}
+
 /// What the rules read.
 pub(crate) struct RuleInputs<'a> {
     pub now: DateTime<Utc>,
@@ -134,6 +149,7 @@ pub(crate) struct RuleInputs<'a> {
     pub certificates: &'a [CertificateRow],
     pub outages: &'a [OutageRow],
     pub restarting: &'a [Restarting],
+    pub oom_killed: &'a [OomKilled],
     pub behind: Option<&'a [BehindRow]>,
     pub queues: Option<&'a [QueueDepth]>,
 }
@@ -218,6 +234,24 @@ pub(crate) fn rules(i: &RuleInputs<'_>) -> BTreeMap<String, Wanted> {
                 },
             );
         }
+    }
+    for o in i.oom_killed {
+        if o.kills < i64::from(i.settings.oom_kills) {
+            continue;
+        }
+        out.insert(
+            format!("{UNIT_OOM_KILLED}:{}/{}", o.node, o.unit),
+            Wanted {
+                kind: UNIT_OOM_KILLED,
+                severity: Severity::Warning,
+                subject: format!("unit/{}/{}", o.node, o.unit),
+                message: format!(
+                    "unit `{}` of module `{}` on {} was OOM-killed {} times since it was declared (now {}): it needs more than its memory limit (`unit.resources.memory_bytes`)",
+                    o.unit, o.module, o.node, o.kills, o.state
+                ),
+                since: now,
+            },
+        );
     }
     for m in i.modules {
         if !matches!(m.health, HealthState::Degraded | HealthState::Down) {
@@ -552,6 +586,7 @@ mod tests {
             certificates: &[],
             outages: &[],
             restarting: &[],
+            oom_killed: &[],
             behind: None,
             queues: None,
         }
@@ -605,6 +640,30 @@ mod tests {
             !w.contains_key("queue_depth:reports.hello"),
             "at the depth is not above it"
         );
+    }
+
+    #[test]
+    fn a_unit_oom_killed_three_times_is_alerted() {
+        let s = settings();
+        let nodes = BTreeMap::new();
+        let oom = |kills| OomKilled {
+            node: "db-1".into(),
+            unit: "db".into(),
+            module: "db".into(),
+            state: "running".into(),
+            kills,
+        };
+        let mut i = empty(&s, &nodes);
+        let two = [oom(2)];
+        i.oom_killed = &two;
+        assert!(rules(&i).is_empty(), "two kills are not yet an alert");
+        let three = [oom(3)];
+        i.oom_killed = &three;
+        let w = rules(&i);
+        let a = &w["unit_oom_killed:db-1/db"];
+        assert_eq!((a.kind, a.severity), (UNIT_OOM_KILLED, Severity::Warning));
+        assert_eq!(a.subject, "unit/db-1/db");
+        assert!(a.message.contains("OOM-killed 3 times"), "{}", a.message);
     }
 
     #[test]

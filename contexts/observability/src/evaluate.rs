@@ -14,7 +14,7 @@ use mesh_protocol::{
 use sqlx::PgConnection;
 
 use crate::alerts::{
-    self, BehindRow, CertificateRow, Observations, OutageRow, Restarting, RuleInputs,
+    self, BehindRow, CertificateRow, Observations, OomKilled, OutageRow, Restarting, RuleInputs,
 };
 use crate::health::{
     self, Inputs, ModuleHealthView, NodeHealthView, NodeRow, ProbeRow, ProbeView, UnitRow,
@@ -209,6 +209,26 @@ pub(crate) async fn run(
             first,
         })
         .collect();
+    // Units OOM-killed often enough since they were declared: the count is
+    // the node's (it starts again at a redeclaration), so the alert resolves
+    // when the unit is redeclared or gone.
+    let oom_killed: Vec<(String, String, String, String, i64)> = sqlx::query_as(
+        "SELECT node, unit, module, state, oom_kills FROM observability.units \
+         WHERE oom_kills >= $1 ORDER BY node, unit",
+    )
+    .bind(i64::from(settings.oom_kills))
+    .fetch_all(&mut *tx)
+    .await?;
+    let oom_killed: Vec<OomKilled> = oom_killed
+        .into_iter()
+        .map(|(node, unit, module, state, kills)| OomKilled {
+            node,
+            unit,
+            module,
+            state,
+            kills,
+        })
+        .collect();
     let behind = match &obs.behind {
         Some(list) => Some(record_behind(tx, list, now).await?),
         None => None,
@@ -222,6 +242,7 @@ pub(crate) async fn run(
         certificates: &certificates,
         outages: &outages,
         restarting: &restarting,
+        oom_killed: &oom_killed,
         behind: behind.as_deref(),
         queues: obs.queues.as_deref(),
     });

@@ -175,14 +175,16 @@ async fn record_health(tx: &mut PgConnection, node: &str, n: u64, h: &Health) ->
     Ok(())
 }
 
-/// A node's units, whole; restarts that grew since the unit's last report
-/// are remembered with their time.
+/// A node's units, whole (with each one's OOM kills since it was declared);
+/// restarts that grew since the unit's last report are remembered with their
+/// time.
 async fn record_units(tx: &mut PgConnection, node: &str, n: u64, u: &Units) -> Result<(), Error> {
     if !fresh(tx, node, "units", n).await? {
         return Ok(());
     }
     let len = u.units.len();
-    let (mut names, mut modules, mut states, mut restarts) = (
+    let (mut names, mut modules, mut states, mut restarts, mut oom_kills) = (
+        Vec::with_capacity(len),
         Vec::with_capacity(len),
         Vec::with_capacity(len),
         Vec::with_capacity(len),
@@ -193,6 +195,7 @@ async fn record_units(tx: &mut PgConnection, node: &str, n: u64, u: &Units) -> R
         modules.push(s.module.as_str());
         states.push(s.state.as_str());
         restarts.push(i64::from(s.restarts));
+        oom_kills.push(i64::from(s.oom_kills));
     }
     sqlx::query(
         "INSERT INTO observability.unit_restarts (node, unit, grew) \
@@ -210,15 +213,17 @@ async fn record_units(tx: &mut PgConnection, node: &str, n: u64, u: &Units) -> R
         .execute(&mut *tx)
         .await?;
     sqlx::query(
-        "INSERT INTO observability.units (node, unit, module, state, restarts) \
-         SELECT DISTINCT ON (u.name) $1, u.name, u.module, u.state, u.restarts \
-         FROM UNNEST($2::text[], $3::text[], $4::text[], $5::bigint[]) AS u(name, module, state, restarts)",
+        "INSERT INTO observability.units (node, unit, module, state, restarts, oom_kills) \
+         SELECT DISTINCT ON (u.name) $1, u.name, u.module, u.state, u.restarts, u.oom_kills \
+         FROM UNNEST($2::text[], $3::text[], $4::text[], $5::bigint[], $6::bigint[]) \
+              AS u(name, module, state, restarts, oom_kills)",
     )
     .bind(node)
     .bind(&names)
     .bind(&modules)
     .bind(&states)
     .bind(&restarts)
+    .bind(&oom_kills)
     .execute(&mut *tx)
     .await?;
     Ok(())

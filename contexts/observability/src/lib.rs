@@ -121,6 +121,9 @@ pub struct Settings {
     pub crash_restarts: u32,
     /// Default 10 minutes.
     pub crash_window: Duration,
+    /// OOM kills of one unit since it was declared that raise
+    /// `unit_oom_killed`. Default 3.
+    pub oom_kills: u32,
     /// A certificate whose `not_after` is closer than this, or than a
     /// quarter of its lifetime (whichever is shorter), is alerted. Default
     /// 14 days.
@@ -148,6 +151,7 @@ impl Default for Settings {
             alert_retention: Duration::from_secs(7 * 24 * 3600),
             crash_restarts: 3,
             crash_window: Duration::from_secs(600),
+            oom_kills: 3,
             certificate_window: Duration::from_secs(14 * 24 * 3600),
             behind_after: Duration::from_secs(300),
             outage_window: Duration::from_secs(900),

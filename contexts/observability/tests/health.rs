@@ -342,6 +342,82 @@ async fn a_unit_restarting_three_times_in_the_window_is_crash_looping() {
     f.env.teardown().await.unwrap();
 }
 
+fn oom_killed(module: &str, unit: &str, kills: u32) -> Report {
+    let Report::Units(mut u) = units(module, unit, UnitState::Running, kills) else {
+        unreachable!()
+    };
+    u.units[0].oom_kills = kills;
+    u.units[0].reason = (kills > 0).then(|| mesh_protocol::REASON_OOM_KILLED.to_owned());
+    Report::Units(u)
+}
+
+#[tokio::test]
+async fn a_unit_oom_killed_three_times_is_alerted_until_it_is_redeclared() {
+    let f = setup(Settings::default()).await;
+    let a = f.node("a");
+    f.events(&[joined(&a), placed("db", 1, &[&a])]).await;
+    for kills in [1, 2] {
+        f.report(&a, oom_killed("db", "db", kills)).await;
+        f.evaluate().await;
+        assert!(
+            f.open()
+                .await
+                .iter()
+                .all(|x| x["kind"] != "unit_oom_killed"),
+            "{kills} OOM kills are not yet an alert"
+        );
+    }
+    // Each kill was a restart too: crash looping may be open beside it; only
+    // this kind's alerts and events are counted.
+    let fr = &f;
+    let told = |kind: &'static str| async move {
+        fr.outbox()
+            .await
+            .into_iter()
+            .filter(|(k, b)| k == kind && b["kind"] == "unit_oom_killed")
+            .count()
+    };
+    f.report(&a, oom_killed("db", "db", 3)).await;
+    f.evaluate().await;
+    let open = f.open().await;
+    let oom = open
+        .iter()
+        .find(|x| x["kind"] == "unit_oom_killed")
+        .expect("the OOM alert");
+    assert_eq!(oom["subject"], format!("unit/{a}/db"));
+    assert_eq!(oom["severity"], "warning");
+    assert!(
+        oom["message"]
+            .as_str()
+            .unwrap()
+            .contains("OOM-killed 3 times"),
+        "{oom}"
+    );
+    assert_eq!(told("observability.alert.raised").await, 1);
+    // A fourth kill keeps the one alert open, its sentence current.
+    f.report(&a, oom_killed("db", "db", 4)).await;
+    f.evaluate().await;
+    assert_eq!(told("observability.alert.raised").await, 1);
+    let open = f.open().await;
+    let oom: Vec<_> = open
+        .iter()
+        .filter(|x| x["kind"] == "unit_oom_killed")
+        .collect();
+    assert_eq!(oom.len(), 1);
+    assert!(oom[0]["message"].as_str().unwrap().contains("4 times"));
+    // Redeclared (a new limit, say): its node counts from 0 again.
+    f.report(&a, oom_killed("db", "db", 0)).await;
+    f.evaluate().await;
+    assert!(
+        f.open()
+            .await
+            .iter()
+            .all(|x| x["kind"] != "unit_oom_killed")
+    );
+    assert_eq!(told("observability.alert.resolved").await, 1);
+    f.env.teardown().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_certificate_close_to_expiry_is_alerted_until_a_newer_one_is_issued() {
     let f = setup(Settings::default()).await;

@@ -14,8 +14,8 @@
 //! response with [`record_outcome`], on the context's pool, through this module,
 //! so the controller writes no context's table itself.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use axum::extract::FromRequestParts;
 use axum::http::StatusCode;
@@ -30,6 +30,9 @@ use crate::outbox;
 
 /// The longest target path an entry keeps (a longer one is cut).
 pub const MAX_TARGET_CHARS: usize = 1024;
+
+/// The longest detail an entry keeps (a longer one is cut).
+pub const MAX_DETAIL_CHARS: usize = 512;
 
 /// How a request ended, as its audit entry says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +73,8 @@ struct Inner {
     request_id: Uuid,
     /// Set by [`record_ok`]: the handler wrote the `ok` entry in its transaction.
     recorded: AtomicBool,
+    /// What the handler noted for the entry ([`Audit::note`]).
+    detail: Mutex<Option<String>>,
 }
 
 /// Who does what to which path in which request: what an audit entry says.
@@ -91,7 +96,32 @@ impl Audit {
             target: target.chars().take(MAX_TARGET_CHARS).collect(),
             request_id,
             recorded: AtomicBool::new(false),
+            detail: Mutex::new(None),
         }))
+    }
+
+    /// Say in the entry what the route alone does not (its `detail`), e.g.
+    /// that the module written runs as root. A handler notes it before it
+    /// answers, whatever the outcome: the `ok` entry written in the change's
+    /// transaction carries it, and so does the entry of a refusal the auth
+    /// layer writes after the response. The last note wins.
+    pub fn note(&self, detail: impl Into<String>) {
+        let detail: String = detail.into().chars().take(MAX_DETAIL_CHARS).collect();
+        let mut slot = self
+            .0
+            .detail
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *slot = Some(detail);
+    }
+
+    /// What [`Audit::note`] said, if anything.
+    pub fn detail(&self) -> Option<String> {
+        self.0
+            .detail
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     pub fn principal(&self) -> &Principal {
@@ -127,6 +157,7 @@ impl Audit {
             at: Utc::now(),
             outcome: outcome.as_str().to_owned(),
             status: status.as_u16(),
+            detail: self.detail(),
         }
     }
 }
@@ -222,5 +253,11 @@ mod tests {
         assert_eq!(e.request_id, audit.request_id());
         assert_eq!((e.outcome.as_str(), e.status), ("denied", 403));
         assert!(!audit.clone().recorded());
+        assert_eq!(e.detail, None);
+        audit.clone().note("runs as root".repeat(100));
+        let e = audit.entry(Outcome::Ok, StatusCode::OK);
+        let detail = e.detail.unwrap_or_default();
+        assert!(detail.starts_with("runs as root"), "{detail}");
+        assert_eq!(detail.chars().count(), MAX_DETAIL_CHARS);
     }
 }
