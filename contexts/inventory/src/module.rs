@@ -156,15 +156,23 @@ impl ModuleSpec {
     /// The unit one replica runs, under the name `unit_name`: the revision
     /// delivery targets its node to, when there is one (its command, artifact
     /// and revision id), else the module's own unit. Either way the box it
-    /// runs in is the module's: its user, its limits (from `resources`), its
-    /// stateful flag, and its desired state. Every unit inventory declares
-    /// is made here.
+    /// runs in is the module's: its limits (from `resources`), its stateful
+    /// flag, and its desired state. Every unit inventory declares is made
+    /// here.
+    ///
+    /// Root is the module spec's own unit's only: an operator makes and rolls
+    /// out revisions, and an admin's `user: root` must not become the
+    /// operator's way to run code of their choosing as root (decision 0051).
+    /// A revision of a root module runs as the module's user.
     pub fn runs(&self, module: &str, unit_name: &str, revision: Option<&RevisionUnit>) -> UnitItem {
         let mut item = match revision {
             Some(r) => r.unit_item(module, unit_name, Some(self.desired)),
             None => self.unit_item(module, unit_name),
         };
-        item.user = self.unit.user;
+        item.user = match revision {
+            Some(_) => UnitUser::Module,
+            None => self.unit.user,
+        };
         item.limits = self.unit.resources.limits();
         item.stateful = self.stateful;
         item

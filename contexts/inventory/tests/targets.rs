@@ -390,7 +390,7 @@ async fn a_new_replica_runs_the_spec_and_a_deleted_module_forgets_its_targets() 
 }
 
 #[tokio::test]
-async fn a_targeted_revision_runs_in_the_modules_box() {
+async fn a_targeted_revision_runs_in_the_modules_box_never_as_root() {
     let f = setup().await;
     let a = f.hello("a").await;
     let module = json!({
@@ -401,8 +401,8 @@ async fn a_targeted_revision_runs_in_the_modules_box() {
     });
     let (status, view) = f.request("PUT", "/v1/modules/web", &[], Some(module)).await;
     assert_eq!(status, StatusCode::CREATED, "{view}");
-    let boxed = |unit: &UnitItem| {
-        assert_eq!(unit.user, mesh_protocol::UnitUser::Root, "{unit:?}");
+    let boxed = |unit: &UnitItem, user| {
+        assert_eq!(unit.user, user, "{unit:?}");
         assert_eq!(
             unit.limits,
             mesh_protocol::UnitLimits {
@@ -416,15 +416,17 @@ async fn a_targeted_revision_runs_in_the_modules_box() {
     let (generation, own) = f.declared(&a).await;
     assert_eq!(generation, 1);
     runs_spec(&own, "/bin/sleep");
-    boxed(&own);
+    boxed(&own, mesh_protocol::UnitUser::Root);
     // Delivery targets the node at a revision: its command, artifact and
-    // revision id, in the module's box (user, limits, stateful).
+    // revision id, in the module's box (limits, stateful), but as the
+    // module's user: revisions are an operator's, root is the admin's spec's
+    // own unit's only (decision 0051).
     let v2 = revision("v2");
     f.targets(1, &[&v2], &[(&a, v2.id)]).await;
     let (generation, targeted) = f.declared(&a).await;
     assert_eq!(generation, 2);
     runs(&targeted, &v2);
-    boxed(&targeted);
+    boxed(&targeted, mesh_protocol::UnitUser::Module);
     targeted.validate("unit").unwrap();
     assert_eq!(f.resync_declares().await, 0, "the resync agrees");
     f.env.teardown().await.unwrap();
