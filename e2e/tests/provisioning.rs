@@ -522,7 +522,10 @@ async fn grants(
         );
         let mut all = vec!["-c".to_owned(), cmd, "server".to_owned()];
         all.extend(args);
-        json!({"command": "sh", "args": all})
+        // A provider's server switches to its own user (postgres, rabbitmq,
+        // garage's): it starts as root, which only an admin may ask for
+        // (decision 0051).
+        json!({"command": "sh", "args": all, "user": "root"})
     };
     let pg_unit = log_wrap(
         &pg_dir,

@@ -479,7 +479,8 @@ fn web_version(mesh: &Mesh, node: &str) -> Option<u32> {
 /// Module `web` on the node labelled tier=web, its artifact pushed with
 /// meshctl, a revision rolled out to it: (the unit's pid, the run, its receipts).
 async fn rolled_out(mesh: &Mesh, node: &str) -> anyhow::Result<(u32, String, Value)> {
-    std::fs::create_dir_all(mesh.agent(node).file("/srv/web"))?;
+    // The unit (its module's user, decision 0051) writes its version there.
+    mesh_testkit::open_to_units(&mesh.agent(node).file("/srv/web"))?;
     put(
         mesh,
         "/v1/modules/web",

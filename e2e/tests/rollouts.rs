@@ -39,7 +39,8 @@ async fn agents(mesh: &mut Mesh, n: usize) -> anyhow::Result<Vec<String>> {
     let mut nodes = Vec::new();
     for i in 0..n {
         let node = mesh.add_agent(&format!("w{i}"), &[("role", "web")]).await?;
-        std::fs::create_dir_all(mesh.agent(&node).file("/srv/web"))?;
+        // The unit (its module's user, decision 0051) writes its version there.
+        mesh_testkit::open_to_units(&mesh.agent(&node).file("/srv/web"))?;
         nodes.push(node);
     }
     Ok(nodes)

@@ -164,7 +164,8 @@ async fn only_artifacts_signed_by_a_trusted_operator_key_run() -> anyhow::Result
     let mut nodes = Vec::new();
     for i in 0..2 {
         let node = mesh.add_agent(&format!("s{i}"), &[("role", "web")]).await?;
-        std::fs::create_dir_all(mesh.agent(&node).file("/srv/web"))?;
+        // The unit (its module's user, decision 0051) writes its version there.
+        mesh_testkit::open_to_units(&mesh.agent(&node).file("/srv/web"))?;
         nodes.push(node);
     }
     let (status, body) = mesh
