@@ -288,9 +288,10 @@ async fn every_example_is_planned_applied_and_lands() -> anyhow::Result<()> {
         std::fs::read_to_string(&pass)?,
         std::fs::read_to_string(examples().join("db-password.example"))?
     );
+    // The module's user's to read, nobody else's (decision 0051).
     assert_eq!(
         std::fs::metadata(&pass)?.permissions().mode() & 0o777,
-        0o600
+        0o400
     );
     lands(&mesh, &web, "/modules/web/secrets/api-key", "example-value").await?;
     assert!(

@@ -125,9 +125,10 @@ async fn a_granted_secret_reaches_only_its_modules_node_sealed_and_leaves_with_t
         },
     )
     .await?;
+    // The module's user's to read, nobody else's (decision 0051).
     assert_eq!(
         std::fs::metadata(&secret_file)?.permissions().mode() & 0o777,
-        0o600
+        0o400
     );
     assert_eq!(
         std::fs::read_to_string(&env_file)?,
