@@ -16,11 +16,16 @@
 //! test crate, aside): e2e/tests/architecture.rs checks that no production crate
 //! depends on it.
 //!
+//! [`container`] boots a Debian 12 container with systemd as its PID 1, for
+//! tests of what only a real systemd shows.
+//!
 //! Admin access comes from `$MESH_ADMIN_CREDENTIALS` or
 //! `/etc/mesh/admin-credentials.toml` (written by `bundle/up`), else from this
 //! machine's defaults (see [`local_admin_credentials`]).
 
 pub use mesh_bundle::s3;
+
+pub mod container;
 
 use std::path::{Path, PathBuf};
 

@@ -161,15 +161,7 @@ impl Cgroup {
             Layout::V2 { base } => ("memory.events", base.join(&self.rel)),
             Layout::V1 { memory, .. } => ("memory.oom_control", memory.join(&self.rel)),
         };
-        std::fs::read_to_string(dir.join(file))
-            .ok()
-            .and_then(|t| {
-                t.lines().find_map(|l| {
-                    l.strip_prefix("oom_kill ")
-                        .and_then(|n| n.trim().parse().ok())
-                })
-            })
-            .unwrap_or(0)
+        read_oom_kills(&dir.join(file))
     }
 
     /// The processes in it.
@@ -212,6 +204,20 @@ impl Cgroup {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// The `oom_kill` line of a `memory.events` (v2) or `memory.oom_control`
+/// (v1) file; 0 when it cannot be read.
+pub fn read_oom_kills(file: &Path) -> u64 {
+    std::fs::read_to_string(file)
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("oom_kill ")
+                    .and_then(|n| n.trim().parse().ok())
+            })
+        })
+        .unwrap_or(0)
 }
 
 /// Microseconds of CPU per [`PERIOD_US`] for `millis` thousandths of a core.
