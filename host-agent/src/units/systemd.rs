@@ -14,10 +14,10 @@
 //!   OOM-killed in the scope, kills what is left in it (`KillUnit`) and lets
 //!   systemd forget it (`ResetFailedUnit`: a failed scope stays loaded).
 //!
-//! The connection is systemd's private socket (`/run/systemd/private`, root
-//! only, what `systemctl` uses as root: no dbus-daemon needed), else the system
-//! bus. One connection per call, made on the spot; every exchange is bounded in
-//! time (a systemd that is gone or hung never hangs the shim).
+//! The connection is the system bus (dbus-daemon; systemd's private socket
+//! does not work with zbus, see [`connect`]). One connection per call, made
+//! on the spot; every exchange is bounded in time (a systemd that is gone or
+//! hung never hangs the shim).
 //!
 //! What it never does: start, stop or change any unit other than the scope it
 //! is asked about; it never runs `systemctl` (nothing is shelled out).
