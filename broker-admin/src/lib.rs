@@ -398,7 +398,7 @@ impl Management {
 
     /// Connections open on `vhost`, as the management plugin's statistics list
     /// them: up to one statistics interval late (30 s on a broker set up by
-    /// `bundle/up`). For one user's connections, [`Rabbit::connections_of`] is
+    /// `bundle/up`). For one user's connections, [`Management::connections_of`] is
     /// immediate.
     pub async fn connections(&self, vhost: &str) -> Result<Vec<ConnectionInfo>> {
         Ok(self

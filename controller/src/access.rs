@@ -21,7 +21,7 @@
 //! [`layered`] puts the layers in this order, outermost first: the id's check,
 //! tower-http's `SetRequestId` (makes the id when none is trusted),
 //! `PropagateRequestId` (the response header), `TraceLayer`, then
-//! [`annotate`], innermost, which hands the route and id to the access log
+//! `annotate`, innermost, which hands the route and id to the access log
 //! through the response's extensions. They wrap every route (axum applies a
 //! router's layers after routing, so the matched route is known) and the
 //! fallbacks, outside each context's auth layer: the log sees the final

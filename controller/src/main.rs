@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 #[derive(Parser)]
 #[command(name = "mesh-controller", version, about = "The mesh controller")]
 struct Cli {
-    /// Settings file (TOML). Every field has a default; see docs/operations.md.
+    /// Settings file (TOML). Every field has a default; each is documented in controller/src/config.rs.
     #[arg(long, global = true, env = "MESH_CONTROLLER_CONFIG")]
     config: Option<PathBuf>,
     /// Credentials file written by bundle/up (overrides the settings file).

@@ -8,7 +8,7 @@
 //! Caveats: a declaration returned unroutable means its node's queue is missing:
 //! the queue is declared again and the row retried on the next round.
 //!
-//! Rounds are pipelined: up to [`WINDOW`] rounds are in flight, each settled
+//! Rounds are pipelined: up to `WINDOW` rounds are in flight, each settled
 //! (confirms awaited, rows marked sent) by its own task while the next round is
 //! read and published. A cursor keeps in-flight rows from being read twice; it
 //! is dropped whenever nothing is in flight, so a row committed below it (ids

@@ -20,6 +20,10 @@
 //! `rollout start --wait`) exit with the rollout's end. Every code is in
 //! `progress.rs` (`EXIT_CODES_HELP`).
 
+// The commands' `///` docs are their `--help` (clap), where `<file>` is the
+// usual notation of an argument, not an HTML tag: rustdoc is told so.
+#![allow(rustdoc::invalid_html_tags)]
+
 mod client;
 mod config;
 mod delivery;

@@ -483,7 +483,7 @@ pub fn render(plan: &Plan) -> String {
         if let Spec::Secret(sec) = &r.spec {
             match s.action {
                 Action::Missing => out.push_str(&format!(
-                    "    the secret does not exist and the manifest gives no value_file: apply refuses until it is set (PUT /v1/secrets/{}, see the README's \"Keep a secret\")\n",
+                    "    the secret does not exist and the manifest gives no value_file: apply refuses until it is set (PUT /v1/secrets/{}, see \"Keep a secret\" in docs/book/src/secrets.md)\n",
                     sec.name
                 )),
                 Action::Create => out.push_str(

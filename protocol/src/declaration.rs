@@ -1,3 +1,9 @@
+//! What a node is told: a `Declaration` is one whole `Section` (owned by one
+//! context) at a `generation`, with its `Items` (files, units and what the
+//! section needs beyond them), never a delta. Decoding validates every item
+//! (no relative path, no `..`, modes within `0o7777`, bounded sizes and
+//! counts), so an agent applies all of a declaration or nothing.
+
 use std::collections::BTreeSet;
 use std::fmt;
 

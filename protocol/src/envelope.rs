@@ -1,3 +1,9 @@
+//! The envelope every message travels in (`id`, a UUID v7; `kind`; `node`;
+//! `seq`; `sent_at`; `body`) and the one decode of it: `Envelope::decode`
+//! (and `decode_noting`) with a size limit, the protocol versions a receiver speaks
+//! (`ProtocolRange`), and the fields of a body this version does not know,
+//! skipped and kept for the receiver to count (`UnknownFields`).
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;

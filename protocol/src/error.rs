@@ -1,3 +1,8 @@
+//! `DecodeError`: why a message could not be decoded, one variant per cause,
+//! each naming what is wrong so the reason can travel in a dead-letter header
+//! and be read by an operator, with a short stable label for metrics
+//! (`metric_label`).
+
 use thiserror::Error;
 
 /// Why a message could not be decoded. Every variant names what is wrong so that

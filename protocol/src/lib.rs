@@ -11,6 +11,27 @@
 //! the receiver counts it (docs/protocol.md, Compatibility).
 //!
 //! docs/protocol.md is the contract this crate implements.
+//!
+//! Where things are: `envelope.rs` (the envelope and its one decode, with a
+//! size limit, the protocol versions, the unknown fields a decode skipped),
+//! `report.rs` (hello, heartbeat, applied), `declaration.rs` (section,
+//! generation, items), `unit.rs` (unit items), `record.rs` ([`RecordEvent`]
+//! and its closed, typed [`RecordKind`]: every event any context writes,
+//! audit entries included), `module.rs` (the bodies of `inventory.module.*`),
+//! `connectivity.rs` (hello's overlay facts, the `certificates` report, the
+//! overlay, firewall and certificate items, module ports), `node.rs`
+//! ([`NodeId`], labels), `endpoints.rs` (the inventory section's endpoints,
+//! the one `<host>:<port>` check; decision 0044), `logs.rs` (the logs request
+//! a controller sends on a node's declaration queue and the `logs` report
+//! that answers it; decision 0033), `provisioning.rs` (`requires` /
+//! `provides`, the provisioning section's resources, the `resources` report;
+//! decision 0039), [`topology`] (names and bounds of every exchange and
+//! queue, the signature header, a node's broker permissions), [`signing`]
+//! (Ed25519 declaration signatures), [`sealing`] (secrets sealed to the
+//! receiving node with HPKE), `secret.rs` ([`Secret`], token hashing) and
+//! `error.rs` ([`DecodeError`]). Callers bring randomness.
+//! `tests/compat/v1/` is the corpus of every message this version writes;
+//! every later version must still decode it (decision 0020).
 
 mod artifact;
 mod connectivity;

@@ -1,3 +1,7 @@
+//! A node's name (`NodeId`: a DNS label, also its broker user and the suffix
+//! of its declaration queue) and labels (`Labels`, with their validation;
+//! keys under `mesh.io/` are the controller's own).
+
 use std::collections::BTreeMap;
 use std::fmt;
 

@@ -1,3 +1,11 @@
+//! What a node states: the `Report` kinds (`ReportKind::ALL`: hello with its
+//! facts, heartbeat with its applied generations, applied with a section's
+//! outcome, units, certificates, health, logs, resources), the bodies this
+//! module defines (hello, heartbeat, applied), decoded by kind through the
+//! envelope (`Body`).
+//! A node states only about itself: the controller takes its identity from
+//! the broker's `user_id`, never from a body.
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize};

@@ -1,3 +1,7 @@
+//! `Secret`, a value whose `Debug` and `Display` print `[redacted]`; tokens
+//! (`new_token`) and their one hash (`token_sha256_hex`: tokens are stored
+//! only as hashes); `redact_url`, a URL with its password hidden.
+
 use std::fmt;
 
 use serde::{Deserialize, Deserializer};

@@ -1,3 +1,7 @@
+//! The migration runner every context's `migrate()` uses: refinery, run as
+//! the context's own role, with its history table in the context's own
+//! schema, so no context's migrations touch another's schema.
+
 use refinery::Runner;
 use thiserror::Error;
 use tokio_postgres::NoTls;

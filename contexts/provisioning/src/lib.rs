@@ -14,7 +14,7 @@
 //! through the section component. It never publishes, never speaks AMQP and
 //! never reads another context's schema; the schema never holds a password.
 //!
-//! Every change ends in one level-triggered pass ([`reconcile`]) under the
+//! Every change ends in one level-triggered pass (`reconcile`) under the
 //! context's advisory lock; the controller's resync timer runs it too (it
 //! ages revoked grants out of their retention and issues credentials that
 //! waited for a master keyring).

@@ -19,7 +19,7 @@
 //!   (`restart_backoff_min`, doubling up to `restart_backoff_max`), reset once the
 //!   process ran for `restart_reset_after`;
 //! - stdout and stderr go to rotating files under `<state_dir>/units/<name>/`
-//!   (see [`logs`]), written by the shim;
+//!   (see `logs`), written by the shim;
 //! - the environment is not the agent's: the process gets `PATH`, `HOME` and
 //!   `LANG` from the agent (a default `PATH` if it has none), `MESH_UNIT` and
 //!   `MESH_MODULE`, then the declared `env` on top;
@@ -359,7 +359,7 @@ async fn sweep_volumes(
 
 impl Supervisor {
     /// A supervisor for units under `root` (working dirs) and `state_dir` (logs,
-    /// pid files). Finds what a previous agent left (see [`process`]); the
+    /// pid files). Finds what a previous agent left (see `process`); the
     /// first [`Supervisor::declare`] adopts it or stops it. Unit processes left
     /// without their shim (their output has nowhere to go) are stopped here,
     /// which may take up to `config.stop_timeout`.

@@ -10,12 +10,12 @@
 //! 2. the shim leaves the agent's session (`setsid`: no signal meant for the
 //!    agent's terminal or group reaches it), starts the unit as the leader of
 //!    its own process group with the launch's environment and working dir,
-//!    writes the pid file ([`PidRecord`]), and answers one [`Reply`] line on
+//!    writes the pid file (`PidRecord`), and answers one [`Reply`] line on
 //!    stdout, which it never writes again;
 //! 3. it copies the unit's output into `stdout.log` / `stderr.log` (rotated as
 //!    the launch says) until the unit's leader exits; then kills what is left
 //!    of the group, drains the pipes (at most [`DRAIN`]), writes the exit record
-//!    ([`ExitRecord`]), removes the pid file, and exits.
+//!    (`ExitRecord`), removes the pid file, and exits.
 //!
 //! The agent that started it waits for it as a child; a later agent adopts it
 //! through the pid file and watches it by pidfd. Its own diagnostics (rare:
