@@ -59,6 +59,7 @@ pub mod command;
 pub mod config;
 pub mod connectivity;
 pub mod credentials;
+pub mod duration;
 pub mod facts;
 pub mod firewall;
 pub mod join;
