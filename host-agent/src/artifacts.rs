@@ -292,6 +292,10 @@ impl Artifacts {
     }
 
     /// Cache one artifact: `Ok(false)` if it already was.
+    // Long on purpose: one artifact's way into the cache in its numbered
+    // steps (signed by a trusted key before a byte is pulled, the bytes
+    // verified while they stream, unpacked and renamed into place whole),
+    // each guarding the next.
     async fn ensure(&self, item: &ArtifactItem, trusted: &TrustedKeys) -> Result<bool, FetchError> {
         let digest = &item.digest;
         let target = artifact_dir(&self.state_dir, digest);

@@ -5,8 +5,8 @@
 //! locks. Blocking file work runs on the blocking pool. [`Agent`] holds that
 //! state; its rooms each add the methods of one concern:
 //!
-//! - [`connect`] (with [`backoff`]): reaching the broker, endpoint after endpoint, with backoff,
-//!   and living through outages;
+//! - [`connect`] (with [`backoff`]): reaching the broker, endpoint after
+//!   endpoint, and living through outages;
 //! - [`session`]: one connected session, a `select!` over what it waits on;
 //! - [`channel`]: the AMQP steps themselves (publish, confirm, consume), which
 //!   know nothing of the agent;
