@@ -220,7 +220,10 @@ impl Applier {
             .map_err(|e| e.to_string())
     }
 
-    /// Apply `decl` on top of `prev`, the section's recorded state.
+    /// Apply `decl` on top of `prev`, the section's recorded state: validate
+    /// everything (paths, secrets) before touching the disk, write each file
+    /// and secret atomically, then remove what the previous generation
+    /// declared and this one does not.
     pub fn apply(&self, decl: &Declaration, prev: &SectionState) -> ApplyReport {
         let section = decl.section;
         if decl.generation <= prev.generation {
@@ -234,59 +237,70 @@ impl Applier {
                 state: None,
             };
         }
-        let rejected = |items: Vec<ItemOutcome>, error: String| {
-            let mut state = prev.clone();
-            state.last_generation = decl.generation;
-            state.last_outcome = Some(Outcome::Rejected);
-            state.last_error = Some(error.clone());
-            state.updated_at = Some(Utc::now());
-            ApplyReport {
-                section,
-                generation: decl.generation,
-                outcome: Outcome::Rejected,
-                items,
-                error: Some(error),
-                stale: false,
-                state: Some(state),
-            }
-        };
+        let reject = |items, error| rejected(decl, prev, items, error);
 
         // 1. Validate everything before touching the disk.
         if let Err(e) = decl.validate() {
-            return rejected(Vec::new(), e.to_string());
+            return reject(Vec::new(), e.to_string());
         }
-        if section != Section::Inventory && !decl.items.units.is_empty() {
-            return rejected(
-                Vec::new(),
-                format!(
-                    "invalid field `body.items.units`: units are declared in the inventory section only, not in `{section}`"
-                ),
-            );
+        if let Some(error) = misplaced(decl) {
+            return reject(Vec::new(), error);
         }
-        if section != Section::Provisioning && !decl.items.resources.is_empty() {
-            return rejected(
-                Vec::new(),
-                format!(
-                    "invalid field `body.items.resources`: resources are declared in the provisioning section only, not in `{section}`"
-                ),
-            );
+        let (targets, opened) = match self.resolve_all(decl) {
+            Ok(resolved) => resolved,
+            Err((items, error)) => return reject(items, error),
+        };
+
+        // 2. Write each file and each opened secret atomically.
+        let (mut items, written, failed) = self.write_all(decl, &targets, opened);
+        let mut state = prev.clone();
+        state.last_generation = decl.generation;
+        state.updated_at = Some(Utc::now());
+        if failed {
+            // Keep what is there; the older generation's files stay in place.
+            state.paths.extend(written);
+            state.last_outcome = Some(Outcome::Failed);
+            state.last_error = first_failure(&items);
+            return ApplyReport {
+                section,
+                generation: decl.generation,
+                outcome: Outcome::Failed,
+                error: state.last_error.clone(),
+                items,
+                stale: false,
+                state: Some(state),
+            };
         }
-        if section != Section::Delivery && decl.items.artifact_keys.is_some() {
-            return rejected(
-                Vec::new(),
-                format!(
-                    "invalid field `body.items.artifact_keys`: trusted artifact keys are declared in the delivery section only, not in `{section}`"
-                ),
-            );
+
+        // 3. Remove what the previous generation declared and this one does not.
+        let kept = self.remove_undeclared(prev, &written, &mut items);
+        let failed = !kept.is_empty();
+        state.paths = written.into_iter().chain(kept).collect();
+        if failed {
+            state.last_outcome = Some(Outcome::Failed);
+            state.last_error = first_failure(&items);
+        } else {
+            applied(&mut state, decl, &mut items);
         }
-        if section != Section::Delivery && !decl.items.artifacts.is_empty() {
-            return rejected(
-                Vec::new(),
-                format!(
-                    "invalid field `body.items.artifacts`: artifacts are declared in the delivery section only, not in `{section}`"
-                ),
-            );
+        ApplyReport {
+            section,
+            generation: decl.generation,
+            outcome: state.last_outcome.unwrap_or(Outcome::Failed),
+            error: state.last_error.clone(),
+            items,
+            stale: false,
+            state: Some(state),
         }
+    }
+
+    /// Where each declared file lands, and each secret opened (for this node
+    /// and its path), before anything is written. Err: every item's outcome
+    /// and the first error.
+    #[allow(clippy::type_complexity)]
+    fn resolve_all(
+        &self,
+        decl: &Declaration,
+    ) -> Result<(Vec<PathBuf>, Vec<(PathBuf, Secret<Vec<u8>>)>), (Vec<ItemOutcome>, String)> {
         let mut targets = Vec::with_capacity(decl.items.files.len());
         let mut items = Vec::new();
         let mut first_error = None;
@@ -336,16 +350,26 @@ impl Applier {
                 }
             }
         }
-        if let Some(error) = first_error {
-            return rejected(items, error);
+        match first_error {
+            Some(error) => Err((items, error)),
+            None => Ok((targets, opened)),
         }
+    }
 
-        // 2. Write each file and each opened secret atomically.
+    /// Write each file (to its target) and each opened secret atomically:
+    /// every item's outcome, the paths written, and whether one failed. The
+    /// opened secrets are dropped (wiped) once written.
+    fn write_all(
+        &self,
+        decl: &Declaration,
+        targets: &[PathBuf],
+        opened: Vec<(PathBuf, Secret<Vec<u8>>)>,
+    ) -> (Vec<ItemOutcome>, BTreeSet<String>, bool) {
         let writes = decl
             .items
             .files
             .iter()
-            .zip(&targets)
+            .zip(targets)
             .map(|(f, t)| (&f.path, t, f.content.as_bytes(), f.mode.bits(), false))
             .chain(
                 decl.items
@@ -380,38 +404,24 @@ impl Applier {
             }
         }
         drop(opened);
+        (items, written, failed)
+    }
 
-        let mut state = prev.clone();
-        state.last_generation = decl.generation;
-        state.updated_at = Some(Utc::now());
-        if failed {
-            // Keep what is there; the older generation's files stay in place.
-            state.paths.extend(written);
-            state.last_outcome = Some(Outcome::Failed);
-            state.last_error = items
-                .iter()
-                .find(|i| !i.ok)
-                .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("")));
-            return ApplyReport {
-                section,
-                generation: decl.generation,
-                outcome: Outcome::Failed,
-                error: state.last_error.clone(),
-                items,
-                stale: false,
-                state: Some(state),
-            };
-        }
-
-        // 3. Remove what the previous generation declared and this one does not.
+    /// Remove the files `prev` has and this generation did not write; those
+    /// that cannot be removed are kept (returned) and their items say why.
+    fn remove_undeclared(
+        &self,
+        prev: &SectionState,
+        written: &BTreeSet<String>,
+        items: &mut Vec<ItemOutcome>,
+    ) -> BTreeSet<String> {
         let mut kept = BTreeSet::new();
-        for path in prev.paths.difference(&written) {
+        for path in prev.paths.difference(written) {
             let result = self
                 .resolve(path)
                 .map_err(|e| e.to_string())
                 .and_then(|t| remove_file(&t).map_err(|e| e.to_string()));
             if let Err(e) = result {
-                failed = true;
                 kept.insert(path.clone());
                 items.push(ItemOutcome {
                     item: path.clone(),
@@ -420,39 +430,7 @@ impl Applier {
                 });
             }
         }
-        state.paths = written.into_iter().chain(kept).collect();
-        if failed {
-            state.last_outcome = Some(Outcome::Failed);
-            state.last_error = items
-                .iter()
-                .find(|i| !i.ok)
-                .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("")));
-        } else {
-            state.generation = decl.generation;
-            state.digest = digest_items(&decl.items);
-            state.last_outcome = Some(Outcome::Applied);
-            state.last_error = None;
-            // Units are handed to the supervisor once recorded (the agent does it):
-            // an applied unit is a declared one; how it runs is the units report's.
-            state.units = decl.items.units.clone();
-            // Likewise resources go to the provisioning worker once recorded;
-            // what came of them is the `resources` report's.
-            state.resources = decl.items.resources.clone();
-            items.extend(decl.items.units.iter().map(|u| ItemOutcome {
-                item: u.name.clone(),
-                ok: true,
-                error: None,
-            }));
-        }
-        ApplyReport {
-            section,
-            generation: decl.generation,
-            outcome: state.last_outcome.unwrap_or(Outcome::Failed),
-            error: state.last_error.clone(),
-            items,
-            stale: false,
-            state: Some(state),
-        }
+        kept
     }
 
     /// Where a declared path lands, after checking that it stays under the root:
@@ -552,6 +530,80 @@ fn remove_file(target: &Path) -> std::io::Result<()> {
         std::fs::File::open(parent)?.sync_all()?;
     }
     Ok(())
+}
+
+/// The report of a declaration that cannot be applied: nothing of it was
+/// written, and the state keeps what was applied before.
+fn rejected(
+    decl: &Declaration,
+    prev: &SectionState,
+    items: Vec<ItemOutcome>,
+    error: String,
+) -> ApplyReport {
+    let mut state = prev.clone();
+    state.last_generation = decl.generation;
+    state.last_outcome = Some(Outcome::Rejected);
+    state.last_error = Some(error.clone());
+    state.updated_at = Some(Utc::now());
+    ApplyReport {
+        section: decl.section,
+        generation: decl.generation,
+        outcome: Outcome::Rejected,
+        items,
+        error: Some(error),
+        stale: false,
+        state: Some(state),
+    }
+}
+
+/// `state` after `decl` was applied completely: its generation, digest,
+/// units and resources; its units join the items.
+fn applied(state: &mut SectionState, decl: &Declaration, items: &mut Vec<ItemOutcome>) {
+    state.generation = decl.generation;
+    state.digest = digest_items(&decl.items);
+    state.last_outcome = Some(Outcome::Applied);
+    state.last_error = None;
+    // Units are handed to the supervisor once recorded (the agent does it):
+    // an applied unit is a declared one; how it runs is the units report's.
+    state.units = decl.items.units.clone();
+    // Likewise resources go to the provisioning worker once recorded;
+    // what came of them is the `resources` report's.
+    state.resources = decl.items.resources.clone();
+    items.extend(decl.items.units.iter().map(|u| ItemOutcome {
+        item: u.name.clone(),
+        ok: true,
+        error: None,
+    }));
+}
+
+/// Why a declaration carries an item its section may not declare (units
+/// outside inventory, resources outside provisioning, artifacts and their
+/// keys outside delivery), if it does.
+fn misplaced(decl: &Declaration) -> Option<String> {
+    let section = decl.section;
+    let items = &decl.items;
+    let (field, what, home) = if section != Section::Inventory && !items.units.is_empty() {
+        ("units", "units", Section::Inventory)
+    } else if section != Section::Provisioning && !items.resources.is_empty() {
+        ("resources", "resources", Section::Provisioning)
+    } else if section != Section::Delivery && items.artifact_keys.is_some() {
+        ("artifact_keys", "trusted artifact keys", Section::Delivery)
+    } else if section != Section::Delivery && !items.artifacts.is_empty() {
+        ("artifacts", "artifacts", Section::Delivery)
+    } else {
+        return None;
+    };
+    Some(format!(
+        "invalid field `body.items.{field}`: {what} are declared in the {home} section only, not in `{section}`"
+    ))
+}
+
+/// The first failed item, as a state's `last_error`.
+fn first_failure(items: &[ItemOutcome]) -> Option<String> {
+    items
+        .iter()
+        .find(|i| !i.ok)
+        .map(|i| format!("{}: {}", i.item, i.error.as_deref().unwrap_or("")))
 }
 
 #[cfg(test)]

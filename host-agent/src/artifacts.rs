@@ -35,15 +35,6 @@ use crate::metrics::Metrics;
 /// The cache's directory under the state dir.
 pub const ARTIFACTS_DIR: &str = "artifacts";
 
-/// The label values of `mesh_agent_artifact_fetches_total{outcome}`.
-pub const FETCH_OUTCOMES: &[&str] = &[
-    "ok",
-    "digest_mismatch",
-    "no_signature",
-    "untrusted",
-    "error",
-];
-
 /// The `[artifacts]` table of the agent's config.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -55,7 +46,7 @@ pub struct ArtifactsConfig {
     /// before its item fails. The broker session applies no other declaration
     /// meanwhile; its heartbeats go on. Seconds or a string such as `"2m"`.
     /// Default 120 s.
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::duration::de_duration")]
     pub fetch_timeout: Duration,
 }
 
@@ -301,6 +292,10 @@ impl Artifacts {
     }
 
     /// Cache one artifact: `Ok(false)` if it already was.
+    // Long on purpose: one artifact's way into the cache in its numbered
+    // steps (signed by a trusted key before a byte is pulled, the bytes
+    // verified while they stream, unpacked and renamed into place whole),
+    // each guarding the next.
     async fn ensure(&self, item: &ArtifactItem, trusted: &TrustedKeys) -> Result<bool, FetchError> {
         let digest = &item.digest;
         let target = artifact_dir(&self.state_dir, digest);

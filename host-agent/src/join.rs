@@ -285,6 +285,9 @@ pub fn mesh_ca_client_config(ca_pem: &str) -> Result<rustls::ClientConfig, Strin
 
 /// Join as `node` with `token` through the API at `api`: `https://host:port`
 /// with `ca_hash` (the pin), or `http://<loopback>:port` without.
+// Long on purpose: the join is one sequence, read top to bottom (what may
+// be sent, the fresh keys, the pinned request, the checks of the answer, the
+// credentials written), each step guarding the next; it runs once per node.
 pub async fn join(
     api: &str,
     token: &Secret<String>,

@@ -59,6 +59,7 @@ pub mod command;
 pub mod config;
 pub mod connectivity;
 pub mod credentials;
+pub mod duration;
 pub mod facts;
 pub mod firewall;
 pub mod join;
@@ -118,30 +119,8 @@ pub async fn run(
     config.validate()?;
     let creds = Credentials::load(&config.state_dir)?;
     let store = Store::open(&config.state_dir)?;
-    let (seal_key, made) = credentials::load_or_create_seal_key(&config.state_dir)?;
-    if made {
-        info!(
-            path = %config.state_dir.join(credentials::SEAL_KEY_FILE).display(),
-            seal_key = %seal_key.public().to_hex(),
-            "made this node's seal key (it had none)"
-        );
-    }
-    let applier = apply::Applier::new(&config.root, std::slice::from_ref(&config.state_dir))
-        .map_err(|error| AgentError::Root {
-            path: config.root.clone(),
-            error,
-        })?
-        .with_seal_key(creds.node.clone(), seal_key)
-        .with_module_owners(config.units.module_users && rustix::process::geteuid().is_root());
-    let (connectivity, made) = connectivity::Connectivity::open(&config)?;
-    if made && let Some(facts) = connectivity.facts() {
-        info!(
-            path = %config.state_dir.join(overlay::KEY_FILE).display(),
-            public_key = %facts.public_key,
-            "made this node's WireGuard key (it had none)"
-        );
-    }
-    let connectivity = connectivity::Shared::new(connectivity);
+    let applier = open_applier(&config, &creds)?;
+    let connectivity = open_connectivity(&config)?;
     let mut certs = certs::Certs::open(creds.node.clone(), &config.state_dir, &config.root)?;
     certs.set_modules(
         store
@@ -162,25 +141,7 @@ pub async fn run(
     )
     .map_err(AgentError::Artifacts)?;
 
-    let (stop_metrics, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
-    let metrics_task = match config.metrics_listen {
-        Some(addr) => {
-            let listener = metrics::Metrics::bind(addr)
-                .await
-                .map_err(|error| AgentError::Metrics { addr, error })?;
-            info!(addr = %listener.local_addr().unwrap_or(addr), "serving metrics");
-            let m = metrics.clone();
-            Some(tokio::spawn(async move {
-                let stopped = async {
-                    let _ = metrics_stopped.await;
-                };
-                if let Err(e) = m.serve(listener, stopped).await {
-                    error!(error = %e, "metrics server failed");
-                }
-            }))
-        }
-        None => None,
-    };
+    let (stop_metrics, metrics_task) = serve_metrics(&config, &metrics).await?;
 
     info!(
         node = %creds.node,
@@ -219,4 +180,73 @@ pub async fn run(
     }
     info!("mesh agent stopped");
     Ok(())
+}
+
+/// The applier of declarations under the root, with the node's seal key
+/// (made now if the node had none) to open its secrets.
+fn open_applier(config: &Config, creds: &Credentials) -> Result<apply::Applier, AgentError> {
+    let (seal_key, made) = credentials::load_or_create_seal_key(&config.state_dir)?;
+    if made {
+        info!(
+            path = %config.state_dir.join(credentials::SEAL_KEY_FILE).display(),
+            seal_key = %seal_key.public().to_hex(),
+            "made this node's seal key (it had none)"
+        );
+    }
+    let applier = apply::Applier::new(&config.root, std::slice::from_ref(&config.state_dir))
+        .map_err(|error| AgentError::Root {
+            path: config.root.clone(),
+            error,
+        })?
+        .with_seal_key(creds.node.clone(), seal_key)
+        .with_module_owners(config.units.module_users && rustix::process::geteuid().is_root());
+    Ok(applier)
+}
+
+/// The overlay and firewall, with the node's WireGuard key (made now if
+/// the node had none).
+fn open_connectivity(config: &Config) -> Result<connectivity::Shared, AgentError> {
+    let (connectivity, made) = connectivity::Connectivity::open(config)?;
+    if made && let Some(facts) = connectivity.facts() {
+        info!(
+            path = %config.state_dir.join(overlay::KEY_FILE).display(),
+            public_key = %facts.public_key,
+            "made this node's WireGuard key (it had none)"
+        );
+    }
+    Ok(connectivity::Shared::new(connectivity))
+}
+
+/// Serve the metrics on `metrics_listen` (if set) until the returned sender
+/// is used (or dropped).
+async fn serve_metrics(
+    config: &Config,
+    metrics: &metrics::Metrics,
+) -> Result<
+    (
+        tokio::sync::oneshot::Sender<()>,
+        Option<tokio::task::JoinHandle<()>>,
+    ),
+    AgentError,
+> {
+    let (stop_metrics, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+    let metrics_task = match config.metrics_listen {
+        Some(addr) => {
+            let listener = metrics::Metrics::bind(addr)
+                .await
+                .map_err(|error| AgentError::Metrics { addr, error })?;
+            info!(addr = %listener.local_addr().unwrap_or(addr), "serving metrics");
+            let m = metrics.clone();
+            Some(tokio::spawn(async move {
+                let stopped = async {
+                    let _ = metrics_stopped.await;
+                };
+                if let Err(e) = m.serve(listener, stopped).await {
+                    error!(error = %e, "metrics server failed");
+                }
+            }))
+        }
+        None => None,
+    };
+    Ok((stop_metrics, metrics_task))
 }

@@ -21,6 +21,16 @@ type NameLabels = Vec<(&'static str, String)>;
 type FloatGauge = Gauge<f64, AtomicU64>;
 type FloatCounter = Counter<f64, AtomicU64>;
 
+/// The label values of `mesh_agent_artifact_fetches_total{outcome}`: the
+/// outcomes of the artifact cache's fetches, registered at zero.
+pub const FETCH_OUTCOMES: &[&str] = &[
+    "ok",
+    "digest_mismatch",
+    "no_signature",
+    "untrusted",
+    "error",
+];
+
 /// The agent's metrics. Cheap to clone (all handles are shared). Every family
 /// is listed, with its type, labels and meaning, in docs/observability.md
 /// ("The agent's").
@@ -53,6 +63,8 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    // Long on purpose: one registration per metric family, a few lines each;
+    // the list of what the agent exports reads best whole.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("mesh_agent");
         let build_info = Family::<Labels, Gauge>::default();
@@ -162,7 +174,7 @@ impl Metrics {
             "Artifacts pulled from a registry, by outcome (ok, digest_mismatch, no_signature, untrusted, error)",
             artifact_fetches.clone(),
         );
-        for outcome in crate::artifacts::FETCH_OUTCOMES {
+        for outcome in FETCH_OUTCOMES {
             let _ = artifact_fetches.get_or_create(&vec![("outcome", *outcome)]);
         }
         let resources = Family::<Labels, Gauge>::default();

@@ -93,17 +93,17 @@ pub struct UnitsConfig {
     /// How long a unit's processes get between SIGTERM and SIGKILL when it is
     /// stopped (declared stopped, removed, spec changed, `mesh-agent
     /// drain-local`). Default 10 s.
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::duration::de_duration")]
     pub stop_timeout: Duration,
     /// Wait before the first restart of a unit that exited. Default 1 s.
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::duration::de_duration")]
     pub restart_backoff_min: Duration,
     /// The wait doubles with every restart up to this cap. Default 60 s.
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::duration::de_duration")]
     pub restart_backoff_max: Duration,
     /// A process that ran at least this long before exiting is restarted after
     /// `restart_backoff_min` again (its backoff is reset). Default 60 s.
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::duration::de_duration")]
     pub restart_reset_after: Duration,
     /// Size at which a unit's `stdout.log` / `stderr.log` is rotated.
     /// Default 10 MiB.
@@ -129,7 +129,7 @@ pub struct UnitsConfig {
     /// How long the data volume of a module that left the node is kept before
     /// it (and the module's user) is removed; never for a stateful module.
     /// Default 24 h.
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::duration::de_duration")]
     pub data_retention: Duration,
     /// The program run as each unit's shim, with the argument `unit-shim`. Not
     /// a config file setting: `None` (the agent's own executable) outside

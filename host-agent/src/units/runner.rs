@@ -300,6 +300,9 @@ impl Runner {
     /// Run until the unit is no longer declared (the control sender is dropped),
     /// then stop its process and drop its status entry. `found` is what a
     /// previous agent left of the unit.
+    // Long on purpose: a unit's whole supervision (start, wait, restart with
+    // backoff, stop, a new spec, an artifact arriving) is one loop over its
+    // events, so that every transition of the unit reads in one place.
     pub(super) async fn run(mut self, predecessor: Option<JoinHandle<()>>, found: Option<Found>) {
         let want = self.item.desired == DesiredState::Running;
         self.state = if want {
@@ -571,6 +574,9 @@ impl Runner {
     }
 
     /// Start the unit through a new shim and wait for its answer.
+    // Long on purpose: one start of the shim, in order (the sandbox plan, the
+    // launch spec, the shim's process, its answer awaited within a deadline);
+    // each step uses the last.
     async fn spawn(&mut self) -> std::io::Result<Running> {
         let restarts = if self.started_once {
             self.restarts.saturating_add(1)

@@ -105,6 +105,10 @@ fn fail(error: String) -> ExitCode {
 
 /// The shim's whole life. Synchronous: two threads copy the pipes while the
 /// main thread waits for the unit.
+// Long on purpose: the shim's life in order (read the launch spec, leave
+// the agent's session, spawn the unit in its sandbox, record its pid and
+// answer, copy its output, wait, clean its group up, record the exit),
+// synchronous and in a process of its own; no step is used elsewhere.
 pub fn main() -> ExitCode {
     let mut input = Vec::new();
     if let Err(e) = std::io::stdin().lock().read_to_end(&mut input) {
