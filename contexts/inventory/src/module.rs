@@ -310,9 +310,10 @@ mod tests {
         let targeted = spec.runs("db", "db", Some(&revision));
         assert_eq!(targeted.command, "/usr/bin/db-v2");
         assert_eq!(targeted.revision, Some(revision.id));
+        // A revision is an operator's: it never runs as root (decision 0051).
         assert_eq!(
             (targeted.user, targeted.limits, targeted.stateful),
-            (UnitUser::Root, want, true)
+            (UnitUser::Module, want, true)
         );
         targeted.validate("unit").unwrap();
         // Absent: the module's own user, no limits; and so serialized.
