@@ -43,7 +43,6 @@ use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
-pub use derive::module_dir;
 pub use error::Error;
 pub use layers::{EffectiveView, LayerView, NodeSettings};
 /// What a reconcile did: the section component's report.
@@ -58,6 +57,11 @@ pub const SCHEMA: &str = "config";
 
 /// The config section of each node, in `config.sections`.
 pub const SECTIONS: Sections = Sections::new(SCHEMA, Section::Config);
+
+/// The directory of a module on a node.
+pub fn module_dir(module: &str) -> String {
+    format!("/modules/{module}")
+}
 
 // refinery names a Rust migration's module after its file (`V3__sections`).
 #[allow(non_snake_case)]
