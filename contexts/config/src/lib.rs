@@ -219,14 +219,6 @@ impl Context for Config {
             .map_err(HandlerError::from)
     }
 
-    async fn handle_event(
-        &self,
-        tx: &mut PgConnection,
-        event: &RecordEvent,
-    ) -> Result<(), HandlerError> {
-        self.handle_events(tx, &[event]).await
-    }
-
     /// The node events of a batch in one upsert and one reconcile of the nodes
     /// they changed (a fleet joining sends hundreds per batch).
     async fn handle_events(
