@@ -39,6 +39,9 @@ use mesh_protocol::{AppliedGenerations, Envelope, Heartbeat, NodeId, Report, Sec
 use serde::Serialize;
 use serde_json::json;
 
+use crate::procfs::{broker_cpu, broker_pids, cpu_secs, pids, rss_bytes};
+use crate::wire::{fill_batch, settle};
+
 pub struct Options {
     pub nodes: usize,
     pub connections: usize,
@@ -116,62 +119,6 @@ impl Row {
             None => self,
         }
     }
-}
-
-// ------------------------------------------------------------------ /proc
-
-/// utime + stime of a process in seconds.
-pub(crate) fn cpu_secs(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    let Some((_, after)) = stat.rsplit_once(')') else {
-        return 0.0;
-    };
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let t = |i: usize| f.get(i).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
-    (t(11) + t(12)) / 100.0
-}
-
-fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/statm"))
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .unwrap_or(0)
-        * 4096
-}
-
-/// Pids whose command name is `comm` (beam.smp, postgres).
-pub(crate) fn pids(comm: &str) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .map(|c| c.trim() == comm)
-                .unwrap_or(false)
-        })
-        .collect()
-}
-
-/// The broker's Erlang VM: the `beam.smp` that boots `rabbit`. Not every
-/// `beam.smp`: each `rabbitmqctl` call (ours, or anyone's on the machine) runs
-/// one for a moment, and its CPU would enter one reading and leave the next.
-pub(crate) fn broker_pids() -> Vec<u32> {
-    pids("beam.smp")
-        .into_iter()
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| {
-                    let args: Vec<&[u8]> = c.split(|b| *b == 0).collect();
-                    args.windows(2)
-                        .any(|w| w[0] == b"rabbit" && w[1] == b"boot")
-                })
-                .unwrap_or(false)
-        })
-        .collect()
 }
 
 /// CPU seconds so far of the controller, the broker and every PostgreSQL process.
@@ -376,30 +323,7 @@ impl Fleet {
     }
 }
 
-pub(crate) async fn settle(confirms: &mut Vec<lapin::PublisherConfirm>) -> anyhow::Result<()> {
-    for c in confirms.drain(..) {
-        let c = c.await?;
-        ensure!(c.is_ack(), "the broker refused a publish: {c:?}");
-    }
-    Ok(())
-}
-
 // ------------------------------------------------------------------ baselines
-
-pub(crate) fn sample_payload() -> Vec<u8> {
-    let node = NodeId::parse("t00000000-n1234").unwrap_or_else(|_| unreachable!("valid id"));
-    let mut applied = AppliedGenerations::new();
-    applied.insert(Section::Config, 3);
-    Envelope::new(
-        node,
-        42,
-        Report::Heartbeat(Heartbeat {
-            interval_ms: Some(10_000),
-            applied,
-        }),
-    )
-    .encode()
-}
 
 /// A fresh durable queue `q` for a baseline: a confirm channel to publish on
 /// and a consumer (prefetch 1,000), each on its own connection.
@@ -1692,11 +1616,6 @@ async fn floor_phase(
     Ok(broker + ideal)
 }
 
-/// The broker's CPU seconds so far.
-pub(crate) fn broker_cpu() -> f64 {
-    broker_pids().into_iter().map(cpu_secs).sum()
-}
-
 /// `mesh-bench ideal-consume` running as a child process.
 struct IdealConsumer {
     child: tokio::process::Child,
@@ -2255,21 +2174,4 @@ pub fn print(rows: &[Row]) {
             }
         );
     }
-}
-
-/// A batch as the controller takes one: `first` and whatever follows within
-/// 20 ms, at most 200 deliveries.
-pub(crate) async fn fill_batch(
-    first: lapin::message::Delivery,
-    consumer: &mut lapin::Consumer,
-) -> anyhow::Result<Vec<lapin::message::Delivery>> {
-    let mut batch = vec![first];
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
-    while batch.len() < 200 {
-        match tokio::time::timeout_at(deadline, consumer.next()).await {
-            Ok(Some(d)) => batch.push(d?),
-            _ => break,
-        }
-    }
-    Ok(batch)
 }

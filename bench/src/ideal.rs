@@ -43,7 +43,7 @@ pub async fn consume(queue: &str) -> anyhow::Result<()> {
                 None => break,
             },
         };
-        let batch = crate::fleet::fill_batch(first, &mut consumer).await?;
+        let batch = crate::wire::fill_batch(first, &mut consumer).await?;
         for d in &batch {
             Envelope::<Report>::decode(&d.data, mesh_protocol::MAX_REPORT_BYTES)?;
         }

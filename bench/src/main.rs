@@ -25,9 +25,11 @@ mod health;
 mod ideal;
 mod paths;
 mod plan;
+mod procfs;
 mod queues;
 mod rollout;
 mod starts;
+mod wire;
 
 #[derive(Parser)]
 #[command(name = "mesh-bench")]

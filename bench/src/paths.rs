@@ -24,7 +24,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ExchangeKind};
 use mesh_e2e::Mesh;
 
-use crate::fleet::{broker_cpu, sample_payload, settle};
+use crate::procfs::broker_cpu;
+use crate::wire::{sample_payload, settle};
 
 /// One variant of the path: what is added to plain (a).
 #[derive(Clone, Copy)]

@@ -37,7 +37,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ExchangeKind};
 use mesh_protocol::{Applied, Envelope, ItemOutcome, NodeId, Outcome, Report, Section};
 
-use crate::fleet::{cpu_secs, pids};
+use crate::procfs::{cpu_secs, pids};
 
 pub struct Options {
     pub urls: Vec<String>,

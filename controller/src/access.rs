@@ -40,8 +40,11 @@ use tower_http::trace::{MakeSpan, OnResponse, TraceLayer};
 use tracing::Span;
 use uuid::Uuid;
 
-use crate::auth::REQUEST_ID_HEADER;
 use crate::metrics::Metrics;
+
+/// Request and response header carrying the request's id (also in its audit
+/// entry and its access log line).
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// The route label of a request no route matched.
 pub const UNMATCHED: &str = "unmatched";

@@ -17,15 +17,19 @@ use mesh_protocol::{NodeId, ReportKind};
 
 pub type AmqpResult<T> = Result<T, lapin::Error>;
 
+/// The AMQP heartbeat asked for unless configured (`amqp_heartbeat_secs`).
+pub const DEFAULT_HEARTBEAT_SECS: u64 = 10;
+/// The deadline of one connection attempt unless configured (`connect_timeout_ms`).
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 10_000;
+
 /// Connects to the URL's own host and port, within the default attempt
 /// deadline and heartbeat (tests and tools; the session uses [`connect_to`]).
 pub async fn connect(url: &str) -> AmqpResult<Connection> {
-    let defaults = crate::config::Settings::default();
     connect_to(
         url,
         None,
-        Duration::from_secs(defaults.amqp_heartbeat_secs),
-        defaults.connect_timeout(),
+        Duration::from_secs(DEFAULT_HEARTBEAT_SECS),
+        Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS),
     )
     .await
 }

@@ -41,10 +41,6 @@ use uuid::Uuid;
 
 use crate::metrics::Metrics;
 
-/// Request and response header carrying the request's id (also in its audit
-/// entry and its access log line; access.rs).
-pub const REQUEST_ID_HEADER: &str = "x-request-id";
-
 /// For tests of crash safety only: when `MESH_FAILPOINT_EXIT_AFTER_API_COMMIT`
 /// names a route's action (`PUT /v1/files/{name}`) or is `*`, the process exits
 /// (code 87) right after such a mutation committed, before its response is

@@ -6,6 +6,7 @@
 //! or rollout id); what a person reads goes to stderr.
 
 use crate::client::{Api, Body, urlencode};
+use crate::output::compact_table as table;
 use crate::progress::{self, Screen};
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand};
@@ -235,36 +236,6 @@ fn list<'a>(v: &'a Value, k: &str) -> anyhow::Result<&'a Vec<Value>> {
     v.get(k)
         .and_then(Value::as_array)
         .with_context(|| format!("no `{k}` list in the answer"))
-}
-
-/// Rows as columns padded to their widest cell (the last one is not padded).
-pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in rows {
-        for (i, cell) in row.iter().enumerate() {
-            if let Some(w) = widths.get_mut(i) {
-                *w = (*w).max(cell.chars().count());
-            }
-        }
-    }
-    let line = |cells: Vec<&str>| {
-        let last = cells.len().saturating_sub(1);
-        let mut out = String::new();
-        for (i, c) in cells.into_iter().enumerate() {
-            if i == last {
-                out.push_str(c);
-            } else {
-                let pad = widths.get(i).copied().unwrap_or(0);
-                out.push_str(&format!("{c:<pad$}  "));
-            }
-        }
-        out.trim_end().to_owned() + "\n"
-    };
-    let mut out = line(header.to_vec());
-    for row in rows {
-        out.push_str(&line(row.iter().map(String::as_str).collect()));
-    }
-    out
 }
 
 /// The body of `POST /v1/modules/{name}/revisions` from the flags.

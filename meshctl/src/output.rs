@@ -61,6 +61,37 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// Rows as columns padded to their widest cell (the last one is not padded),
+/// two spaces apart: the delivery and signing commands' tables.
+pub fn compact_table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            if let Some(w) = widths.get_mut(i) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let last = cells.len().saturating_sub(1);
+        let mut out = String::new();
+        for (i, c) in cells.into_iter().enumerate() {
+            if i == last {
+                out.push_str(c);
+            } else {
+                let pad = widths.get(i).copied().unwrap_or(0);
+                out.push_str(&format!("{c:<pad$}  "));
+            }
+        }
+        out.trim_end().to_owned() + "\n"
+    };
+    let mut out = line(header.to_vec());
+    for row in rows {
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
 /// A string field, or `-` when absent or null.
 pub fn s(v: &Value, key: &str) -> String {
     match v.get(key) {

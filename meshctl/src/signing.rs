@@ -192,7 +192,7 @@ pub async fn signing_key(api: &Api, cmd: SigningKeyCommand) -> anyhow::Result<Ex
             }
             print!(
                 "{}",
-                crate::delivery::table(&["NAME", "KEY", "ADDED_BY", "ADDED_AT"], &rows)
+                crate::output::compact_table(&["NAME", "KEY", "ADDED_BY", "ADDED_AT"], &rows)
             );
         }
         SigningKeyCommand::Remove { name } => {

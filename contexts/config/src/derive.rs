@@ -20,7 +20,7 @@ use sqlx::types::Json;
 
 use crate::secrets::{self, Keyring, grant_path};
 use crate::settings::{self, Layer};
-use crate::{Error, layers};
+use crate::{Error, layers, module_dir};
 
 /// Mode of a rendered settings file.
 const SETTINGS_MODE: u32 = 0o644;
@@ -39,11 +39,6 @@ impl Derived {
     pub fn claims(&self, path: &str) -> bool {
         self.files.iter().any(|f| f.path == path) || self.secrets.iter().any(|s| s.path == path)
     }
-}
-
-/// The directory of a module on a node.
-pub fn module_dir(module: &str) -> String {
-    format!("/modules/{module}")
 }
 
 struct Grant {

@@ -12,9 +12,8 @@ use serde::Serialize;
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use crate::derive::module_dir;
 use crate::settings::{self, Effective, Layer, Scope, Values};
-use crate::{Config, Error};
+use crate::{Config, Error, module_dir};
 
 /// A layer as the API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]

@@ -43,7 +43,6 @@ use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
 use sqlx::{PgConnection, PgPool};
 
-pub use derive::module_dir;
 pub use error::Error;
 pub use layers::{EffectiveView, LayerView, NodeSettings};
 /// What a reconcile did: the section component's report.
@@ -58,6 +57,11 @@ pub const SCHEMA: &str = "config";
 
 /// The config section of each node, in `config.sections`.
 pub const SECTIONS: Sections = Sections::new(SCHEMA, Section::Config);
+
+/// The directory of a module on a node.
+pub fn module_dir(module: &str) -> String {
+    format!("/modules/{module}")
+}
 
 // refinery names a Rust migration's module after its file (`V3__sections`).
 #[allow(non_snake_case)]
@@ -213,14 +217,6 @@ impl Context for Config {
         reports::handle(tx, reports, &self.settings, &self.keyring)
             .await
             .map_err(HandlerError::from)
-    }
-
-    async fn handle_event(
-        &self,
-        tx: &mut PgConnection,
-        event: &RecordEvent,
-    ) -> Result<(), HandlerError> {
-        self.handle_events(tx, &[event]).await
     }
 
     /// The node events of a batch in one upsert and one reconcile of the nodes

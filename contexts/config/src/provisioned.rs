@@ -12,14 +12,8 @@ use mesh_protocol::{CredentialsIssued, CredentialsWithdrawn};
 use sqlx::PgConnection;
 
 use crate::crypt;
-use crate::secrets::Keyring;
+use crate::secrets::{Keyring, MANAGED_BY};
 use crate::{Error, reports};
-
-/// Who manages the secrets this module keeps.
-pub const MANAGED_BY: &str = "provisioning";
-
-/// The file-name prefix reserved for the credentials of grants.
-pub const GRANT_FILE_PREFIX: &str = "grant-";
 
 fn b64(field: &str, s: &str) -> Result<Vec<u8>, Error> {
     base64::engine::general_purpose::STANDARD
@@ -171,33 +165,4 @@ async fn reconcile_modules(
     .fetch_all(&mut *tx)
     .await?;
     reports::reconcile_named(tx, nodes, keyring).await
-}
-
-/// Refuse an operator's write to a secret provisioning manages.
-pub(crate) async fn refuse_managed(tx: &mut PgConnection, name: &str) -> Result<(), Error> {
-    let by: Option<Option<String>> =
-        sqlx::query_scalar("SELECT managed_by FROM config.secrets WHERE name = $1")
-            .bind(name)
-            .fetch_optional(&mut *tx)
-            .await?;
-    if let Some(Some(by)) = by {
-        return Err(Error::Conflict(format!(
-            "secret `{name}` is managed by {by} (the credential of a resource grant): \
-             it changes only with its grant"
-        )));
-    }
-    Ok(())
-}
-
-/// Refuse an operator's grant under a file name reserved for grants.
-pub(crate) fn refuse_reserved_file(file: &str) -> Result<(), Error> {
-    if file.starts_with(GRANT_FILE_PREFIX) {
-        return Err(Error::Invalid {
-            field: "file".to_owned(),
-            reason: format!(
-                "`{GRANT_FILE_PREFIX}…` file names are reserved for the credentials of resource grants"
-            ),
-        });
-    }
-    Ok(())
 }

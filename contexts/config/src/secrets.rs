@@ -146,6 +146,13 @@ pub struct RotationReport {
     pub rewrapped: u64,
 }
 
+/// Who manages the secrets that the credentials of resource grants are
+/// (`provisioned.rs`); operators cannot change those.
+pub const MANAGED_BY: &str = "provisioning";
+
+/// The file-name prefix reserved for the credentials of grants.
+pub const GRANT_FILE_PREFIX: &str = "grant-";
+
 /// The path on a node of a granted secret's file.
 pub fn grant_path(module: &str, file: &str) -> String {
     format!("/modules/{module}/secrets/{file}")
@@ -215,7 +222,7 @@ impl Config {
         let _writing = self.keyring.writes.read().await;
         let by = audit.principal().name.clone();
         let mut tx = self.pool.begin().await?;
-        crate::provisioned::refuse_managed(&mut tx, name).await?;
+        refuse_managed(&mut tx, name).await?;
         let current: Option<(i64, String, Vec<u8>)> = sqlx::query_as(
             "SELECT version, key_id, wrapped_key FROM config.secrets WHERE name = $1 FOR UPDATE",
         )
@@ -281,7 +288,7 @@ impl Config {
         audit: &Audit,
     ) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
-        crate::provisioned::refuse_managed(&mut tx, name).await?;
+        refuse_managed(&mut tx, name).await?;
         let current: Option<i64> =
             sqlx::query_scalar("SELECT version FROM config.secrets WHERE name = $1 FOR UPDATE")
                 .bind(name)
@@ -327,8 +334,8 @@ impl Config {
         validate_file(file)?;
         let by = audit.principal().name.clone();
         let mut tx = self.pool.begin().await?;
-        crate::provisioned::refuse_managed(&mut tx, secret).await?;
-        crate::provisioned::refuse_reserved_file(file)?;
+        refuse_managed(&mut tx, secret).await?;
+        refuse_reserved_file(file)?;
         let exists: Option<i64> =
             sqlx::query_scalar("SELECT version FROM config.secrets WHERE name = $1 FOR SHARE")
                 .bind(secret)
@@ -391,7 +398,7 @@ impl Config {
         audit: &Audit,
     ) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
-        crate::provisioned::refuse_managed(&mut tx, secret).await?;
+        refuse_managed(&mut tx, secret).await?;
         let current: Option<i64> = sqlx::query_scalar(
             "SELECT revision FROM config.grants WHERE module = $1 AND secret = $2 FOR UPDATE",
         )
@@ -480,6 +487,35 @@ impl Config {
             rewrapped: names.len() as u64,
         })
     }
+}
+
+/// Refuse an operator's write to a secret provisioning manages.
+pub(crate) async fn refuse_managed(tx: &mut PgConnection, name: &str) -> Result<(), Error> {
+    let by: Option<Option<String>> =
+        sqlx::query_scalar("SELECT managed_by FROM config.secrets WHERE name = $1")
+            .bind(name)
+            .fetch_optional(&mut *tx)
+            .await?;
+    if let Some(Some(by)) = by {
+        return Err(Error::Conflict(format!(
+            "secret `{name}` is managed by {by} (the credential of a resource grant): \
+             it changes only with its grant"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuse an operator's grant under a file name reserved for grants.
+pub(crate) fn refuse_reserved_file(file: &str) -> Result<(), Error> {
+    if file.starts_with(GRANT_FILE_PREFIX) {
+        return Err(Error::Invalid {
+            field: "file".to_owned(),
+            reason: format!(
+                "`{GRANT_FILE_PREFIX}…` file names are reserved for the credentials of resource grants"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn clip(s: &str) -> String {

@@ -202,14 +202,6 @@ impl Context for Connectivity {
         self.reports(tx, reports).await.map_err(HandlerError::from)
     }
 
-    async fn handle_event(
-        &self,
-        tx: &mut PgConnection,
-        event: &RecordEvent,
-    ) -> Result<(), HandlerError> {
-        self.handle_events(tx, &[event]).await
-    }
-
     /// The events of a batch in one upsert per kind and one reconcile.
     async fn handle_events(
         &self,

@@ -586,14 +586,6 @@ impl Context for Delivery {
         .map_err(HandlerError::from)
     }
 
-    async fn handle_event(
-        &self,
-        tx: &mut PgConnection,
-        event: &RecordEvent,
-    ) -> Result<(), HandlerError> {
-        self.handle_events(tx, &[event]).await
-    }
-
     async fn handle_events(
         &self,
         tx: &mut PgConnection,

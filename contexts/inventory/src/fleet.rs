@@ -16,8 +16,8 @@ use chrono::{DateTime, Utc};
 use mesh_plumbing::outbox;
 use mesh_plumbing::section::Items;
 use mesh_protocol::{
-    DeclarationItems, Endpoints, HeartbeatPlan, ModulePlacement, ModulePort, ModuleRemoved, NodeId,
-    Provides, RecordEvent, RecordKind, Requirement, SettingsFile,
+    DeclarationItems, Endpoints, HeartbeatPlan, ModulePlacement, ModulePort, ModuleRemoved,
+    ModuleTargets, NodeId, Provides, RecordEvent, RecordKind, Requirement, SettingsFile,
 };
 use sqlx::PgConnection;
 use sqlx::types::Json;
@@ -786,6 +786,23 @@ async fn declare(
         desired.push((node_id(node)?, items));
     }
     Ok(SECTIONS.declare(tx, desired).await?.declared)
+}
+
+/// Keep `delivery.module.targets` (`targets.rs`) under the fleet lock, and
+/// declare the inventory section of every node holding the module whose
+/// revision changed (the declarations commit with the targets). Returns how
+/// many nodes a new generation was declared to.
+pub(crate) async fn retarget(
+    tx: &mut PgConnection,
+    body: &ModuleTargets,
+    plan: &Carried,
+) -> Result<usize, Error> {
+    lock(tx).await?;
+    let changed = crate::targets::record(tx, body).await?;
+    if changed.is_empty() {
+        return Ok(0);
+    }
+    declare_holders(tx, &body.module, &changed, plan).await
 }
 
 /// Declare the inventory section of each node of `nodes` that holds an

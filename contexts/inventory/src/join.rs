@@ -17,8 +17,7 @@ use mesh_protocol::{
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use crate::nodes::{LabelTrust, to_i64};
-use crate::reports::{clamp, upsert_generations};
+use crate::nodes::{LabelTrust, clamp, to_i64, upsert_generations};
 use crate::{Error, SCHEMA};
 
 /// The hellos of a batch that may join set-based: accepted ones (this

@@ -331,7 +331,7 @@ impl Context for Inventory {
                     .map_err(HandlerError::from);
             }
             RecordKind::ModuleTargets(body) => {
-                let declared = targets::record(tx, body, &self.carried()).await?;
+                let declared = fleet::retarget(tx, body, &self.carried()).await?;
                 tracing::debug!(module = %body.module, version = body.version, declared, "module targets");
                 return Ok(());
             }

@@ -4,7 +4,9 @@
 //! and the wire-to-column conversion of counters.
 
 use mesh_plumbing::outbox;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{DateTime, Utc};
 
 use mesh_protocol::{
     Labels, NODE_LABEL, NodeId, NodeIdentityChanged, NodeLabelsChanged, NodeLiveness,
@@ -154,5 +156,48 @@ pub(crate) async fn enrolled_labels(
         )
         .await?;
     }
+    Ok(())
+}
+
+/// A node's clock may run ahead; never record a "last seen" in the future.
+pub(crate) fn clamp(sent_at: DateTime<Utc>) -> DateTime<Utc> {
+    sent_at.min(Utc::now())
+}
+
+/// Raise applied generations (never lower them), one statement, keys unique.
+/// Used by hello (heartbeats do the same inside their one statement). Rows
+/// already at or above their generation (a node that is up to date) are
+/// filtered out before the insert: an `ON CONFLICT DO UPDATE … WHERE` that
+/// updates nothing still locks the row it conflicts with.
+pub(crate) async fn upsert_generations(
+    tx: &mut PgConnection,
+    rows: BTreeMap<(&str, &str), i64>,
+) -> Result<(), Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut nodes = Vec::with_capacity(rows.len());
+    let mut sections = Vec::with_capacity(rows.len());
+    let mut generations = Vec::with_capacity(rows.len());
+    for ((node, section), generation) in rows {
+        nodes.push(node);
+        sections.push(section);
+        generations.push(generation);
+    }
+    sqlx::query(
+        "INSERT INTO inventory.applied AS a (node, section, generation) \
+         SELECT u.node, u.section, u.generation \
+         FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(node, section, generation) \
+         WHERE EXISTS (SELECT 1 FROM inventory.nodes n WHERE n.id = u.node) \
+           AND NOT EXISTS (SELECT 1 FROM inventory.applied o WHERE o.node = u.node \
+                           AND o.section = u.section AND o.generation >= u.generation) \
+         ON CONFLICT (node, section) DO UPDATE SET generation = excluded.generation, updated_at = now() \
+         WHERE a.generation < excluded.generation",
+    )
+    .bind(&nodes)
+    .bind(&sections)
+    .bind(&generations)
+    .execute(&mut *tx)
+    .await?;
     Ok(())
 }

@@ -18,7 +18,7 @@ use mesh_protocol::{
 use sqlx::PgConnection;
 use sqlx::types::Json;
 
-use crate::nodes::{LabelTrust, emit, emit_liveness, to_i64};
+use crate::nodes::{LabelTrust, clamp, emit, emit_liveness, to_i64, upsert_generations};
 use crate::{Error, InventorySettings, SECTIONS};
 
 pub(crate) async fn handle(
@@ -131,11 +131,6 @@ pub(crate) async fn revived(
         },
     )
     .await
-}
-
-/// A node's clock may run ahead; never record a "last seen" in the future.
-pub(crate) fn clamp(sent_at: DateTime<Utc>) -> DateTime<Utc> {
-    sent_at.min(Utc::now())
 }
 
 async fn hello(
@@ -380,44 +375,6 @@ async fn heartbeat_batch(
         }
     }
     SECTIONS.resend(tx, resend).await?;
-    Ok(())
-}
-
-/// Raise applied generations (never lower them), one statement, keys unique.
-/// Used by hello (heartbeats do the same inside their one statement). Rows
-/// already at or above their generation (a node that is up to date) are
-/// filtered out before the insert: an `ON CONFLICT DO UPDATE … WHERE` that
-/// updates nothing still locks the row it conflicts with.
-pub(crate) async fn upsert_generations(
-    tx: &mut PgConnection,
-    rows: BTreeMap<(&str, &str), i64>,
-) -> Result<(), Error> {
-    if rows.is_empty() {
-        return Ok(());
-    }
-    let mut nodes = Vec::with_capacity(rows.len());
-    let mut sections = Vec::with_capacity(rows.len());
-    let mut generations = Vec::with_capacity(rows.len());
-    for ((node, section), generation) in rows {
-        nodes.push(node);
-        sections.push(section);
-        generations.push(generation);
-    }
-    sqlx::query(
-        "INSERT INTO inventory.applied AS a (node, section, generation) \
-         SELECT u.node, u.section, u.generation \
-         FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(node, section, generation) \
-         WHERE EXISTS (SELECT 1 FROM inventory.nodes n WHERE n.id = u.node) \
-           AND NOT EXISTS (SELECT 1 FROM inventory.applied o WHERE o.node = u.node \
-                           AND o.section = u.section AND o.generation >= u.generation) \
-         ON CONFLICT (node, section) DO UPDATE SET generation = excluded.generation, updated_at = now() \
-         WHERE a.generation < excluded.generation",
-    )
-    .bind(&nodes)
-    .bind(&sections)
-    .bind(&generations)
-    .execute(&mut *tx)
-    .await?;
     Ok(())
 }
 

@@ -12,7 +12,7 @@ use sqlx::PgConnection;
 use sqlx::types::Json;
 use uuid::Uuid;
 
-use crate::{Error, fleet};
+use crate::Error;
 
 /// A module's targets as kept: each targeted node's revision.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -84,19 +84,16 @@ pub(crate) async fn load(tx: &mut PgConnection) -> Result<BTreeMap<String, Targe
 }
 
 /// Keep `delivery.module.targets` if it is newer than what is kept for its
-/// module, and declare the inventory section of every node holding the
-/// module whose revision changed, in `tx` under the fleet lock (the
-/// declarations commit with the targets). A stale event (its version not
-/// above the kept one) changes nothing; so does one for a module inventory
-/// does not have (deleted, or never created: a module created again later
-/// runs its own spec until delivery targets it anew). Returns how many nodes
-/// a new generation was declared to.
+/// module, and return the nodes whose revision changed (the caller, `retarget`
+/// in fleet.rs, holds the fleet lock and declares their sections). A
+/// stale event (its version not above the kept one) changes nothing; so does
+/// one for a module inventory does not have (deleted, or never created: a
+/// module created again later runs its own spec until delivery targets it
+/// anew).
 pub(crate) async fn record(
     tx: &mut PgConnection,
     body: &ModuleTargets,
-    plan: &fleet::Carried,
-) -> Result<usize, Error> {
-    crate::state::lock(tx).await?;
+) -> Result<BTreeSet<String>, Error> {
     let exists: Option<String> =
         sqlx::query_scalar("SELECT name FROM inventory.modules WHERE name = $1")
             .bind(&body.module)
@@ -104,7 +101,7 @@ pub(crate) async fn record(
             .await?;
     if exists.is_none() {
         tracing::debug!(module = %body.module, "targets of a module inventory does not have");
-        return Ok(0);
+        return Ok(BTreeSet::new());
     }
     let kept: Option<Row> = sqlx::query_as(
         "SELECT module, version, revisions, targets FROM inventory.module_targets WHERE module = $1",
@@ -120,7 +117,7 @@ pub(crate) async fn record(
                 kept = row.version,
                 "stale module targets"
             );
-            return Ok(0);
+            return Ok(BTreeSet::new());
         }
         Some(row) => row.decode()?.1,
         None => Targets::default(),
@@ -139,11 +136,7 @@ pub(crate) async fn record(
     .execute(&mut *tx)
     .await?;
     let new = Targets::new(body.revisions.clone(), body.targets.clone());
-    let changed = old.differing(&new);
-    if changed.is_empty() {
-        return Ok(0);
-    }
-    fleet::declare_holders(tx, &body.module, &changed, plan).await
+    Ok(old.differing(&new))
 }
 
 /// Forget a module's targets (the module is deleted).

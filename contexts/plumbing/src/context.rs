@@ -93,13 +93,15 @@ pub trait Context: Send + Sync + 'static {
         reports: &[Envelope<Report>],
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
-    /// Handle one record event this context subscribed to.
+    /// Handle one record event this context subscribed to. The default hands
+    /// it to [`Context::handle_events`] as a batch of one: a context overrides
+    /// one of the two (a context that overrides neither handles nothing).
     fn handle_event(
         &self,
-        _tx: &mut PgConnection,
-        _event: &RecordEvent,
+        tx: &mut PgConnection,
+        event: &RecordEvent,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
-        async { Ok(()) }
+        async move { self.handle_events(tx, &[event]).await }
     }
 
     /// Called after a transaction of [`Context::handle_events`] or

@@ -213,14 +213,6 @@ impl Context for Provisioning {
         self.reports(tx, reports).await.map_err(HandlerError::from)
     }
 
-    async fn handle_event(
-        &self,
-        tx: &mut PgConnection,
-        event: &RecordEvent,
-    ) -> Result<(), HandlerError> {
-        self.handle_events(tx, &[event]).await
-    }
-
     /// The module events of a batch in one upsert and one pass.
     async fn handle_events(
         &self,
