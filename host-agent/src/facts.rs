@@ -2,8 +2,9 @@
 
 use mesh_protocol::{AppliedGenerations, Hello, Labels, OverlayFacts, ProtocolRange};
 
-/// The agent's version, as reported in hello.
-pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The agent's version (defined at the crate root, where every module may
+/// reach it without a circle).
+pub use crate::AGENT_VERSION;
 
 /// Build a hello from the host's facts. `hostname` overrides the kernel's;
 /// `seal_key` is the node's seal public key (hex) that secrets are sealed to;

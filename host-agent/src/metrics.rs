@@ -74,7 +74,7 @@ impl Metrics {
             build_info.clone(),
         );
         build_info
-            .get_or_create(&vec![("version", crate::facts::AGENT_VERSION)])
+            .get_or_create(&vec![("version", crate::AGENT_VERSION)])
             .set(1);
         let reports_published = Family::<Labels, Counter>::default();
         registry.register(
@@ -431,7 +431,7 @@ mod tests {
         for needle in [
             &format!(
                 "mesh_agent_build_info{{version=\"{}\"}} 1",
-                crate::facts::AGENT_VERSION
+                crate::AGENT_VERSION
             ),
             "mesh_agent_reports_published_total{kind=\"hello\"} 1",
             "mesh_agent_reports_buffered 3",

@@ -379,7 +379,7 @@ async fn http(h: &HttpCheck) -> Result<String, String> {
     let request = format!(
         "GET {} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: mesh-agent/{}\r\nAccept: */*\r\nConnection: close\r\n\r\n",
         h.path,
-        crate::facts::AGENT_VERSION
+        crate::AGENT_VERSION
     );
     s.write_all(request.as_bytes())
         .await
