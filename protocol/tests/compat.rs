@@ -15,6 +15,8 @@
 //! or regenerate the v1 files once released: a new version gets its own
 //! directory.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

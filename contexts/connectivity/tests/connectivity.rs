@@ -2,6 +2,8 @@
 //! per test, fed reports and record events the way the controller's router
 //! feeds them (inbox first).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
