@@ -84,6 +84,9 @@ pub struct Row {
     pub ratio: Option<f64>,
     pub target: String,
     pub pass: Option<bool>,
+    /// Set when noise makes the measured value meaningless: what is printed
+    /// instead of it (`value` is then NaN, `null` in the JSON).
+    pub note: Option<String>,
 }
 
 fn row(figure: &str, value: f64, unit: &str) -> Row {
@@ -95,6 +98,27 @@ fn row(figure: &str, value: f64, unit: &str) -> Row {
         ratio: None,
         target: String::new(),
         pass: None,
+        note: None,
+    }
+}
+
+/// A figure taken from a difference of `delta` bytes that the measurement's
+/// own drift, `noise` bytes with nothing changing, can swamp:
+/// `value` (`delta` scaled) when `delta` is above the noise, else a row that
+/// says "below noise" and names the noise instead of printing a figure that
+/// means nothing (a negative memory per connection, say).
+fn above_noise(figure: &str, delta: f64, noise: f64, value: f64, unit: &str) -> Row {
+    if delta > noise {
+        row(figure, value, unit)
+    } else {
+        Row {
+            note: Some(format!(
+                "below noise (changed {:.0} KiB; drift idle {:.0} KiB)",
+                delta / 1024.0,
+                noise / 1024.0
+            )),
+            ..row(figure, f64::NAN, unit)
+        }
     }
 }
 
@@ -1218,10 +1242,13 @@ struct Rows<'a>(&'a mut Vec<Row>);
 
 impl Rows<'_> {
     fn push(&mut self, r: Row) {
+        let value = match &r.note {
+            Some(note) => note.clone(),
+            None => format!("{:.2}", r.value),
+        };
         eprintln!(
-            "  {}: {:.2} {} {}",
+            "  {}: {value} {} {}",
             r.figure,
-            r.value,
             r.unit,
             r.ratio
                 .map(|x| format!("(ratio {x:.2})"))
@@ -1812,11 +1839,20 @@ async fn real_phase(mesh: &Mesh, o: &Options, rows: &mut Rows<'_>) -> anyhow::Re
         ));
     }
     eprintln!("real connections: the broker idle for 30 s first…");
-    let rss0 = broker_rss();
-    let mem0 = connection_memory(mesh).await.ok();
     let (b0, t0) = (broker_cpu(), Instant::now());
-    tokio::time::sleep(Duration::from_secs(30)).await;
+    // The memory figures are differences: how far they drift with nothing
+    // changing (sampled every 3 s of the idle window) is their noise.
+    let (mut rss, mut mem) = (Vec::new(), Vec::new());
+    while t0.elapsed() < Duration::from_secs(30) {
+        rss.push(broker_rss());
+        if let Ok(m) = connection_memory(mesh).await {
+            mem.push(m);
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
     let idle = (broker_cpu() - b0) / t0.elapsed().as_secs_f64() * 100.0;
+    let rss0 = Sampled::of(&rss).context("no broker RSS sample")?;
+    let mem0 = Sampled::of(&mem);
     eprintln!("real connections: {n} node users, one connection each…");
     let creds = mesh_e2e::sim::add_nodes(&mesh.env, "real", n).await?;
     let users: Vec<String> = creds.iter().map(|c| c.node.to_string()).collect();
@@ -1825,7 +1861,8 @@ async fn real_phase(mesh: &Mesh, o: &Options, rows: &mut Rows<'_>) -> anyhow::Re
     let result = match nodes {
         Ok(nodes) => {
             let connected = t.elapsed().as_secs_f64();
-            let r = idle_connections(&nodes, n, connected, (idle, rss0, mem0), mesh, rows).await;
+            let before = Before { idle, rss0, mem0 };
+            let r = idle_connections(&nodes, n, connected, before, mesh, rows).await;
             futures_util::stream::iter(nodes)
                 .for_each_concurrent(64, |node| node.close())
                 .await;
@@ -1837,12 +1874,42 @@ async fn real_phase(mesh: &Mesh, o: &Options, rows: &mut Rows<'_>) -> anyhow::Re
     result
 }
 
+/// Samples of one quantity taken while nothing changed: the last one is the
+/// "before" of a difference, their spread (max − min) its noise.
+#[derive(Clone, Copy)]
+struct Sampled {
+    last: f64,
+    noise: f64,
+}
+
+impl Sampled {
+    fn of(samples: &[u64]) -> Option<Sampled> {
+        let last = *samples.last()? as f64;
+        let max = samples.iter().max()?;
+        let min = samples.iter().min()?;
+        Some(Sampled {
+            last,
+            noise: (max - min) as f64,
+        })
+    }
+}
+
+/// The broker without the connections, for [`idle_connections`].
+struct Before {
+    /// Its CPU, % of a core.
+    idle: f64,
+    /// Its RSS, bytes.
+    rss0: Sampled,
+    /// Its connection processes' memory (management API), bytes.
+    mem0: Option<Sampled>,
+}
+
 /// The measuring part of [`real_phase`], with every connection open.
 async fn idle_connections(
     nodes: &[mesh_e2e::sim::SimNode],
     n: usize,
     connected: f64,
-    (idle, rss0, mem0): (f64, u64, Option<u64>),
+    Before { idle, rss0, mem0 }: Before,
     mesh: &Mesh,
     rows: &mut Rows<'_>,
 ) -> anyhow::Result<()> {
@@ -1888,25 +1955,34 @@ async fn idle_connections(
             "% of a core",
         ));
     }
-    // Signed: the broker frees memory late and unevenly, and anything else
-    // on the machine's broker moves its RSS too.
-    let rss_per = (rss1 as f64 - rss0 as f64) / n as f64;
-    rows.push(row(
+    // The broker frees memory late and unevenly, and anything else on the
+    // machine's broker moves its RSS too: a difference within the idle
+    // drift (or below zero) is reported as below noise, not as a figure.
+    let rss_delta = rss1 as f64 - rss0.last;
+    let rss_per = rss_delta / n as f64;
+    rows.push(above_noise(
         "real connections: broker RSS per connection",
+        rss_delta,
+        rss0.noise,
         rss_per / 1024.0,
         "KiB",
     ));
     for k in [10_000.0, 50_000.0] {
-        rows.push(row(
+        rows.push(above_noise(
             &format!("real connections: broker RSS extrapolated to {k:.0}"),
+            rss_delta,
+            rss0.noise,
             rss_per * k / 1e6,
             "MB",
         ));
     }
     if let (Some(m0), Some(m1)) = (mem0, mem1) {
-        rows.push(row(
+        let delta = m1 as f64 - m0.last;
+        rows.push(above_noise(
             "real connections: connection memory per connection (management API)",
-            (m1 as f64 - m0 as f64) / n as f64 / 1024.0,
+            delta,
+            m0.noise,
+            delta / n as f64 / 1024.0,
             "KiB",
         ));
     }
@@ -2160,10 +2236,12 @@ pub fn print(rows: &[Row]) {
             }
         };
         println!(
-            "| {} | {} {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} |",
             r.figure,
-            num(r.value),
-            r.unit,
+            match &r.note {
+                Some(note) => note.clone(),
+                None => format!("{} {}", num(r.value), r.unit),
+            },
             r.baseline.map(num).unwrap_or_default(),
             r.ratio.map(|x| format!("{x:.2}")).unwrap_or_default(),
             r.target,

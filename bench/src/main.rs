@@ -20,6 +20,7 @@ use lapin::{BasicProperties, Connection};
 use mesh_e2e::{Mesh, hello, wait_for};
 use mesh_protocol::{Envelope, Heartbeat, NodeId, Report};
 
+mod declares;
 mod fleet;
 mod health;
 mod ideal;
@@ -139,6 +140,21 @@ enum Cmd {
         /// classic then quorum, and what they cost the broker idle (0: none).
         #[arg(long, default_value_t = 0)]
         idle_queues: usize,
+    },
+    /// Queue creation per second on 1 and on many channels (decision 0024):
+    /// durable bounded queues shaped like `decl.<node>`, declared and bound
+    /// as the controller's hello path does, in a vhost of its own on the
+    /// local broker, removed afterwards.
+    QueueDeclares {
+        /// Queues declared per channel count and run.
+        #[arg(long, default_value_t = 2_000)]
+        queues: usize,
+        /// Channel counts, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,32")]
+        channels: Vec<usize>,
+        /// Runs (each: every channel count in turn).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
     },
     /// The ideal consumer of baseline (e), run by `fleet` as a child process.
     #[command(hide = true)]
@@ -262,6 +278,11 @@ async fn main() -> anyhow::Result<()> {
             })
             .await
         }
+        Cmd::QueueDeclares {
+            queues,
+            channels,
+            runs,
+        } => declares::run(queues, &channels, runs).await,
         Cmd::IdealConsume { queue } => ideal::consume(&queue).await,
         Cmd::ConnectivityPlan { nodes } => plan::run(&nodes),
         Cmd::Health { nodes, units } => health::run(&nodes, units).await,

@@ -5,6 +5,8 @@
 //! own role. (The whole drill, with a controller and agents and a fresh
 //! cluster, is e2e/tests/restore.rs.)
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use mesh_bundle::backup::{self, BackupError, BackupSource, RecoveryKey, RestoreOptions};
 use mesh_testkit::TestEnv;
 use sqlx::PgPool;

@@ -5,6 +5,8 @@
 //! key allowed on one bucket only, through the credential file an
 //! `s3.bucket` grant writes.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

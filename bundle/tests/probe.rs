@@ -4,6 +4,8 @@
 //! older than 14, and a PostgreSQL with autovacuum off (a throwaway cluster of
 //! our own, started here and removed again).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

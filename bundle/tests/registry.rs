@@ -7,6 +7,8 @@
 //! Each test pushes into its own repository (`mesh-test/<random hex>`), so
 //! tests in parallel never collide.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::time::{Duration, Instant};
 
 use rand::RngCore as _;

@@ -1,6 +1,8 @@
 //! Rule 2, over every pair: each context's role is denied every other context's
 //! schema (read, write, create), on a real PostgreSQL.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use mesh_bundle::CONTEXTS;
 use mesh_testkit::TestEnv;
 use sqlx::{AssertSqlSafe, Connection as _, PgConnection};

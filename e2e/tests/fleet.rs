@@ -20,6 +20,15 @@ fn sleeper(labels: Value, replicas: u32) -> Value {
     })
 }
 
+/// The array `key` of a list answer: an error when it is missing or not an
+/// array, so that a wrong answer cannot pass as an empty list.
+fn list(answer: &Value, key: &str) -> anyhow::Result<Vec<Value>> {
+    answer[key]
+        .as_array()
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("no array `{key}` in {answer}"))
+}
+
 async fn put_module(mesh: &Mesh, name: &str, spec: &Value) -> anyhow::Result<()> {
     let (status, _, body) = mesh
         .request(
@@ -48,10 +57,7 @@ async fn active(
 ) -> anyhow::Result<BTreeMap<u64, (String, Option<String>, Option<u64>, u64)>> {
     let (status, view) = mesh.get(&format!("/v1/modules/{module}")).await?;
     anyhow::ensure!(status == 200, "GET module {module}: {status} {view}");
-    Ok(view["assignments"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
+    Ok(list(&view, "assignments")?
         .iter()
         .filter(|a| a["role"] == "active")
         .map(|a| {
@@ -102,7 +108,7 @@ async fn node_state(mesh: &Mesh, node: &str) -> anyhow::Result<Value> {
 async fn all_alive(mesh: &Mesh, n: usize) -> anyhow::Result<()> {
     wait_for(&format!("{n} alive nodes"), WITHIN, || async {
         let (_, nodes) = mesh.get("/v1/nodes").await?;
-        let nodes = nodes["nodes"].as_array().cloned().unwrap_or_default();
+        let nodes = list(&nodes, "nodes")?;
         Ok((nodes.len() == n && nodes.iter().all(|n| n["state"] == "alive")).then_some(()))
     })
     .await
@@ -247,7 +253,9 @@ async fn a_controller_outage_longer_than_the_grace_moves_nothing() -> anyhow::Re
     let back = Instant::now();
     while back.elapsed() < GRACE + Duration::from_secs(2) {
         let (_, nodes) = mesh.get("/v1/nodes").await?;
-        for n in nodes["nodes"].as_array().cloned().unwrap_or_default() {
+        let nodes = list(&nodes, "nodes")?;
+        assert_eq!(nodes.len(), 3, "after a controller restart: {nodes:?}");
+        for n in nodes {
             assert_eq!(n["state"], "alive", "after a controller restart: {n}");
         }
         let now = active(&mesh, "steady").await?;

@@ -177,10 +177,26 @@ async fn rollout_view(mesh: &Mesh, id: &str) -> anyhow::Result<Value> {
     Ok(body)
 }
 
+/// The array `key` of a list answer: an error when it is missing or not an
+/// array, so that a wrong answer cannot pass as an empty list.
+fn list(answer: &Value, key: &str) -> anyhow::Result<Vec<Value>> {
+    answer[key]
+        .as_array()
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("no array `{key}` in {answer}"))
+}
+
+/// A run's (or rollout's) `id`: an error when it has none.
+fn id_of(v: &Value) -> anyhow::Result<&str> {
+    v["id"]
+        .as_str()
+        .ok_or_else(|| anyhow::anyhow!("no `id` in {v}"))
+}
+
 async fn receipt_kinds(mesh: &Mesh, run: &str) -> anyhow::Result<Vec<String>> {
     let (status, body) = mesh.get(&format!("/v1/runs/{run}/receipts")).await?;
     anyhow::ensure!(status == 200, "receipts: {status} {body}");
-    let receipts = body["receipts"].as_array().cloned().unwrap_or_default();
+    let receipts = list(&body, "receipts")?;
     for (i, r) in receipts.iter().enumerate() {
         anyhow::ensure!(r["seq"] == json!(i + 1), "receipts out of order: {body}");
         anyhow::ensure!(r["run"] == json!(run), "a receipt of another run: {body}");
@@ -227,8 +243,11 @@ async fn an_artifact_rolls_out_node_by_node_and_a_failing_revision_rolls_back() 
     assert_eq!(view["state"], "succeeded");
     assert_eq!(view["nodes_done"], 3);
     assert_eq!(view["previous_revision"], json!(rev1));
-    for run in view["runs"].as_array().cloned().unwrap_or_default() {
-        let kinds = receipt_kinds(&mesh, run["id"].as_str().unwrap_or_default()).await?;
+    // One run per node.
+    let runs = list(&view, "runs")?;
+    assert_eq!(runs.len(), 3, "{view}");
+    for run in &runs {
+        let kinds = receipt_kinds(&mesh, id_of(run)?).await?;
         assert_eq!(
             kinds,
             [
@@ -243,35 +262,30 @@ async fn an_artifact_rolls_out_node_by_node_and_a_failing_revision_rolls_back() 
         );
     }
     // One step at a time: run k started only after run k-1 succeeded.
-    let runs = view["runs"].as_array().cloned().unwrap_or_default();
     let mut starts = Vec::new();
     for run in &runs {
         let (_, body) = mesh
-            .get(&format!(
-                "/v1/runs/{}/receipts",
-                run["id"].as_str().unwrap_or_default()
-            ))
+            .get(&format!("/v1/runs/{}/receipts", id_of(run)?))
             .await?;
+        let receipts = list(&body, "receipts")?;
         let at = |kind: &str| {
-            body["receipts"]
-                .as_array()
-                .and_then(|r| r.iter().find(|x| x["kind"] == kind))
+            receipts
+                .iter()
+                .find(|x| x["kind"] == kind)
                 .and_then(|x| x["at"].as_str())
                 .map(str::to_owned)
-                .unwrap_or_default()
+                .ok_or_else(|| anyhow::anyhow!("no `{kind}` receipt with `at` in {body}"))
         };
-        starts.push((at("unit.deployed"), at("run.succeeded")));
+        starts.push((at("unit.deployed")?, at("run.succeeded")?));
     }
     for w in starts.windows(2) {
         assert!(w[1].0 >= w[0].1, "max_unavailable 1 overlapped: {starts:?}");
     }
     // The nodes' view of the module: every replica on the new revision.
     let (_, module) = mesh.get("/v1/modules/web").await?;
-    for a in module["assignments"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-    {
+    let assignments = list(&module, "assignments")?;
+    assert_eq!(assignments.len(), 3, "{module}");
+    for a in assignments {
         assert_eq!(a["revision"], json!(rev2), "{module}");
     }
     let _ = id;
@@ -288,8 +302,9 @@ async fn an_artifact_rolls_out_node_by_node_and_a_failing_revision_rolls_back() 
     // Nodes the failing revision never reached kept their process.
     let untouched = back.iter().zip(&second).filter(|(a, b)| a == b).count();
     assert!(untouched >= 1, "{back:?} vs {second:?}");
-    let runs = view["runs"].as_array().cloned().unwrap_or_default();
-    let kinds = receipt_kinds(&mesh, runs[0]["id"].as_str().unwrap_or_default()).await?;
+    let runs = list(&view, "runs")?;
+    anyhow::ensure!(!runs.is_empty(), "no runs: {view}");
+    let kinds = receipt_kinds(&mesh, id_of(&runs[0])?).await?;
     assert!(
         kinds.contains(&"run.failed".to_owned())
             && kinds.last().map(String::as_str) == Some("run.rolled_back"),
@@ -335,7 +350,7 @@ async fn refused(
         run["reason"].as_str().unwrap_or_default().contains(reason),
         "expected `{reason}` in {run}"
     );
-    let kinds = receipt_kinds(mesh, run["id"].as_str().unwrap_or_default()).await?;
+    let kinds = receipt_kinds(mesh, id_of(run)?).await?;
     assert_eq!(kinds, ["run.queued", "run.started", "run.failed"]);
     let now: Vec<u32> = versions(mesh, nodes)
         .into_iter()

@@ -5,6 +5,8 @@
 //! CA it holds, or does not name the host it dialled. Nothing is sent before
 //! the handshake verified, so the node's password never reaches such a broker.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::time::Duration;
 
 use lapin::ConnectionProperties;

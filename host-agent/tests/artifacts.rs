@@ -11,6 +11,8 @@
 //! controller does (with the environment's controller key) and publishes
 //! signed declarations itself. Every wait is on a condition with a deadline.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -5,6 +5,8 @@
 //! The controller is not here: the test declares the topology itself, as the
 //! environment's admin user (full permissions on the test vhost).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 mod common;
 
 use common::{controller_side, declaration_queue_for, free_port, kill_connections, scrape};

@@ -10,6 +10,8 @@
 //! was there before, outside the root. Failing inputs are kept by proptest in
 //! `tests/fuzz_apply.proptest-regressions` (commit them).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

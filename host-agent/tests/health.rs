@@ -8,6 +8,8 @@
 //!
 //! Every wait is on a condition with a deadline.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 mod common;
 
 use common::{api, controller_side, declaration_queue_for, free_port, kill_connections, scrape};

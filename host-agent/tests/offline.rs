@@ -1,6 +1,8 @@
 //! The agent without a broker: start-up errors are clear, and with the broker
 //! unreachable it keeps running and stops promptly when told to.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::time::Duration;
 
 use mesh_host_agent::{AgentError, Config};

@@ -25,6 +25,8 @@
 //! is `/var/run/wireguard/<if>.sock`, one directory for every namespace of
 //! this machine, so three "hosts" on one machine cannot all call it `mesh0`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 mod common;
 
 use common::{controller_side, declaration_queue_for};

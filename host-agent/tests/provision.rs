@@ -1,6 +1,8 @@
 //! The provisioning drivers against real servers started from
 //! `e2e/providers/*.sh` on free ports in temporary directories.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

@@ -13,6 +13,8 @@
 //! Every wait is on a condition with a deadline. Module names are this file's
 //! own (`box…`): users are per host, tests run in parallel.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

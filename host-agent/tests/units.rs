@@ -7,6 +7,8 @@
 //!
 //! Every wait is on a condition with a deadline.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -1,6 +1,8 @@
 //! mesh-oci against the real registry `bundle/up` raised on loopback
 //! (Debian's docker-registry 2.8, CNCF distribution).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::path::PathBuf;
 
 use mesh_oci::{OciError, Registry};

@@ -10,9 +10,12 @@
 //! them, know every field in them (a v1 field is never removed or renamed), and
 //! accept them with fields it does not know added anywhere.
 //!
-//! The files were written by this crate (`MESH_WRITE_COMPAT_CORPUS=1 cargo test
-//! -p mesh-protocol --test compat write_corpus`); never edit or regenerate the
-//! v1 files once released: a new version gets its own directory.
+//! The files were written by this crate (`MESH_WRITE_COMPAT_CORPUS=1 cargo
+//! test -p mesh-protocol --test compat write_corpus -- --ignored`); never edit
+//! or regenerate the v1 files once released: a new version gets its own
+//! directory.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -223,13 +226,17 @@ fn envelope<B: mesh_protocol::Body>(n: u8, seq: u64, body: B) -> Envelope<B> {
     }
 }
 
-/// Writes tests/compat/v1/ from the values below, only when asked to
-/// (`MESH_WRITE_COMPAT_CORPUS=1`). The v1 corpus is frozen: never rewrite it.
+/// Writes tests/compat/v1/ from the values below, only when asked to twice
+/// (`--ignored` and `MESH_WRITE_COMPAT_CORPUS=1`): a tool, not a test, so it
+/// is ignored (never counted as a passing test) and fails when run without
+/// the variable. The v1 corpus is frozen: never rewrite it.
 #[test]
+#[ignore = "writes the compat corpus: MESH_WRITE_COMPAT_CORPUS=1 and --ignored"]
 fn write_corpus() {
-    if std::env::var_os("MESH_WRITE_COMPAT_CORPUS").is_none() {
-        return;
-    }
+    assert!(
+        std::env::var_os("MESH_WRITE_COMPAT_CORPUS").is_some(),
+        "write_corpus rewrites tests/compat/v1/: set MESH_WRITE_COMPAT_CORPUS=1 to mean it"
+    );
     let applied: BTreeMap<Section, u64> = [(Section::Inventory, 2), (Section::Config, 3)].into();
     let labels: mesh_protocol::Labels = [("role".to_owned(), "web".to_owned())].into();
     let mut out: Vec<(String, Vec<u8>)> = Vec::new();

@@ -7,6 +7,8 @@
 //! cases, replayed on every run) and `tests/fuzz_decode.proptest-regressions`
 //! (inputs proptest once found failing, replayed first; commit new ones).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::collections::BTreeMap;
 
 use mesh_protocol::{

@@ -142,10 +142,27 @@ pub fn require_all() -> bool {
     std::env::var("MESH_REQUIRE_ALL").is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
+/// The environment variable naming the file [`skip`] appends a line to, one
+/// per skip (`<test>: <why>`): `bundle/test` sets it and fails when the file
+/// is not empty afterwards, so a skip cannot hide in captured output.
+pub const SKIP_LOG_ENV: &str = "MESH_SKIP_LOG";
+
 /// The one way a test gives up on a machine that cannot run it (not root, a
 /// tool missing): under [`require_all`] an error naming `why`, else a line
-/// saying it skipped and `Ok`. Use as `return mesh_testkit::skip(why);`.
+/// saying it skipped and `Ok`. Either way the skip is appended to the file
+/// `$MESH_SKIP_LOG` names, when set. Use as `return mesh_testkit::skip(why);`.
 pub fn skip(why: &str) -> anyhow::Result<()> {
+    if let Some(log) = std::env::var_os(SKIP_LOG_ENV) {
+        use std::io::Write as _;
+        // libtest names each test's thread after the test.
+        let test = std::thread::current().name().unwrap_or("?").to_owned();
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .and_then(|mut f| writeln!(f, "{test}: {why}"))
+            .with_context(|| format!("recording a skip in {log:?} (${SKIP_LOG_ENV})"))?;
+    }
     if require_all() {
         anyhow::bail!("MESH_REQUIRE_ALL is set and this machine cannot run the test: {why}");
     }

@@ -1,5 +1,7 @@
 //! The config context against a real PostgreSQL, one fresh database per test.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -7,6 +7,8 @@
 //! Revisions here have no artifact (the artifact path, with the real
 //! registry and real agents, is e2e/tests/delivery.rs); the store refuses.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -2,6 +2,8 @@
 //! for identity's own role (no privilege, and a trigger behind it); tokens
 //! made before the tokens-that-end migration get the default lifetime.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use mesh_testkit::TestEnv;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection as _, PgConnection};

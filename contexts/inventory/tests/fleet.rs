@@ -2,6 +2,8 @@
 //! full grace of observation, modules with ETags, placement, failure handling,
 //! partitions, drains (make-before-break, blocked by stateful modules), units.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -4,6 +4,8 @@
 //! changed, never flapping against the resync, and a module's own spec still
 //! runs wherever the targets do not reach.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;

@@ -3,6 +3,8 @@
 //! (inbox first, one transaction, then `committed`), and read through its
 //! HTTP route as server-sent events.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -3,6 +3,8 @@
 //! (inbox, handler, commit), then an evaluation, read back through the
 //! context's methods, its HTTP routes and the record events in its outbox.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::sync::Arc;
 use std::time::Duration;
 

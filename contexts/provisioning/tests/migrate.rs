@@ -1,6 +1,8 @@
 //! The provisioning schema's history, applied as the provisioning role
 //! against a real PostgreSQL (a database of this test's own).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use mesh_testkit::TestEnv;
 use sqlx::postgres::PgPoolOptions;
 

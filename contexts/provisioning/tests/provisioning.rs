@@ -2,6 +2,8 @@
 //! per test: grants follow requirements, credentials are sealed for config,
 //! provider nodes get their section and report back, revoked grants age out.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test: a panic is its failure
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
