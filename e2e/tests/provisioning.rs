@@ -251,14 +251,15 @@ fn env_file(path: &Path) -> anyhow::Result<BTreeMap<String, String>> {
         .collect())
 }
 
-/// Until the file at `path` exists with mode 0600, and holds credential
+/// Until the file at `path` exists with mode 0400 (its module user's, decision
+/// 0051), and holds credential
 /// version ≥ `version`: its keys.
 async fn wait_credentials(path: &Path, version: i64) -> anyhow::Result<BTreeMap<String, String>> {
     wait_for(&format!("{}", path.display()), WITHIN, || async {
         use std::os::unix::fs::PermissionsExt as _;
         let meta = std::fs::metadata(path)?;
         let mode = meta.permissions().mode() & 0o777;
-        ensure!(mode == 0o600, "{} has mode {mode:o}", path.display());
+        ensure!(mode == 0o400, "{} has mode {mode:o}", path.display());
         let env = env_file(path)?;
         let v: i64 = env
             .get("MESH_CREDENTIAL_VERSION")
