@@ -49,7 +49,6 @@
 //!
 //! Entry point: [`run`]. The `mesh-agent` binary is a thin wrapper around it.
 
-
 /// The agent's version, as hello states it and the metrics label it.
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
