@@ -15,7 +15,7 @@
 //!   systemd forget it (`ResetFailedUnit`: a failed scope stays loaded).
 //!
 //! The connection is the system bus (dbus-daemon; systemd's private socket
-//! does not work with zbus, see [`connect`]). One connection per call, made
+//! does not work with zbus, see `connect`). One connection per call, made
 //! on the spot; every exchange is bounded in time (a systemd that is gone or
 //! hung never hangs the shim).
 //!
@@ -28,7 +28,7 @@
 //! 12's systemd 252 does not). systemd removes a scope's cgroup as soon as it
 //! is empty, before the shim could read the counter; so the scope also holds a
 //! *holder*, a fork of the shim that waits until [`finish`] read the counter
-//! (see [`spawn_holder`]). `TasksMax` is the unit's pids + 1 for it.
+//! (see `spawn_holder`). `TasksMax` is the unit's pids + 1 for it.
 
 use std::os::fd::OwnedFd;
 use std::sync::Mutex;
