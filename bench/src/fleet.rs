@@ -1054,10 +1054,12 @@ async fn vhost_published(mesh: &Mesh) -> anyhow::Result<u64> {
 /// What each node has been declared, as a node that applied everything reports it.
 async fn declared_generations(mesh: &Mesh) -> anyhow::Result<BTreeMap<NodeId, AppliedGenerations>> {
     let mut out: BTreeMap<NodeId, AppliedGenerations> = BTreeMap::new();
-    for (context, section) in [
-        ("config", Section::Config),
-        ("inventory", Section::Inventory),
-    ] {
+    // Every context that declares a section keeps `<context>.sections` in
+    // plumbing's one shape, named as its section: a new section is stated
+    // here without a change (issue 33: the fleet once stated two of five and
+    // every steady heartbeat took the durable path unnoticed).
+    for section in Section::ALL {
+        let context = section.as_str();
         let pool = sqlx::PgPool::connect(&mesh.env.database_url(context)).await?;
         let sql = format!("SELECT node, generation FROM {context}.sections");
         let rows: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -1353,7 +1355,11 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
     let applied = Arc::new(settled_generations(mesh, Duration::from_secs(3), false).await?);
     let stop = tokio_util_token::Token::default();
     let beat = steady(fleet.clone(), applied.clone(), stop.clone());
-    tokio::time::sleep(Duration::from_secs(5)).await; // warm up
+    // Warm up for one whole interval and then some: a node's first heartbeat
+    // since the controller started takes the durable path by design (it is
+    // not known alive in memory yet), and with a 5 s warm-up half the fleet's
+    // first beats fell inside the steady window (23 % of it at 500 nodes).
+    tokio::time::sleep(fleet.interval() + Duration::from_secs(5)).await;
     // The ingest leaves hundreds of thousands of dead row versions behind, which
     // autovacuum then cleans: its work is the ingest's aftermath, not the steady
     // fleet's (whose own vacuuming recurs and stays in the figure). Without the
@@ -1435,7 +1441,7 @@ async fn run_in(mesh: &mut Mesh, o: &Options, rows: &mut Vec<Row>) -> anyhow::Re
                 rows.push(
                     row("steady: whole system ÷ (e)", all, "% of a core")
                         .baseline(e)
-                        .target_vs("≤ 1.25 × (e)", |r| r <= 1.25),
+                        .target_vs("≤ 1.1 × (e)", |r| r <= 1.1),
                 );
             }
         }
@@ -1717,6 +1723,7 @@ async fn steady_phase(
     let c0 = cpu(at.pid);
     let pub0 = vhost_published(mesh).await?;
     let out0 = outbox_published(mesh).await?;
+    let paths0 = heartbeat_paths(mesh).await?;
     let probes = (o.steady_secs as usize).max(10) * 2;
     let every = Duration::from_secs_f64(o.steady_secs as f64 / probes as f64 * 0.9);
     // The window ends at `--steady-secs` whatever the probes still wait for.
@@ -1726,10 +1733,11 @@ async fn steady_phase(
         let pub1 = vhost_published(mesh).await?;
         let out1 = outbox_published(mesh).await?;
         let depth1 = heartbeat_depth(mesh).await?;
-        anyhow::Ok((c1, pub1, out1, depth1))
+        let paths1 = heartbeat_paths(mesh).await?;
+        anyhow::Ok((c1, pub1, out1, depth1, paths1))
     };
     let (lat, end) = tokio::join!(probe_latencies(mesh, fleet, applied, probes, every), window);
-    let (mut lat, (c1, pub1, out1, depth1)) = (lat?, end?);
+    let (mut lat, (c1, pub1, out1, depth1, paths1)) = (lat?, end?);
     let secs = c1.at.duration_since(c0.at).as_secs_f64();
     let share = |a: f64, b: f64| (b - a) / secs * 100.0;
     let ctl = share(c0.controller, c1.controller);
@@ -1803,12 +1811,110 @@ async fn steady_phase(
         per_node_min,
         "msg",
     ));
-    rows.push(row(
-        "idle cost, 1 file per node: controller-published msgs/min",
-        (out1 - out0) / (secs / 60.0),
-        "msg",
-    ));
+    let published = out1 - out0;
+    rows.push(
+        row(
+            "idle cost, 1 file per node: controller-published msgs/min",
+            published / (secs / 60.0),
+            "msg",
+        )
+        .target("0 (premise)", published == 0.0),
+    );
+    let handled = paths1.total - paths0.total;
+    let durable = paths1.durable - paths0.durable;
+    let durable_share = if handled > 0.0 {
+        durable / handled * 100.0
+    } else {
+        0.0
+    };
+    rows.push(
+        row(
+            "steady: heartbeats on the durable path",
+            durable_share,
+            "% of handled",
+        )
+        .target("≤ 1% (premise)", durable_share <= 1.0),
+    );
+    if let Err(e) = premise(handled, durable, published) {
+        return Err(e.context(drift(mesh, applied).await?));
+    }
     Ok(all)
+}
+
+/// What the simulated fleet states against what is declared now, for the
+/// premise's failure: how many nodes differ, and a few of them.
+async fn drift(
+    mesh: &Mesh,
+    applied: &BTreeMap<NodeId, AppliedGenerations>,
+) -> anyhow::Result<String> {
+    let now = declared_generations(mesh).await?;
+    let none = AppliedGenerations::default();
+    let differ: Vec<String> = now
+        .iter()
+        .filter(|(node, declared)| applied.get(*node).unwrap_or(&none) != *declared)
+        .map(|(node, declared)| {
+            format!(
+                "{node}: states {:?}, declared {declared:?}",
+                applied.get(node).unwrap_or(&none)
+            )
+        })
+        .collect();
+    Ok(format!(
+        "{} of {} nodes state other generations than declared now{}{}",
+        differ.len(),
+        now.len(),
+        if differ.is_empty() { "" } else { ", e.g. " },
+        differ
+            .iter()
+            .take(3)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("; ")
+    ))
+}
+
+/// The steady phase measures a fleet in step: its nodes state the newest
+/// generation of every section, so their heartbeats take the in-memory path
+/// and the controller declares nothing. When that does not hold the figures
+/// measure something else (re-sends, durable writes), and the run fails
+/// saying which part of the premise broke rather than printing them as if
+/// they were the steady fleet's.
+fn premise(handled: f64, durable: f64, published: f64) -> anyhow::Result<()> {
+    ensure!(
+        handled > 0.0,
+        "premise broken: the controller handled no heartbeat in the steady window"
+    );
+    ensure!(
+        durable <= handled * 0.01,
+        "premise broken: {durable} of {handled} steady heartbeats ({:.1} %) took the durable \
+         path (out of step with what was declared to their node: does the simulated fleet \
+         state every section's generation?)",
+        durable / handled * 100.0
+    );
+    ensure!(
+        published == 0.0,
+        "premise broken: the controller published {published} messages to an idle fleet \
+         (something is re-declared every pass)"
+    );
+    Ok(())
+}
+
+/// The controller's heartbeat counters (`mesh_controller_heartbeats_total`).
+struct Paths {
+    total: f64,
+    durable: f64,
+}
+
+async fn heartbeat_paths(mesh: &Mesh) -> anyhow::Result<Paths> {
+    let text = metrics(mesh).await?;
+    Ok(Paths {
+        total: metric_sum(&text, "mesh_controller_heartbeats_total", ""),
+        durable: metric_sum(
+            &text,
+            "mesh_controller_heartbeats_total",
+            "path=\"durable\"",
+        ),
+    })
 }
 
 /// Real connections: `--real-connections` node users (own user each, created
@@ -2250,6 +2356,36 @@ pub fn print(rows: &[Row]) {
                 Some(false) => "FAIL",
                 None => "",
             }
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::premise;
+
+    #[test]
+    fn the_steady_premise_holds_for_a_fleet_in_step() {
+        assert!(premise(1000.0, 0.0, 0.0).is_ok());
+        assert!(premise(1000.0, 10.0, 0.0).is_ok(), "1 % is allowed");
+    }
+
+    #[test]
+    fn the_steady_premise_fails_naming_what_broke() {
+        let durable = premise(1000.0, 11.0, 0.0).map_err(|e| e.to_string());
+        assert!(
+            durable.as_ref().is_err_and(|e| e.contains("durable path")),
+            "{durable:?}"
+        );
+        let published = premise(1000.0, 0.0, 3.0).map_err(|e| e.to_string());
+        assert!(
+            published.as_ref().is_err_and(|e| e.contains("published 3")),
+            "{published:?}"
+        );
+        let silent = premise(0.0, 0.0, 0.0).map_err(|e| e.to_string());
+        assert!(
+            silent.as_ref().is_err_and(|e| e.contains("no heartbeat")),
+            "{silent:?}"
         );
     }
 }

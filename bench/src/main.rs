@@ -242,7 +242,12 @@ async fn main() -> anyhow::Result<()> {
             };
             let rows = fleet::run(options).await?;
             fleet::print(&rows);
-            std::fs::write(&json, serde_json::to_vec_pretty(&rows)?)?;
+            if let Some(dir) = json.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+            }
+            std::fs::write(&json, serde_json::to_vec_pretty(&rows)?)
+                .with_context(|| format!("writing {}", json.display()))?;
             eprintln!("written: {}", json.display());
             Ok(())
         }
