@@ -51,7 +51,7 @@ impl From<DecodeError> for Error {
     }
 }
 
-/// The problem+json each error answers (domain methods return [`Error`];
+/// The problem+json each error answers (domain methods return [`enum@Error`];
 /// only the routes speak HTTP). Plumbing derives `From<Error>` for `Problem`
 /// and for `HandlerError` from this.
 impl ContextError for Error {
