@@ -16,6 +16,7 @@ use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, Conflict, NotFound, Unavailable, Unprocessable,
 };
 use mesh_plumbing::page::{ListQuery, Page};
+use mesh_plumbing::path::{ModulePath, UuidPath, uuid};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
@@ -52,22 +53,6 @@ pub(crate) fn routes(artifact_max_bytes: usize) -> OpenApiRouter<Arc<Delivery>> 
         .routes(routes!(deny_run))
         .routes(routes!(get_receipts))
         .routes(routes!(get_freeze, put_freeze, delete_freeze))
-}
-
-fn parse_id(field: &str, text: &str) -> Result<Uuid, Problem> {
-    Uuid::parse_str(text).map_err(|_| {
-        Problem::unprocessable(
-            field,
-            format!(
-                "`{}` is not a UUID",
-                text.chars().take(64).collect::<String>()
-            ),
-        )
-    })
-}
-
-fn parse_module(name: &str) -> Result<(), Problem> {
-    mesh_protocol::validate_module_name("name", name).map_err(Problem::from)
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -222,7 +207,7 @@ struct RevisionList {
     post,
     path = "/v1/modules/{name}/revisions",
     tag = "delivery",
-    params(("name" = String, Path, description = "The module's name")),
+    params(ModulePath),
     request_body = NewRevision,
     responses(
         (status = 201, description = "Created", body = RevisionView),
@@ -232,24 +217,22 @@ struct RevisionList {
 )]
 async fn create_revision(
     State(delivery): State<Arc<Delivery>>,
-    Path(name): Path<String>,
+    ModulePath(name): ModulePath,
     audit: Audit,
     ApiJson(new): ApiJson<NewRevision>,
 ) -> Result<(StatusCode, Json<RevisionView>), Problem> {
-    parse_module(&name)?;
     let (view, new) = delivery.create_revision(&name, &new, &audit).await?;
     Ok(created(new, view))
 }
 
 /// A module's revisions, oldest first.
 #[utoipa::path(get, path = "/v1/modules/{name}/revisions", tag = "delivery",
-    params(("name" = String, Path, description = "The module's name")),
+    params(ModulePath),
     responses((status = 200, description = "Revisions", body = RevisionList), Unprocessable))]
 async fn list_revisions(
     State(delivery): State<Arc<Delivery>>,
-    Path(name): Path<String>,
+    ModulePath(name): ModulePath,
 ) -> Result<Json<RevisionList>, Problem> {
-    parse_module(&name)?;
     Ok(Json(RevisionList {
         revisions: delivery.revisions(&name).await?,
     }))
@@ -261,36 +244,33 @@ async fn list_revisions(
     responses((status = 200, description = "The revision", body = RevisionView), NotFound, Unprocessable))]
 async fn get_revision(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
 ) -> Result<Json<RevisionView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.revision(id).await?))
 }
 
 /// Whether a module's rollouts wait for approval.
 #[utoipa::path(get, path = "/v1/modules/{name}/delivery", tag = "delivery",
-    params(("name" = String, Path, description = "The module's name")),
+    params(ModulePath),
     responses((status = 200, description = "The policy", body = DeliveryPolicy), Unprocessable))]
 async fn get_policy(
     State(delivery): State<Arc<Delivery>>,
-    Path(name): Path<String>,
+    ModulePath(name): ModulePath,
 ) -> Result<Json<DeliveryPolicy>, Problem> {
-    parse_module(&name)?;
     Ok(Json(delivery.policy(&name).await?))
 }
 
 /// Set whether a module's rollouts wait for approval.
 #[utoipa::path(put, path = "/v1/modules/{name}/delivery", tag = "delivery",
-    params(("name" = String, Path, description = "The module's name")),
+    params(ModulePath),
     request_body = DeliveryPolicy,
     responses((status = 200, description = "The policy", body = DeliveryPolicy), BodyErrors))]
 async fn put_policy(
     State(delivery): State<Arc<Delivery>>,
-    Path(name): Path<String>,
+    ModulePath(name): ModulePath,
     audit: Audit,
     ApiJson(policy): ApiJson<DeliveryPolicy>,
 ) -> Result<Json<DeliveryPolicy>, Problem> {
-    parse_module(&name)?;
     Ok(Json(delivery.set_policy(&name, &policy, &audit).await?))
 }
 
@@ -379,9 +359,8 @@ async fn list_rollouts(
     responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Unprocessable))]
 async fn get_rollout(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
 ) -> Result<Json<RolloutView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.rollout(id).await?))
 }
 
@@ -391,10 +370,9 @@ async fn get_rollout(
     responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Conflict, Unprocessable))]
 async fn continue_rollout(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
     audit: Audit,
 ) -> Result<Json<RolloutView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.continue_rollout(id, &audit).await?))
 }
 
@@ -404,10 +382,9 @@ async fn continue_rollout(
     responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Conflict, Unprocessable))]
 async fn cancel_rollout(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
     audit: Audit,
 ) -> Result<Json<RolloutView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.cancel_rollout(id, &audit).await?))
 }
 
@@ -460,7 +437,7 @@ async fn list_runs(
     let rollout = params
         .rollout
         .as_deref()
-        .map(|r| parse_id("rollout", r))
+        .map(|r| uuid("rollout", r))
         .transpose()?;
     let before = page.after_id()?;
     if let Some(m) = &params.module {
@@ -500,9 +477,8 @@ async fn list_runs(
     responses((status = 200, description = "The run", body = RunView), NotFound, Unprocessable))]
 async fn get_run(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
 ) -> Result<Json<RunView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.run(id).await?))
 }
 
@@ -523,7 +499,7 @@ struct Decision {
     responses((status = 200, description = "The run", body = RunView), BodyErrors, NotFound, Conflict))]
 async fn approve_run(
     delivery: State<Arc<Delivery>>,
-    id: Path<String>,
+    id: UuidPath,
     audit: Audit,
     decision: ApiJson<Decision>,
 ) -> Result<Json<RunView>, Problem> {
@@ -533,12 +509,11 @@ async fn approve_run(
 /// Approve (`approve`) or deny the rollout of the run `id`.
 async fn decide(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
     approve: bool,
     audit: Audit,
     ApiJson(d): ApiJson<Decision>,
 ) -> Result<Json<RunView>, Problem> {
-    let id = parse_id("id", &id)?;
     let reason = d.reason.as_deref();
     Ok(Json(delivery.decide(id, approve, reason, &audit).await?))
 }
@@ -551,7 +526,7 @@ async fn decide(
     responses((status = 200, description = "The run", body = RunView), BodyErrors, NotFound, Conflict))]
 async fn deny_run(
     delivery: State<Arc<Delivery>>,
-    id: Path<String>,
+    id: UuidPath,
     audit: Audit,
     decision: ApiJson<Decision>,
 ) -> Result<Json<RunView>, Problem> {
@@ -570,9 +545,8 @@ struct ReceiptList {
     responses((status = 200, description = "The receipts", body = ReceiptList), NotFound, Unprocessable))]
 async fn get_receipts(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(run): UuidPath,
 ) -> Result<Json<ReceiptList>, Problem> {
-    let run = parse_id("id", &id)?;
     Ok(Json(ReceiptList {
         run,
         receipts: delivery.receipts(run).await?,

@@ -16,7 +16,7 @@ use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, Conflict, Forbidden, NotFound, Unauthorized, Unavailable, Unprocessable,
 };
 use mesh_plumbing::page::{ListQuery, NoFilters, Page};
-use mesh_protocol::NodeId;
+use mesh_plumbing::path::NodePath;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa_axum::router::OpenApiRouter;
@@ -69,10 +69,6 @@ struct JoinAnswer {
     ca_certificate: Option<String>,
 }
 
-fn node_id(id: &str) -> Result<NodeId, Problem> {
-    NodeId::parse(id).map_err(|e| Problem::unprocessable("id", e.to_string()))
-}
-
 #[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct JoinTokenBody {
@@ -91,7 +87,7 @@ struct JoinTokenBody {
     post,
     path = "/v1/nodes/{id}/join-tokens",
     tag = "identity",
-    params(("id" = String, Path, description = "The node's id")),
+    params(NodePath),
     request_body(content = Option<JoinTokenBody>, description = "Optional: the token's validity and the labels bound to it"),
     responses(
         (status = 201, description = "The token, shown once", body = JoinTokenCreated),
@@ -102,10 +98,9 @@ struct JoinTokenBody {
 async fn create_join_token(
     State(identity): State<Arc<Identity>>,
     audit: Audit,
-    Path(id): Path<String>,
+    NodePath(node): NodePath,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<serde_json::Value>), Problem> {
-    let node = node_id(&id)?;
     // The body is optional: no body means the default validity.
     let body: JoinTokenBody = optional_body(&body)?;
     let created = identity
@@ -167,7 +162,7 @@ async fn join(
     delete,
     path = "/v1/nodes/{id}",
     tag = "identity",
-    params(("id" = String, Path, description = "The node's id")),
+    params(NodePath),
     responses(
         (status = 200, description = "Revoked", body = crate::Revoked),
         NotFound,
@@ -177,10 +172,9 @@ async fn join(
 )]
 async fn revoke_node(
     State(identity): State<Arc<Identity>>,
-    Path(id): Path<String>,
+    NodePath(node): NodePath,
     audit: Audit,
 ) -> Result<Json<crate::Revoked>, Problem> {
-    let node = node_id(&id)?;
     Ok(Json(identity.revoke_node(&node, &audit).await?))
 }
 
@@ -191,7 +185,7 @@ async fn revoke_node(
     post,
     path = "/v1/nodes/{id}/readmit",
     tag = "identity",
-    params(("id" = String, Path, description = "The node's id")),
+    params(NodePath),
     responses(
         (status = 200, description = "Re-admitted", body = crate::Readmitted),
         NotFound,
@@ -201,10 +195,9 @@ async fn revoke_node(
 )]
 async fn readmit_node(
     State(identity): State<Arc<Identity>>,
-    Path(id): Path<String>,
+    NodePath(node): NodePath,
     audit: Audit,
 ) -> Result<Json<crate::Readmitted>, Problem> {
-    let node = node_id(&id)?;
     Ok(Json(identity.readmit_node(&node, &audit).await?))
 }
 

@@ -18,6 +18,7 @@ use mesh_plumbing::openapi::{
     Unprocessable,
 };
 use mesh_plumbing::page::{ListQuery, Page};
+use mesh_plumbing::path::NodePath;
 use mesh_protocol::{Labels, NodeId, validate_labels};
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
@@ -116,6 +117,13 @@ struct LabelsResponse {
     revision: i64,
 }
 
+/// The node a route's `{id}` names (documented as `params(NodePath)`): an
+/// id that cannot be a node's names no node, so inventory's node routes
+/// answer it 404, as for a node it does not know.
+pub(crate) fn known_node(id: &str) -> Result<NodeId, Error> {
+    NodeId::parse(id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))
+}
+
 fn labels_body(id: &NodeId, labels: NodeLabels) -> LabelsResponse {
     LabelsResponse {
         id: id.to_string(),
@@ -132,7 +140,7 @@ fn labels_body(id: &NodeId, labels: NodeLabels) -> LabelsResponse {
     path = "/v1/nodes/{id}/labels",
     tag = "inventory",
     params(
-        ("id" = String, Path, description = "The node's id"),
+        NodePath,
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "The quoted revisions you hold: 304 if one is current"),
     ),
     responses(
@@ -146,7 +154,7 @@ async fn get_labels(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
+    let id = known_node(&id)?;
     let labels = inventory
         .node_labels(&id)
         .await?
@@ -166,7 +174,7 @@ async fn get_labels(
     path = "/v1/nodes/{id}/labels",
     tag = "inventory",
     params(
-        ("id" = String, Path, description = "The node's id"),
+        NodePath,
         ("If-Match" = String, Header, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "`*` or the quoted revisions of the operator labels this write replaces"),
     ),
     request_body = LabelsBody,
@@ -185,7 +193,7 @@ async fn put_labels(
     audit: Audit,
     ApiJson(body): ApiJson<LabelsBody>,
 ) -> Result<Response, Problem> {
-    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
+    let id = known_node(&id)?;
     validate_labels("labels", &body.labels).map_err(Error::from)?;
     let if_match = precondition(&headers, IF_MATCH)?;
     let labels = inventory

@@ -22,7 +22,8 @@ use mesh_plumbing::openapi::{
     PreconditionRequired, Unprocessable,
 };
 use mesh_plumbing::page::{ListQuery, NoFilters, Page};
-use mesh_protocol::NodeId;
+use mesh_plumbing::path::NodePath;
+
 use serde::Serialize;
 use sqlx::types::Json as SqlJson;
 use utoipa_axum::router::OpenApiRouter;
@@ -372,25 +373,45 @@ struct DrainView {
     drain_blocked: Option<String>,
 }
 
-/// Start draining a node: its replicas move elsewhere, nothing new lands on it.
-#[utoipa::path(
-    post,
-    path = "/v1/nodes/{id}/drain",
-    tag = "inventory",
-    params(("id" = String, Path, description = "The node's id")),
-    responses(
-        (status = 200, description = "The node's administrative state", body = DrainView),
-        NotFound,
-        Conflict,
-    )
-)]
-async fn drain(
-    inventory: State<Arc<Inventory>>,
-    id: Path<String>,
-    audit: Audit,
-) -> Result<Json<DrainView>, Problem> {
-    set_drain(inventory, id, true, audit).await
+/// `POST /v1/nodes/{id}/drain` and `/undrain`: one route declaration, one
+/// handler ([`set_drain`]); they differ by their path, their description and
+/// whether the node drains.
+macro_rules! drain_route {
+    ($(#[doc = $doc:literal])* $handler:ident, $path:literal, $drain:literal) => {
+        $(#[doc = $doc])*
+        #[utoipa::path(
+            post,
+            path = $path,
+            tag = "inventory",
+            params(NodePath),
+            responses(
+                (status = 200, description = "The node's administrative state", body = DrainView),
+                NotFound,
+                Conflict,
+            )
+        )]
+        async fn $handler(
+            inventory: State<Arc<Inventory>>,
+            id: Path<String>,
+            audit: Audit,
+        ) -> Result<Json<DrainView>, Problem> {
+            set_drain(inventory, id, $drain, audit).await
+        }
+    };
 }
+
+drain_route!(
+    /// Start draining a node: its replicas move elsewhere, nothing new lands on it.
+    drain,
+    "/v1/nodes/{id}/drain",
+    true
+);
+drain_route!(
+    /// End a node's drain: it takes replicas again.
+    undrain,
+    "/v1/nodes/{id}/undrain",
+    false
+);
 
 /// Start (`drain`) or end a node's drain.
 async fn set_drain(
@@ -399,33 +420,13 @@ async fn set_drain(
     drain: bool,
     audit: Audit,
 ) -> Result<Json<DrainView>, Problem> {
-    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
+    let id = crate::api::known_node(&id)?;
     let (admin_state, drain_blocked) = inventory.set_drain(&id, drain, &audit).await?;
     Ok(Json(DrainView {
         id: id.to_string(),
         admin_state,
         drain_blocked,
     }))
-}
-
-/// End a node's drain: it takes replicas again.
-#[utoipa::path(
-    post,
-    path = "/v1/nodes/{id}/undrain",
-    tag = "inventory",
-    params(("id" = String, Path, description = "The node's id")),
-    responses(
-        (status = 200, description = "The node's administrative state", body = DrainView),
-        NotFound,
-        Conflict,
-    )
-)]
-async fn undrain(
-    inventory: State<Arc<Inventory>>,
-    id: Path<String>,
-    audit: Audit,
-) -> Result<Json<DrainView>, Problem> {
-    set_drain(inventory, id, false, audit).await
 }
 
 impl Inventory {

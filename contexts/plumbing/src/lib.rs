@@ -14,7 +14,9 @@
 //! [`api::Problem`] and [`HandlerError`] from it ([`error`]); a record event
 //! handler overrides [`Context::handle_event`] or [`Context::handle_events`],
 //! the other delegates; a route's query is [`api::ApiQuery`], a list route's
-//! is [`page::ListQuery`] (`limit`, `after` and its filters, one convention).
+//! is [`page::ListQuery`] (`limit`, `after` and its filters, one convention);
+//! the path parameters many routes share (a node's id, a module's name) are
+//! [`path`]'s extractors, parsed and documented once.
 //!
 //! This crate knows PostgreSQL and axum, never AMQP: publishing what the outbox
 //! holds is the controller's relay. It knows no particular context.
@@ -31,6 +33,7 @@ mod migrate;
 pub mod openapi;
 pub mod outbox;
 pub mod page;
+pub mod path;
 pub mod reads;
 pub mod section;
 
