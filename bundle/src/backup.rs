@@ -1519,19 +1519,23 @@ pub struct RestoreOptions {
     pub pg_bin: Option<PathBuf>,
 }
 
+/// Whether the cluster `admin` reaches holds the database `name`.
+async fn database_exists(admin: &AdminCredentials, name: &str) -> Result<bool> {
+    let mut conn = provision::connect_admin(admin, "postgres").await?;
+    let exists = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(name)
+        .fetch_one(&mut conn)
+        .await
+        .map_err(pg("pg_database"))?;
+    let _ = conn.close().await;
+    Ok(exists)
+}
+
 /// What the target holds that a restore would replace; empty when nothing.
 pub async fn target_holdings(opened: &Opened, opts: &RestoreOptions) -> Result<Vec<String>> {
     let names = opened.manifest.names()?;
     let mut held = Vec::new();
-    let mut conn = provision::connect_admin(&opts.admin, "postgres").await?;
-    let db_exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-            .bind(&names.database)
-            .fetch_one(&mut conn)
-            .await
-            .map_err(pg("pg_database"))?;
-    let _ = conn.close().await;
-    if db_exists {
+    if database_exists(&opts.admin, &names.database).await? {
         let mut conn = provision::connect_admin(&opts.admin, &names.database).await?;
         let rows: Vec<(String, i64)> = sqlx::query_as(
             "SELECT n.nspname::text, count(c.oid) FROM pg_namespace n \
@@ -1643,18 +1647,7 @@ pub async fn restore(opened: &Opened, opts: &RestoreOptions) -> Result<Done> {
     if opts.force {
         // Replace: the context schemas and the vhost go, provisioning makes
         // them again empty.
-        let db_exists = {
-            let mut conn = provision::connect_admin(&opts.admin, "postgres").await?;
-            let e: bool =
-                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-                    .bind(&names.database)
-                    .fetch_one(&mut conn)
-                    .await
-                    .map_err(pg("pg_database"))?;
-            let _ = conn.close().await;
-            e
-        };
-        if db_exists {
+        if database_exists(&opts.admin, &names.database).await? {
             let mut conn = provision::connect_admin(&opts.admin, &names.database).await?;
             for ctx in CONTEXTS {
                 sqlx::raw_sql(AssertSqlSafe(format!(
@@ -2004,6 +1997,20 @@ mod tests {
         verify(archive, key).unwrap_err().to_string()
     }
 
+    /// A temporary folder, a recovery key and an archive made with it there.
+    fn made() -> (tempfile::TempDir, RecoveryKey, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let key = RecoveryKey::generate();
+        let a = archive(dir.path(), &key);
+        (dir, key, a)
+    }
+
+    /// `archive` is refused with an error that says `what`.
+    fn refused(archive: &Path, key: &RecoveryKey, what: &str) {
+        let e = err(archive, key);
+        assert!(e.contains(what), "{e}");
+    }
+
     #[test]
     fn a_sealed_stream_round_trips_and_refuses_every_alteration() {
         let key = RecoveryKey::generate();
@@ -2071,9 +2078,7 @@ mod tests {
 
     #[test]
     fn a_complete_archive_verifies_and_opens() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = RecoveryKey::generate();
-        let a = archive(dir.path(), &key);
+        let (_dir, key, a) = made();
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(
             std::fs::metadata(&a).unwrap().permissions().mode() & 0o777,
@@ -2091,9 +2096,7 @@ mod tests {
 
     #[test]
     fn no_secret_is_in_clear_in_the_archive() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = RecoveryKey::generate();
-        let a = archive(dir.path(), &key);
+        let (_dir, key, a) = made();
         let bytes = std::fs::read(&a).unwrap();
         let has = |needle: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
         assert!(has(b"manifest.json"), "the probe reads the archive's bytes");
@@ -2112,9 +2115,7 @@ mod tests {
 
     #[test]
     fn an_altered_file_is_refused_naming_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = RecoveryKey::generate();
-        let a = archive(dir.path(), &key);
+        let (_dir, key, a) = made();
         let b = altered(&a, |d| {
             let p = d.join(TOP).join(FileKind::MasterKeys.path());
             let mut bytes = std::fs::read(&p).unwrap();
@@ -2122,18 +2123,16 @@ mod tests {
             bytes[at] ^= 0x40;
             std::fs::write(&p, bytes).unwrap();
         });
-        let e = err(&b, &key);
-        assert!(
-            e.contains("file `mesh-backup/etc/secrets-master.toml.sealed` is altered: sha256"),
-            "{e}"
+        refused(
+            &b,
+            &key,
+            "file `mesh-backup/etc/secrets-master.toml.sealed` is altered: sha256",
         );
     }
 
     #[test]
     fn a_file_altered_with_its_manifest_line_does_not_open() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = RecoveryKey::generate();
-        let a = archive(dir.path(), &key);
+        let (_dir, key, a) = made();
         // The manifest edited to match the altered file: its MAC fails.
         let b = altered(&a, |d| {
             let p = d.join(TOP).join(FileKind::SigningKey.path());
@@ -2153,18 +2152,12 @@ mod tests {
                 .sha256;
             std::fs::write(&mp, text.replace(old.as_str(), &sha)).unwrap();
         });
-        assert!(
-            err(&b, &key).contains("is altered: its authentication"),
-            "{}",
-            err(&b, &key)
-        );
+        refused(&b, &key, "is altered: its authentication");
     }
 
     #[test]
     fn a_wrong_key_is_refused_as_such() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = RecoveryKey::generate();
-        let a = archive(dir.path(), &key);
+        let (_dir, key, a) = made();
         let other = RecoveryKey::generate();
         let e = err(&a, &other);
         assert!(e.starts_with("wrong recovery key"), "{e}");
@@ -2173,9 +2166,7 @@ mod tests {
 
     #[test]
     fn missing_extra_and_stray_files_are_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = RecoveryKey::generate();
-        let a = archive(dir.path(), &key);
+        let (_dir, key, a) = made();
         let b = altered(&a, |d| {
             std::fs::remove_file(d.join(TOP).join(FileKind::CaKey.path())).unwrap();
         });
@@ -2200,18 +2191,12 @@ mod tests {
         let b = altered(&a, |d| {
             std::os::unix::fs::symlink("/etc/passwd", d.join(TOP).join("etc/link")).unwrap();
         });
-        assert!(
-            err(&b, &key).contains("is not a regular file"),
-            "{}",
-            err(&b, &key)
-        );
+        refused(&b, &key, "is not a regular file");
     }
 
     #[test]
     fn a_bad_manifest_and_a_non_tar_file_are_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = RecoveryKey::generate();
-        let a = archive(dir.path(), &key);
+        let (dir, key, a) = made();
         let edit = |f: &dyn Fn(String) -> String| {
             altered(&a, |d| {
                 let p = d.join(TOP).join(MANIFEST_FILE);
@@ -2245,8 +2230,7 @@ mod tests {
         );
         let junk = dir.path().join("junk.tar");
         std::fs::write(&junk, vec![7u8; 4096]).unwrap();
-        let e = err(&junk, &key);
-        assert!(e.contains("is not a tar archive"), "{e}");
+        refused(&junk, &key, "is not a tar archive");
     }
 
     #[test]

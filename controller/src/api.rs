@@ -8,14 +8,15 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json, Router};
 use mesh_plumbing::api::Problem;
 use mesh_plumbing::openapi::{NotFound, Unprocessable};
-use mesh_protocol::{NodeId, Section};
+use mesh_plumbing::path::NodePath;
+use mesh_protocol::Section;
 use prometheus_client::registry::Registry;
 use serde_json::json;
 use utoipa_axum::router::OpenApiRouter;
@@ -271,7 +272,7 @@ struct NodeDetail {
     get,
     path = "/v1/nodes/{id}",
     tag = "inventory",
-    params(("id" = String, Path, description = "The node's id")),
+    params(NodePath),
     responses(
         (status = 200, description = "The node", body = NodeDetail),
         NotFound,
@@ -280,9 +281,8 @@ struct NodeDetail {
 )]
 async fn node(
     State(state): State<ApiState>,
-    Path(id): Path<String>,
+    NodePath(id): NodePath,
 ) -> Result<Json<NodeDetail>, Problem> {
-    let id = NodeId::parse(&id).map_err(|e| Problem::unprocessable("id", e.to_string()))?;
     let node = state
         .contexts
         .inventory

@@ -23,8 +23,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
@@ -32,7 +31,7 @@ use base64::Engine as _;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Confirmation};
-use mesh_plumbing::api::Problem;
+use mesh_plumbing::api::{ApiQuery, Problem};
 use mesh_plumbing::openapi::{BadRequest, NotFound, Unprocessable};
 use mesh_protocol::topology::{DECLARATIONS_EXCHANGE, SIGNATURE_HEADER};
 use mesh_protocol::{
@@ -521,9 +520,8 @@ fn problem(status: StatusCode, field: Option<&str>, detail: String) -> Problem {
 async fn module_logs(
     State(api): State<LogsApi>,
     Path(name): Path<String>,
-    params: Result<Query<LogsParams>, QueryRejection>,
+    ApiQuery(params): ApiQuery<LogsParams>,
 ) -> Result<Response, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
     mesh_protocol::validate_module_name("name", &name)
         .map_err(|e| Problem::unprocessable("name", e.to_string()))?;
     let tail = params.tail.unwrap_or(DEFAULT_TAIL);

@@ -163,6 +163,28 @@ mod tests {
         b.entries.iter().map(|e| e.report.seq).collect()
     }
 
+    fn evicted(d: &Dropped) -> Vec<u64> {
+        d.evicted.iter().map(|o| o.seq).collect()
+    }
+
+    /// In a buffer of `capacity`: `kind` 1, applied 2, `kind` 3. The newer
+    /// `kind` replaces the waiting one; both left are then sent (in flight).
+    fn superseding(kind: ReportKind, capacity: usize) -> ReportBuffer {
+        let mut b = ReportBuffer::new(capacity);
+        b.push(r(kind, 1));
+        b.push(r(ReportKind::Applied, 2));
+        let dropped = b.push(r(kind, 3));
+        assert_eq!(
+            dropped.superseded.iter().map(|o| o.seq).collect::<Vec<_>>(),
+            vec![1]
+        );
+        assert!(dropped.evicted.is_empty());
+        assert_eq!(seqs(&b), vec![2, 3]);
+        assert_eq!(b.next_to_send().map(|o| o.seq), Some(2));
+        assert_eq!(b.next_to_send().map(|o| o.seq), Some(3));
+        b
+    }
+
     #[test]
     fn drops_heartbeats_first_then_hellos() {
         let mut b = ReportBuffer::new(3);
@@ -170,10 +192,7 @@ mod tests {
         b.push(r(ReportKind::Heartbeat, 2));
         b.push(r(ReportKind::Heartbeat, 3));
         let dropped = b.push(r(ReportKind::Applied, 4));
-        assert_eq!(
-            dropped.evicted.iter().map(|d| d.seq).collect::<Vec<_>>(),
-            vec![2]
-        );
+        assert_eq!(evicted(&dropped), vec![2]);
         assert!(dropped.superseded.is_empty());
         assert_eq!(seqs(&b), vec![1, 3, 4]);
         b.push(r(ReportKind::Hello, 5));
@@ -189,19 +208,8 @@ mod tests {
 
     #[test]
     fn units_reports_supersede_each_other() {
-        let mut b = ReportBuffer::new(3);
-        b.push(r(ReportKind::Units, 1));
-        b.push(r(ReportKind::Applied, 2));
-        let dropped = b.push(r(ReportKind::Units, 3));
-        assert_eq!(
-            dropped.superseded.iter().map(|d| d.seq).collect::<Vec<_>>(),
-            vec![1]
-        );
-        assert!(dropped.evicted.is_empty());
-        assert_eq!(seqs(&b), vec![2, 3]);
         // In flight stays (it may be confirmed); the waiting one is replaced.
-        assert_eq!(b.next_to_send().map(|o| o.seq), Some(2));
-        assert_eq!(b.next_to_send().map(|o| o.seq), Some(3));
+        let mut b = superseding(ReportKind::Units, 3);
         b.push(r(ReportKind::Units, 4));
         assert_eq!(seqs(&b), vec![2, 3, 4]);
         // Full: units go before hellos and applied.
@@ -217,35 +225,21 @@ mod tests {
         b.push(r(ReportKind::Hello, 2));
         let dropped = b.push(r(ReportKind::Health, 3));
         assert_eq!(
-            dropped.superseded.iter().map(|d| d.seq).collect::<Vec<_>>(),
+            dropped.superseded.iter().map(|o| o.seq).collect::<Vec<_>>(),
             vec![1]
         );
         assert_eq!(seqs(&b), vec![2, 3]);
         b.push(r(ReportKind::Applied, 4));
         // Full: the health report goes before the hello and the applied.
         let dropped = b.push(r(ReportKind::Applied, 5));
-        assert_eq!(
-            dropped.evicted.iter().map(|d| d.seq).collect::<Vec<_>>(),
-            vec![3]
-        );
+        assert_eq!(evicted(&dropped), vec![3]);
         assert_eq!(seqs(&b), vec![2, 4, 5]);
     }
 
     #[test]
     fn a_newer_resources_report_replaces_a_waiting_one() {
-        let mut b = ReportBuffer::new(4);
-        b.push(r(ReportKind::Resources, 1));
-        b.push(r(ReportKind::Applied, 2));
-        let dropped = b.push(r(ReportKind::Resources, 3));
-        assert_eq!(
-            dropped.superseded.iter().map(|d| d.seq).collect::<Vec<_>>(),
-            vec![1]
-        );
-        assert!(dropped.evicted.is_empty());
-        assert_eq!(seqs(&b), vec![2, 3]);
         // Never two waiting: one in flight may stay (it may be confirmed).
-        assert_eq!(b.next_to_send().map(|o| o.seq), Some(2));
-        assert_eq!(b.next_to_send().map(|o| o.seq), Some(3));
+        let mut b = superseding(ReportKind::Resources, 4);
         b.push(r(ReportKind::Resources, 4));
         b.push(r(ReportKind::Resources, 5));
         assert_eq!(seqs(&b), vec![2, 3, 5]);
@@ -253,10 +247,7 @@ mod tests {
         b.reset_in_flight();
         b.push(r(ReportKind::Hello, 6));
         let dropped = b.push(r(ReportKind::Applied, 7));
-        assert_eq!(
-            dropped.evicted.iter().map(|d| d.seq).collect::<Vec<_>>(),
-            vec![3]
-        );
+        assert_eq!(evicted(&dropped), vec![3]);
         assert_eq!(seqs(&b), vec![2, 5, 6, 7]);
     }
 

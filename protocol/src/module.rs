@@ -240,6 +240,22 @@ impl<'a> ModuleEvent<'a> {
         }
         c
     }
+
+    /// A further column of the same statement (by module name, like
+    /// [`ModuleEvent::columns`]): `placed` of each placed module, the empty
+    /// value for a removed one.
+    pub fn column<T: Default>(
+        newest: &std::collections::BTreeMap<&'a str, ModuleEvent<'a>>,
+        placed: impl Fn(&ModulePlacement) -> T,
+    ) -> Vec<T> {
+        newest
+            .values()
+            .map(|e| match e {
+                ModuleEvent::Placed(p) => placed(p),
+                ModuleEvent::Removed(_) => T::default(),
+            })
+            .collect()
+    }
 }
 
 /// Module events as the columns of one bulk statement ([`ModuleEvent::columns`]).

@@ -6,7 +6,7 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use mesh_plumbing::api::{Problem, Role};
+use mesh_plumbing::api::{Problem, Role, created_status};
 use mesh_plumbing::etag::{self, Preconditions};
 use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, NotFound, NotModified, PreconditionFailed, PreconditionRequired,
@@ -167,15 +167,6 @@ async fn put_file(
         file.revision,
         file,
     ))
-}
-
-/// 201 for a resource created, 200 for one replaced.
-pub(crate) fn created_status(created: bool) -> StatusCode {
-    if created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    }
 }
 
 /// Remove a declared file from every node it was declared to.

@@ -1,5 +1,4 @@
-use axum::response::{IntoResponse, Response};
-use mesh_plumbing::HandlerError;
+use mesh_plumbing::ContextError;
 use mesh_plumbing::api::Problem;
 use mesh_protocol::DecodeError;
 use thiserror::Error;
@@ -46,49 +45,17 @@ pub enum Error {
     Conflict(String),
 }
 
-impl Error {
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Error::Database(_) => "database",
-            Error::FileNotFound(_) => "not_found",
-            Error::Invalid { .. } => "invalid",
-            Error::SectionTooLarge { .. } => "too_large",
-            Error::Corrupt { .. } => "corrupt",
-            Error::Section(_) => "section",
-            Error::NotFound(_) => "not_found",
-            Error::Precondition(_) => "precondition",
-            Error::NoMasterKey => "no_master_key",
-            Error::Keyring(_) => "keyring",
-            Error::Conflict(_) => "conflict",
-        }
-    }
-}
-
 impl From<DecodeError> for Error {
     fn from(e: DecodeError) -> Self {
-        match e {
-            DecodeError::Invalid { field, reason } => Error::Invalid { field, reason },
-            other => Error::Invalid {
-                field: "body".to_owned(),
-                reason: other.to_string(),
-            },
-        }
+        let (field, reason) = mesh_plumbing::api::field_and_reason(e);
+        Error::Invalid { field, reason }
     }
 }
 
-impl From<Error> for HandlerError {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::Database(db) => HandlerError::from(db),
-            Error::Section(e) => HandlerError::from(e),
-            other => HandlerError::Permanent(other.to_string()),
-        }
-    }
-}
-
-impl From<Error> for Problem {
-    fn from(e: Error) -> Self {
-        match e {
+/// Plumbing derives `From<Error>` for `Problem` and for `HandlerError` from this.
+impl ContextError for Error {
+    fn problem(self) -> Problem {
+        match self {
             Error::FileNotFound(name) => Problem::not_found(format!("no file `{name}`")),
             Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
             Error::SectionTooLarge {
@@ -107,11 +74,5 @@ impl From<Error> for Problem {
             }
             other => Problem::internal(other),
         }
-    }
-}
-
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        Problem::from(self).into_response()
     }
 }

@@ -102,13 +102,7 @@ pub(crate) async fn modules_changed(
     let columns = ModuleEvent::columns(&newest);
     let (modules, versions, removed) = (columns.modules, columns.versions, columns.removed);
     let nodes: Vec<_> = columns.nodes.into_iter().map(Json).collect();
-    let files: Vec<_> = newest
-        .values()
-        .map(|e| match e {
-            ModuleEvent::Placed(p) => Json(p.settings_files.clone()),
-            ModuleEvent::Removed(_) => Json(Vec::new()),
-        })
-        .collect();
+    let files = ModuleEvent::column(&newest, |p| Json(p.settings_files.clone()));
     // One statement for the batch: each module's row is replaced when the
     // event is newer (keys unique and sorted: rows locked in key order), and
     // the nodes it ran on before (the statement's snapshot) and runs on now

@@ -18,9 +18,10 @@ use serde::{Deserialize, Serialize};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{IF_MATCH, created_status};
+use crate::api::IF_MATCH;
 use crate::secrets::{GrantView, RotationReport, SecretView};
 use crate::{Config, Error};
+use mesh_plumbing::api::created_status;
 
 pub(crate) fn routes() -> OpenApiRouter<Arc<Config>> {
     OpenApiRouter::new()

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use mesh_plumbing::api::{ApiJson, Problem};
+use mesh_plumbing::api::{ApiJson, ApiQuery, Problem};
 use mesh_plumbing::audit::Audit;
 use mesh_plumbing::etag::{self, Preconditions};
 use mesh_plumbing::openapi::{
@@ -21,10 +21,11 @@ use utoipa::IntoParams;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{IF_MATCH, created_status};
+use crate::api::IF_MATCH;
 use crate::layers::{EffectiveView, LayerView};
 use crate::settings::{Scope, Values};
 use crate::{Config, Error};
+use mesh_plumbing::api::created_status;
 
 pub(crate) fn routes() -> OpenApiRouter<Arc<Config>> {
     OpenApiRouter::new()
@@ -236,10 +237,8 @@ struct EffectiveParams {
 async fn effective(
     State(config): State<Arc<Config>>,
     Path(name): Path<String>,
-    query: Result<Query<EffectiveParams>, axum::extract::rejection::QueryRejection>,
+    ApiQuery(params): ApiQuery<EffectiveParams>,
 ) -> Result<Json<EffectiveView>, Problem> {
-    let Query(params) =
-        query.map_err(|e| Problem::field(StatusCode::BAD_REQUEST, "query", e.body_text()))?;
     let node = params
         .node
         .as_deref()

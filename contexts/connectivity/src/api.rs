@@ -4,10 +4,8 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
-use axum::http::StatusCode;
-use mesh_plumbing::api::Problem;
+use axum::extract::State;
+use mesh_plumbing::api::{ApiQuery, Problem};
 use mesh_plumbing::openapi::{BadRequest, Unprocessable};
 use mesh_protocol::NodeId;
 use serde::Deserialize;
@@ -63,9 +61,8 @@ struct CertificatesParams {
 )]
 async fn list_certificates(
     State(conn): State<Arc<Connectivity>>,
-    params: Result<Query<CertificatesParams>, QueryRejection>,
+    ApiQuery(params): ApiQuery<CertificatesParams>,
 ) -> Result<Json<CertificatesView>, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
     if let Some(node) = &params.node {
         NodeId::parse(node).map_err(|e| Problem::unprocessable("node", e.to_string()))?;
     }

@@ -216,13 +216,7 @@ pub(crate) async fn modules(
     let columns = ModuleEvent::columns(&newest);
     let (modules, versions, removed) = (columns.modules, columns.versions, columns.removed);
     let nodes: Vec<_> = columns.nodes.into_iter().map(Json).collect();
-    let ports: Vec<_> = newest
-        .values()
-        .map(|e| match e {
-            ModuleEvent::Placed(p) => Json(p.ports.clone()),
-            ModuleEvent::Removed(_) => Json(Vec::new()),
-        })
-        .collect();
+    let ports = ModuleEvent::column(&newest, |p| Json(p.ports.clone()));
     let changed: Vec<String> = sqlx::query_scalar(
         "INSERT INTO connectivity.modules AS m (module, version, removed, nodes, ports) \
          SELECT u.module, u.version, u.removed, ARRAY(SELECT jsonb_array_elements_text(u.nodes)), u.ports \

@@ -7,14 +7,16 @@ use std::sync::Arc;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::DefaultBodyLimit;
-use axum::extract::rejection::{BytesRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use mesh_plumbing::api::{ApiJson, Problem};
+use mesh_plumbing::api::{ApiJson, ApiQuery, Problem, created};
 use mesh_plumbing::audit::Audit;
 use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, Conflict, NotFound, Unavailable, Unprocessable,
 };
+use mesh_plumbing::page::{ListQuery, Page};
+use mesh_plumbing::path::{ModulePath, UuidPath, uuid};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
@@ -51,33 +53,6 @@ pub(crate) fn routes(artifact_max_bytes: usize) -> OpenApiRouter<Arc<Delivery>> 
         .routes(routes!(deny_run))
         .routes(routes!(get_receipts))
         .routes(routes!(get_freeze, put_freeze, delete_freeze))
-}
-
-fn parse_id(field: &str, text: &str) -> Result<Uuid, Problem> {
-    Uuid::parse_str(text).map_err(|_| {
-        Problem::unprocessable(
-            field,
-            format!(
-                "`{}` is not a UUID",
-                text.chars().take(64).collect::<String>()
-            ),
-        )
-    })
-}
-
-fn parse_module(name: &str) -> Result<(), Problem> {
-    mesh_protocol::validate_module_name("name", name).map_err(Problem::from)
-}
-
-fn created<T>(created: bool, body: T) -> (StatusCode, Json<T>) {
-    (
-        if created {
-            StatusCode::CREATED
-        } else {
-            StatusCode::OK
-        },
-        Json(body),
-    )
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -232,7 +207,7 @@ struct RevisionList {
     post,
     path = "/v1/modules/{name}/revisions",
     tag = "delivery",
-    params(("name" = String, Path, description = "The module's name")),
+    params(ModulePath),
     request_body = NewRevision,
     responses(
         (status = 201, description = "Created", body = RevisionView),
@@ -242,24 +217,22 @@ struct RevisionList {
 )]
 async fn create_revision(
     State(delivery): State<Arc<Delivery>>,
-    Path(name): Path<String>,
+    ModulePath(name): ModulePath,
     audit: Audit,
     ApiJson(new): ApiJson<NewRevision>,
 ) -> Result<(StatusCode, Json<RevisionView>), Problem> {
-    parse_module(&name)?;
     let (view, new) = delivery.create_revision(&name, &new, &audit).await?;
     Ok(created(new, view))
 }
 
 /// A module's revisions, oldest first.
 #[utoipa::path(get, path = "/v1/modules/{name}/revisions", tag = "delivery",
-    params(("name" = String, Path, description = "The module's name")),
+    params(ModulePath),
     responses((status = 200, description = "Revisions", body = RevisionList), Unprocessable))]
 async fn list_revisions(
     State(delivery): State<Arc<Delivery>>,
-    Path(name): Path<String>,
+    ModulePath(name): ModulePath,
 ) -> Result<Json<RevisionList>, Problem> {
-    parse_module(&name)?;
     Ok(Json(RevisionList {
         revisions: delivery.revisions(&name).await?,
     }))
@@ -271,36 +244,33 @@ async fn list_revisions(
     responses((status = 200, description = "The revision", body = RevisionView), NotFound, Unprocessable))]
 async fn get_revision(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
 ) -> Result<Json<RevisionView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.revision(id).await?))
 }
 
 /// Whether a module's rollouts wait for approval.
 #[utoipa::path(get, path = "/v1/modules/{name}/delivery", tag = "delivery",
-    params(("name" = String, Path, description = "The module's name")),
+    params(ModulePath),
     responses((status = 200, description = "The policy", body = DeliveryPolicy), Unprocessable))]
 async fn get_policy(
     State(delivery): State<Arc<Delivery>>,
-    Path(name): Path<String>,
+    ModulePath(name): ModulePath,
 ) -> Result<Json<DeliveryPolicy>, Problem> {
-    parse_module(&name)?;
     Ok(Json(delivery.policy(&name).await?))
 }
 
 /// Set whether a module's rollouts wait for approval.
 #[utoipa::path(put, path = "/v1/modules/{name}/delivery", tag = "delivery",
-    params(("name" = String, Path, description = "The module's name")),
+    params(ModulePath),
     request_body = DeliveryPolicy,
     responses((status = 200, description = "The policy", body = DeliveryPolicy), BodyErrors))]
 async fn put_policy(
     State(delivery): State<Arc<Delivery>>,
-    Path(name): Path<String>,
+    ModulePath(name): ModulePath,
     audit: Audit,
     ApiJson(policy): ApiJson<DeliveryPolicy>,
 ) -> Result<Json<DeliveryPolicy>, Problem> {
-    parse_module(&name)?;
     Ok(Json(delivery.set_policy(&name, &policy, &audit).await?))
 }
 
@@ -350,9 +320,8 @@ async fn start_rollout(
     responses((status = 200, description = "Rollouts", body = RolloutList), BadRequest, Unprocessable))]
 async fn list_rollouts(
     State(delivery): State<Arc<Delivery>>,
-    params: Result<Query<RolloutParams>, QueryRejection>,
+    ApiQuery(params): ApiQuery<RolloutParams>,
 ) -> Result<Json<RolloutList>, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
     if let Some(m) = &params.module {
         mesh_protocol::validate_module_name("module", m)?;
     }
@@ -390,9 +359,8 @@ async fn list_rollouts(
     responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Unprocessable))]
 async fn get_rollout(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
 ) -> Result<Json<RolloutView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.rollout(id).await?))
 }
 
@@ -402,10 +370,9 @@ async fn get_rollout(
     responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Conflict, Unprocessable))]
 async fn continue_rollout(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
     audit: Audit,
 ) -> Result<Json<RolloutView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.continue_rollout(id, &audit).await?))
 }
 
@@ -415,17 +382,16 @@ async fn continue_rollout(
     responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Conflict, Unprocessable))]
 async fn cancel_rollout(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
     audit: Audit,
 ) -> Result<Json<RolloutView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.cancel_rollout(id, &audit).await?))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-struct RunParams {
+struct RunFilters {
     /// Only this rollout's runs (its UUID).
     rollout: Option<String>,
     /// Only runs of this module's rollouts.
@@ -436,11 +402,6 @@ struct RunParams {
     /// `deploying`, `settling`, `succeeded`, `failed`, `canceled`,
     /// `rolled_back`).
     state: Option<String>,
-    /// The previous page's `next`: runs created before it.
-    after: Option<String>,
-    /// At most this many (1 to 500, default 100).
-    #[param(minimum = 1, maximum = 500)]
-    limit: Option<i64>,
 }
 
 /// A page of runs.
@@ -465,24 +426,20 @@ const RUN_STATES: [&str; 9] = [
 ];
 
 /// Runs (one node's part of a rollout), newest first, filtered, a page at a
-/// time, each with its latest receipt.
-#[utoipa::path(get, path = "/v1/runs", tag = "delivery", params(RunParams),
+/// time, each with its latest receipt: `after` is a run's id (runs created
+/// before it), `limit` 1 to 500, default 100.
+#[utoipa::path(get, path = "/v1/runs", tag = "delivery", params(RunFilters, Page),
     responses((status = 200, description = "A page of runs", body = RunList), BadRequest, Unprocessable))]
 async fn list_runs(
     State(delivery): State<Arc<Delivery>>,
-    params: Result<Query<RunParams>, QueryRejection>,
+    ListQuery(page, params): ListQuery<RunFilters>,
 ) -> Result<Json<RunList>, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
     let rollout = params
         .rollout
         .as_deref()
-        .map(|r| parse_id("rollout", r))
+        .map(|r| uuid("rollout", r))
         .transpose()?;
-    let before = params
-        .after
-        .as_deref()
-        .map(|a| parse_id("after", a))
-        .transpose()?;
+    let before = page.after_id()?;
     if let Some(m) = &params.module {
         mesh_protocol::validate_module_name("module", m)?;
     }
@@ -501,13 +458,7 @@ async fn list_runs(
             ),
         ));
     }
-    let limit = params.limit.unwrap_or(100);
-    if !(1..=crate::MAX_RUNS_PAGE).contains(&limit) {
-        return Err(Problem::unprocessable(
-            "limit",
-            format!("must be 1 to {}", crate::MAX_RUNS_PAGE),
-        ));
-    }
+    let limit = page.limit(100, crate::MAX_RUNS_PAGE)?;
     let filter = crate::RunFilter {
         rollout,
         module: params.module.as_deref(),
@@ -516,11 +467,7 @@ async fn list_runs(
         before,
     };
     let runs = delivery.runs(&filter, limit).await?;
-    let next = if i64::try_from(runs.len()).unwrap_or(i64::MAX) >= limit {
-        runs.last().map(|r| r.id)
-    } else {
-        None
-    };
+    let next = mesh_plumbing::page::next(&runs, limit, |r| r.id);
     Ok(Json(RunList { runs, next }))
 }
 
@@ -530,9 +477,8 @@ async fn list_runs(
     responses((status = 200, description = "The run", body = RunView), NotFound, Unprocessable))]
 async fn get_run(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
 ) -> Result<Json<RunView>, Problem> {
-    let id = parse_id("id", &id)?;
     Ok(Json(delivery.run(id).await?))
 }
 
@@ -552,17 +498,24 @@ struct Decision {
     request_body = Decision,
     responses((status = 200, description = "The run", body = RunView), BodyErrors, NotFound, Conflict))]
 async fn approve_run(
+    delivery: State<Arc<Delivery>>,
+    id: UuidPath,
+    audit: Audit,
+    decision: ApiJson<Decision>,
+) -> Result<Json<RunView>, Problem> {
+    decide(delivery, id, true, audit, decision).await
+}
+
+/// Approve (`approve`) or deny the rollout of the run `id`.
+async fn decide(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(id): UuidPath,
+    approve: bool,
     audit: Audit,
     ApiJson(d): ApiJson<Decision>,
 ) -> Result<Json<RunView>, Problem> {
-    let id = parse_id("id", &id)?;
-    Ok(Json(
-        delivery
-            .decide(id, true, d.reason.as_deref(), &audit)
-            .await?,
-    ))
+    let reason = d.reason.as_deref();
+    Ok(Json(delivery.decide(id, approve, reason, &audit).await?))
 }
 
 /// Deny the rollout of a run awaiting approval, with a reason: its runs end
@@ -572,17 +525,12 @@ async fn approve_run(
     request_body = Decision,
     responses((status = 200, description = "The run", body = RunView), BodyErrors, NotFound, Conflict))]
 async fn deny_run(
-    State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    delivery: State<Arc<Delivery>>,
+    id: UuidPath,
     audit: Audit,
-    ApiJson(d): ApiJson<Decision>,
+    decision: ApiJson<Decision>,
 ) -> Result<Json<RunView>, Problem> {
-    let id = parse_id("id", &id)?;
-    Ok(Json(
-        delivery
-            .decide(id, false, d.reason.as_deref(), &audit)
-            .await?,
-    ))
+    decide(delivery, id, false, audit, decision).await
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -597,9 +545,8 @@ struct ReceiptList {
     responses((status = 200, description = "The receipts", body = ReceiptList), NotFound, Unprocessable))]
 async fn get_receipts(
     State(delivery): State<Arc<Delivery>>,
-    Path(id): Path<String>,
+    UuidPath(run): UuidPath,
 ) -> Result<Json<ReceiptList>, Problem> {
-    let run = parse_id("id", &id)?;
     Ok(Json(ReceiptList {
         run,
         receipts: delivery.receipts(run).await?,

@@ -1,7 +1,6 @@
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use mesh_plumbing::HandlerError;
 use mesh_plumbing::api::Problem;
+use mesh_plumbing::{ContextError, HandlerError};
 use mesh_protocol::DecodeError;
 use thiserror::Error;
 
@@ -34,20 +33,6 @@ pub enum Error {
 }
 
 impl Error {
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Error::Database(_) => "database",
-            Error::Invalid { .. } => "invalid",
-            Error::NotFound(_) => "not_found",
-            Error::Conflict(_) => "conflict",
-            Error::Store(_) => "store",
-            Error::TooLarge { .. } => "too_large",
-            Error::Receipt(_) => "receipt",
-            Error::Corrupt { .. } => "corrupt",
-            Error::Section(_) => "section",
-        }
-    }
-
     pub(crate) fn invalid(field: &str, reason: impl Into<String>) -> Self {
         Error::Invalid {
             field: field.to_owned(),
@@ -58,30 +43,15 @@ impl Error {
 
 impl From<DecodeError> for Error {
     fn from(e: DecodeError) -> Self {
-        match e {
-            DecodeError::Invalid { field, reason } => Error::Invalid { field, reason },
-            other => Error::Invalid {
-                field: "body".to_owned(),
-                reason: other.to_string(),
-            },
-        }
+        let (field, reason) = mesh_plumbing::api::field_and_reason(e);
+        Error::Invalid { field, reason }
     }
 }
 
-impl From<Error> for HandlerError {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::Database(db) => HandlerError::from(db),
-            Error::Section(e) => HandlerError::from(e),
-            Error::Store(e) => HandlerError::Transient(e),
-            other => HandlerError::Permanent(other.to_string()),
-        }
-    }
-}
-
-impl From<Error> for Problem {
-    fn from(e: Error) -> Self {
-        match e {
+/// Plumbing derives `From<Error>` for `Problem` and for `HandlerError` from this.
+impl ContextError for Error {
+    fn problem(self) -> Problem {
+        match self {
             Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
             Error::NotFound(what) => Problem::not_found(format!("{what} not found")),
             Error::Conflict(detail) => Problem::new(StatusCode::CONFLICT, detail),
@@ -96,10 +66,12 @@ impl From<Error> for Problem {
             other => Problem::internal(other),
         }
     }
-}
 
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        Problem::from(self).into_response()
+    /// The artifact store's failures may pass; the rest as plumbing says.
+    fn handler_error(self) -> HandlerError {
+        match self {
+            Error::Store(e) => HandlerError::Transient(e),
+            other => mesh_plumbing::error::classify(other),
+        }
     }
 }

@@ -7,8 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use chrono::{DateTime, Utc};
 use mesh_plumbing::api::{ApiJson, Problem, Role};
@@ -16,10 +15,10 @@ use mesh_plumbing::audit::Audit;
 use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, Conflict, Forbidden, NotFound, Unauthorized, Unavailable, Unprocessable,
 };
-use mesh_protocol::NodeId;
+use mesh_plumbing::page::{ListQuery, NoFilters, Page};
+use mesh_plumbing::path::NodePath;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use utoipa::IntoParams;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 use uuid::Uuid;
@@ -70,15 +69,6 @@ struct JoinAnswer {
     ca_certificate: Option<String>,
 }
 
-fn node_id(id: &str) -> Result<NodeId, Problem> {
-    NodeId::parse(id).map_err(|e| Problem::unprocessable("id", e.to_string()))
-}
-
-fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, Problem> {
-    q.map(|Query(t)| t)
-        .map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))
-}
-
 #[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct JoinTokenBody {
@@ -97,7 +87,7 @@ struct JoinTokenBody {
     post,
     path = "/v1/nodes/{id}/join-tokens",
     tag = "identity",
-    params(("id" = String, Path, description = "The node's id")),
+    params(NodePath),
     request_body(content = Option<JoinTokenBody>, description = "Optional: the token's validity and the labels bound to it"),
     responses(
         (status = 201, description = "The token, shown once", body = JoinTokenCreated),
@@ -108,10 +98,9 @@ struct JoinTokenBody {
 async fn create_join_token(
     State(identity): State<Arc<Identity>>,
     audit: Audit,
-    Path(id): Path<String>,
+    NodePath(node): NodePath,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<serde_json::Value>), Problem> {
-    let node = node_id(&id)?;
     // The body is optional: no body means the default validity.
     let body: JoinTokenBody = optional_body(&body)?;
     let created = identity
@@ -173,7 +162,7 @@ async fn join(
     delete,
     path = "/v1/nodes/{id}",
     tag = "identity",
-    params(("id" = String, Path, description = "The node's id")),
+    params(NodePath),
     responses(
         (status = 200, description = "Revoked", body = crate::Revoked),
         NotFound,
@@ -183,10 +172,9 @@ async fn join(
 )]
 async fn revoke_node(
     State(identity): State<Arc<Identity>>,
-    Path(id): Path<String>,
+    NodePath(node): NodePath,
     audit: Audit,
 ) -> Result<Json<crate::Revoked>, Problem> {
-    let node = node_id(&id)?;
     Ok(Json(identity.revoke_node(&node, &audit).await?))
 }
 
@@ -197,7 +185,7 @@ async fn revoke_node(
     post,
     path = "/v1/nodes/{id}/readmit",
     tag = "identity",
-    params(("id" = String, Path, description = "The node's id")),
+    params(NodePath),
     responses(
         (status = 200, description = "Re-admitted", body = crate::Readmitted),
         NotFound,
@@ -207,10 +195,9 @@ async fn revoke_node(
 )]
 async fn readmit_node(
     State(identity): State<Arc<Identity>>,
-    Path(id): Path<String>,
+    NodePath(node): NodePath,
     audit: Audit,
 ) -> Result<Json<crate::Readmitted>, Problem> {
-    let node = node_id(&id)?;
     Ok(Json(identity.readmit_node(&node, &audit).await?))
 }
 
@@ -277,17 +264,6 @@ async fn create_token(
     ))
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-struct ListParams {
-    /// Return tokens whose id sorts after this one (the previous page's `next`).
-    after: Option<Uuid>,
-    /// At most this many (the server caps it at its page size).
-    #[param(minimum = 1)]
-    limit: Option<i64>,
-}
-
 #[derive(Serialize, utoipa::ToSchema)]
 struct TokenList {
     tokens: Vec<TokenView>,
@@ -295,12 +271,14 @@ struct TokenList {
     next: Option<Uuid>,
 }
 
-/// List API tokens (never their secrets), a page at a time.
+/// List API tokens (never their secrets), by id, a page at a time: `after`
+/// is a token's id, `limit` defaults to and is cut to the identity settings'
+/// `max_page` (1000).
 #[utoipa::path(
     get,
     path = "/v1/tokens",
     tag = "identity",
-    params(ListParams),
+    params(Page),
     responses(
         (status = 200, description = "A page of tokens", body = TokenList),
         BadRequest,
@@ -309,21 +287,12 @@ struct TokenList {
 )]
 async fn list_tokens(
     State(identity): State<Arc<Identity>>,
-    params: Result<Query<ListParams>, QueryRejection>,
+    ListQuery(page, NoFilters {}): ListQuery<NoFilters>,
 ) -> Result<Json<TokenList>, Problem> {
-    let params = query(params)?;
-    let limit = params.limit.unwrap_or(identity.settings.max_page);
-    if limit < 1 {
-        return Err(Problem::unprocessable("limit", "must be at least 1"));
-    }
-    let tokens = identity.tokens(params.after, limit).await?;
-    let full =
-        i64::try_from(tokens.len()).unwrap_or(i64::MAX) >= limit.min(identity.settings.max_page);
-    let next = if full {
-        tokens.last().map(|t| t.id)
-    } else {
-        None
-    };
+    let max = identity.settings.max_page;
+    let limit = page.limit_capped(max, max)?;
+    let tokens = identity.tokens(page.after(Uuid::parse_str)?, limit).await?;
+    let next = mesh_plumbing::page::next(&tokens, limit, |t| t.id);
     Ok(Json(TokenList { tokens, next }))
 }
 
@@ -386,33 +355,14 @@ async fn revoke_token(
     Ok(Json(identity.revoke_token(id, &audit).await?))
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-struct AuditParams {
-    /// The token name that acted.
-    principal: Option<String>,
-    /// Exact action, e.g. `PUT /v1/files/{name}`.
-    action: Option<String>,
-    /// Exact target path, e.g. `/v1/files/motd`.
-    target: Option<String>,
-    /// `ok`, `denied` or `failed`.
-    outcome: Option<String>,
-    since: Option<DateTime<Utc>>,
-    until: Option<DateTime<Utc>>,
-    /// Entries after this position (the previous page's `next`).
-    after: Option<i64>,
-    /// At most this many (the server caps it at its page size).
-    #[param(minimum = 1)]
-    limit: Option<i64>,
-}
-
-/// The audit log, oldest first, filtered and paged.
+/// The audit log, oldest first, filtered and paged: `after` is an entry's
+/// position (the previous page's `next`), `limit` defaults to and is cut to
+/// the identity settings' `max_page` (1000).
 #[utoipa::path(
     get,
     path = "/v1/audit",
     tag = "identity",
-    params(AuditParams),
+    params(AuditFilter, Page),
     responses(
         (status = 200, description = "A page of the audit log", body = AuditPage),
         BadRequest,
@@ -421,20 +371,12 @@ struct AuditParams {
 )]
 async fn audit(
     State(identity): State<Arc<Identity>>,
-    params: Result<Query<AuditParams>, QueryRejection>,
+    ListQuery(page, filter): ListQuery<AuditFilter>,
 ) -> Result<Json<AuditPage>, Problem> {
-    let p = query(params)?;
-    let filter = AuditFilter {
-        principal: p.principal,
-        action: p.action,
-        target: p.target,
-        outcome: p.outcome,
-        since: p.since,
-        until: p.until,
-        after: p.after,
-        limit: p.limit,
-    };
-    Ok(Json(identity.audit(&filter).await?))
+    let max = identity.settings.max_page;
+    let limit = page.limit_capped(max, max)?;
+    let after = page.after(|a| a.parse::<i64>())?;
+    Ok(Json(identity.audit(&filter, after, limit).await?))
 }
 
 /// A token id from the path; one that is no UUID is a token that does not

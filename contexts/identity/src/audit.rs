@@ -60,20 +60,22 @@ pub struct AuditRow {
     pub detail: Option<String>,
 }
 
-/// Filters of `GET /v1/audit`; every one optional, all must hold.
-#[derive(Debug, Clone, Default)]
+/// Filters of `GET /v1/audit` (its query parameters beside the page's);
+/// every one optional, all must hold.
+#[derive(Debug, Clone, Default, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
 pub struct AuditFilter {
+    /// The token name that acted.
     pub principal: Option<String>,
     /// Exact action, e.g. `PUT /v1/files/{name}`.
     pub action: Option<String>,
     /// Exact target path, e.g. `/v1/files/motd`.
     pub target: Option<String>,
+    /// `ok`, `denied` or `failed`.
     pub outcome: Option<String>,
     pub since: Option<DateTime<Utc>>,
     pub until: Option<DateTime<Utc>>,
-    /// Entries after this `seq` (the previous page's `next`).
-    pub after: Option<i64>,
-    pub limit: Option<i64>,
 }
 
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -88,12 +90,15 @@ impl Identity {
     /// The audit log, oldest first, filtered and paged. Tolerates lag: served
     /// by the replica when one is usable ([`Identity::reads`]); a page ends
     /// where the replica is, and its `next` goes on from there.
-    pub async fn audit(&self, f: &AuditFilter) -> Result<AuditPage, Error> {
-        let limit = f.limit.unwrap_or(self.settings.max_page);
-        if limit < 1 {
-            return Err(Error::invalid("limit", "must be at least 1"));
-        }
-        let limit = limit.min(self.settings.max_page);
+    /// `after` is the previous page's `next` (a `seq`); `limit` is cut to
+    /// the settings' `max_page`.
+    pub async fn audit(
+        &self,
+        f: &AuditFilter,
+        after: Option<i64>,
+        limit: i64,
+    ) -> Result<AuditPage, Error> {
+        let limit = limit.clamp(1, self.settings.max_page.max(1));
         let entries: Vec<AuditRow> = self
             .reads
             .lag_tolerant(|pool| async move {
@@ -115,17 +120,13 @@ impl Identity {
         .bind(&f.outcome)
         .bind(f.since)
         .bind(f.until)
-        .bind(f.after)
+        .bind(after)
         .bind(limit)
         .fetch_all(&pool)
         .await
             })
             .await?;
-        let next = if i64::try_from(entries.len()).unwrap_or(i64::MAX) >= limit {
-            entries.last().map(|e| e.seq)
-        } else {
-            None
-        };
+        let next = mesh_plumbing::page::next(&entries, limit, |e| e.seq);
         Ok(AuditPage { entries, next })
     }
 }

@@ -1,7 +1,6 @@
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use mesh_plumbing::HandlerError;
 use mesh_plumbing::api::Problem;
+use mesh_plumbing::{ContextError, HandlerError};
 use thiserror::Error;
 
 use crate::BrokerError;
@@ -44,39 +43,15 @@ impl Error {
             reason: reason.into(),
         }
     }
+}
 
-    pub fn metric_label(&self) -> &'static str {
+/// Plumbing derives `From<Error>` for `Problem` and for `HandlerError` from this.
+impl ContextError for Error {
+    fn problem(self) -> Problem {
         match self {
-            Error::Database(_) => "database",
-            Error::Invalid { .. } => "invalid",
-            Error::NotFound(_) => "not_found",
-            Error::UnknownJoinToken => "unknown_join_token",
-            Error::JoinRefused(_) => "join_refused",
-            Error::Conflict(_) => "conflict",
-            Error::Broker(_) => "broker",
-            Error::Corrupt(_) => "corrupt",
-            Error::ExchangeRefused(_) => "exchange_refused",
-            Error::IssuerUnavailable(_) => "issuer_unavailable",
-        }
-    }
-}
-
-impl From<Error> for HandlerError {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::Database(db) => HandlerError::from(db),
-            Error::Broker(b) => HandlerError::Transient(b.to_string()),
-            other => HandlerError::Permanent(other.to_string()),
-        }
-    }
-}
-
-impl From<Error> for Problem {
-    fn from(e: Error) -> Self {
-        match e {
             Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
             Error::NotFound(what) => Problem::not_found(what),
-            Error::UnknownJoinToken => Problem::unauthorized(e.to_string()),
+            Error::UnknownJoinToken => Problem::unauthorized(self.to_string()),
             Error::JoinRefused(why) => Problem::forbidden(why),
             Error::Conflict(why) => Problem::new(StatusCode::CONFLICT, why),
             Error::ExchangeRefused(why) => {
@@ -100,10 +75,12 @@ impl From<Error> for Problem {
             other => Problem::internal(other),
         }
     }
-}
 
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        Problem::from(self).into_response()
+    /// The broker's failures may pass; the rest as plumbing says.
+    fn handler_error(self) -> HandlerError {
+        match self {
+            Error::Broker(b) => HandlerError::Transient(b.to_string()),
+            other => mesh_plumbing::error::classify(other),
+        }
     }
 }

@@ -109,12 +109,7 @@ async fn put_trust(
         ttl: body.ttl_secs.map(Duration::from_secs),
     };
     let (view, created) = identity.put_trust(&name, &spec, &audit).await?;
-    let status = if created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    Ok((status, Json(view)))
+    Ok(mesh_plumbing::api::created(created, view))
 }
 
 /// Delete an OIDC trust and revoke the tokens it gave.

@@ -7,8 +7,7 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::header::IF_MATCH;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -18,6 +17,8 @@ use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, NotFound, NotModified, PreconditionFailed, PreconditionRequired,
     Unprocessable,
 };
+use mesh_plumbing::page::{ListQuery, Page};
+use mesh_plumbing::path::NodePath;
 use mesh_protocol::{Labels, NodeId, validate_labels};
 use serde::{Deserialize, Serialize};
 use sqlx::types::Json as SqlJson;
@@ -41,12 +42,7 @@ pub(crate) fn routes() -> OpenApiRouter<Arc<Inventory>> {
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-struct ListParams {
-    /// Return nodes whose id sorts after this one (the previous page's `next`).
-    after: Option<String>,
-    /// At most this many (the server caps it at its page size).
-    #[param(minimum = 1)]
-    limit: Option<i64>,
+struct NodeFilters {
     /// Only nodes whose effective labels hold every `key=value` pair of this
     /// comma-separated list, e.g. `role=web,zone=eu`.
     #[param(example = "role=web,zone=eu")]
@@ -65,12 +61,14 @@ struct NodeList {
 }
 
 /// List nodes, by id, a page at a time; `selector` keeps the nodes whose
-/// effective labels match it (pages and `next` count only those).
+/// effective labels match it (pages and `next` count only those). `after` is
+/// a node's id; `limit` defaults to and is cut to the inventory settings'
+/// `max_page` (1000).
 #[utoipa::path(
     get,
     path = "/v1/nodes",
     tag = "inventory",
-    params(ListParams),
+    params(NodeFilters, Page),
     responses(
         (status = 200, description = "A page of nodes", body = NodeList),
         BadRequest,
@@ -79,29 +77,20 @@ struct NodeList {
 )]
 async fn list_nodes(
     State(inventory): State<Arc<Inventory>>,
-    params: Result<Query<ListParams>, QueryRejection>,
+    ListQuery(page, filters): ListQuery<NodeFilters>,
 ) -> Result<Json<NodeList>, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
-    let limit = params.limit.unwrap_or(inventory.settings.max_page);
-    if limit < 1 {
-        return Err(Problem::unprocessable("limit", "must be at least 1"));
-    }
-    let selector = params
+    let max = inventory.settings.max_page;
+    let limit = page.limit_capped(max, max)?;
+    let selector = filters
         .selector
         .as_deref()
         .map(|s| mesh_protocol::parse_selector("selector", s))
         .transpose()
         .map_err(Error::from)?;
     let nodes = inventory
-        .nodes(params.after.as_deref(), limit, selector.as_ref())
+        .nodes(page.after.as_deref(), limit, selector.as_ref())
         .await?;
-    let full =
-        i64::try_from(nodes.len()).unwrap_or(i64::MAX) >= limit.min(inventory.settings.max_page);
-    let next = if full {
-        nodes.last().map(|n| n.id.clone())
-    } else {
-        None
-    };
+    let next = mesh_plumbing::page::next(&nodes, limit, |n| n.id.clone());
     Ok(Json(NodeList {
         nodes,
         next,
@@ -128,6 +117,13 @@ struct LabelsResponse {
     revision: i64,
 }
 
+/// The node a route's `{id}` names (documented as `params(NodePath)`): an
+/// id that cannot be a node's names no node, so inventory's node routes
+/// answer it 404, as for a node it does not know.
+pub(crate) fn known_node(id: &str) -> Result<NodeId, Error> {
+    NodeId::parse(id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))
+}
+
 fn labels_body(id: &NodeId, labels: NodeLabels) -> LabelsResponse {
     LabelsResponse {
         id: id.to_string(),
@@ -144,7 +140,7 @@ fn labels_body(id: &NodeId, labels: NodeLabels) -> LabelsResponse {
     path = "/v1/nodes/{id}/labels",
     tag = "inventory",
     params(
-        ("id" = String, Path, description = "The node's id"),
+        NodePath,
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "The quoted revisions you hold: 304 if one is current"),
     ),
     responses(
@@ -158,7 +154,7 @@ async fn get_labels(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
+    let id = known_node(&id)?;
     let labels = inventory
         .node_labels(&id)
         .await?
@@ -178,7 +174,7 @@ async fn get_labels(
     path = "/v1/nodes/{id}/labels",
     tag = "inventory",
     params(
-        ("id" = String, Path, description = "The node's id"),
+        NodePath,
         ("If-Match" = String, Header, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "`*` or the quoted revisions of the operator labels this write replaces"),
     ),
     request_body = LabelsBody,
@@ -197,7 +193,7 @@ async fn put_labels(
     audit: Audit,
     ApiJson(body): ApiJson<LabelsBody>,
 ) -> Result<Response, Problem> {
-    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
+    let id = known_node(&id)?;
     validate_labels("labels", &body.labels).map_err(Error::from)?;
     let if_match = precondition(&headers, IF_MATCH)?;
     let labels = inventory
@@ -323,31 +319,5 @@ impl Inventory {
             version,
             revision,
         })
-    }
-}
-
-/// The API layer's mapping of the context's errors to problem+json (domain
-/// methods return [`Error`]; only the routes speak HTTP).
-impl From<Error> for Problem {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::NodeNotFound(id) => Problem::not_found(format!("no node `{id}`")),
-            Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
-            Error::NotFound(detail) => Problem::not_found(detail),
-            Error::PreconditionFailed(detail) => {
-                Problem::new(StatusCode::PRECONDITION_FAILED, detail)
-            }
-            Error::PreconditionRequired(detail) => {
-                Problem::new(StatusCode::PRECONDITION_REQUIRED, detail)
-            }
-            Error::Conflict(detail) => Problem::new(StatusCode::CONFLICT, detail),
-            other => Problem::internal(other),
-        }
-    }
-}
-
-impl axum::response::IntoResponse for Error {
-    fn into_response(self) -> axum::response::Response {
-        Problem::from(self).into_response()
     }
 }

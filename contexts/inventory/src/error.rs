@@ -1,4 +1,6 @@
-use mesh_plumbing::HandlerError;
+use axum::http::StatusCode;
+use mesh_plumbing::ContextError;
+use mesh_plumbing::api::Problem;
 use mesh_plumbing::etag::PreconditionError;
 use mesh_protocol::DecodeError;
 use thiserror::Error;
@@ -32,23 +34,6 @@ pub enum Error {
     Conflict(String),
 }
 
-impl Error {
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Error::Database(_) => "database",
-            Error::NodeNotFound(_) => "not_found",
-            Error::Invalid { .. } => "invalid",
-            Error::Corrupt { .. } => "corrupt",
-            Error::Section(_) => "section",
-            Error::NotFound(_) => "not_found",
-            Error::PreconditionFailed(_) => "precondition_failed",
-            Error::PreconditionRequired(_) => "precondition_required",
-
-            Error::Conflict(_) => "conflict",
-        }
-    }
-}
-
 /// What [`mesh_plumbing::etag::check_write`] judged: 428 or 412.
 impl From<PreconditionError> for Error {
     fn from(e: PreconditionError) -> Self {
@@ -61,22 +46,28 @@ impl From<PreconditionError> for Error {
 
 impl From<DecodeError> for Error {
     fn from(e: DecodeError) -> Self {
-        match e {
-            DecodeError::Invalid { field, reason } => Error::Invalid { field, reason },
-            other => Error::Invalid {
-                field: "body".to_owned(),
-                reason: other.to_string(),
-            },
-        }
+        let (field, reason) = mesh_plumbing::api::field_and_reason(e);
+        Error::Invalid { field, reason }
     }
 }
 
-impl From<Error> for HandlerError {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::Database(db) => HandlerError::from(db),
-            Error::Section(e) => HandlerError::from(e),
-            other => HandlerError::Permanent(other.to_string()),
+/// The problem+json each error answers (domain methods return [`enum@Error`];
+/// only the routes speak HTTP). Plumbing derives `From<Error>` for `Problem`
+/// and for `HandlerError` from this.
+impl ContextError for Error {
+    fn problem(self) -> Problem {
+        match self {
+            Error::NodeNotFound(id) => Problem::not_found(format!("no node `{id}`")),
+            Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
+            Error::NotFound(detail) => Problem::not_found(detail),
+            Error::PreconditionFailed(detail) => {
+                Problem::new(StatusCode::PRECONDITION_FAILED, detail)
+            }
+            Error::PreconditionRequired(detail) => {
+                Problem::new(StatusCode::PRECONDITION_REQUIRED, detail)
+            }
+            Error::Conflict(detail) => Problem::new(StatusCode::CONFLICT, detail),
+            other => Problem::internal(other),
         }
     }
 }

@@ -10,22 +10,22 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::header::{ETAG, IF_MATCH, IF_NONE_MATCH};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use mesh_plumbing::api::{ApiJson, Problem, Role};
+use mesh_plumbing::api::{ApiJson, Problem, Role, created_status};
 use mesh_plumbing::audit::{self, Audit};
 use mesh_plumbing::etag::{Precondition, check_write, conditional_get, etag, precondition};
 use mesh_plumbing::openapi::{
     BadRequest, BodyErrors, Conflict, NotFound, NotModified, PreconditionFailed,
     PreconditionRequired, Unprocessable,
 };
-use mesh_protocol::NodeId;
-use serde::{Deserialize, Serialize};
+use mesh_plumbing::page::{ListQuery, NoFilters, Page};
+use mesh_plumbing::path::NodePath;
+
+use serde::Serialize;
 use sqlx::types::Json as SqlJson;
-use utoipa::IntoParams;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -63,17 +63,6 @@ fn with_etag(status: StatusCode, view: ModuleView) -> Response {
     mesh_plumbing::etag::with_etag(status, view.revision, view)
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-struct ListParams {
-    /// Return modules whose name sorts after this one (the previous page's `next`).
-    after: Option<String>,
-    /// At most this many (the server caps it at its page size).
-    #[param(minimum = 1)]
-    limit: Option<i64>,
-}
-
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ModuleList {
     modules: Vec<ModuleView>,
@@ -81,12 +70,13 @@ struct ModuleList {
     next: Option<String>,
 }
 
-/// List modules, by name, a page at a time.
+/// List modules, by name, a page at a time: `after` is a module's name,
+/// `limit` defaults to 100 and is cut to the inventory settings' `max_page`.
 #[utoipa::path(
     get,
     path = "/v1/modules",
     tag = "inventory",
-    params(ListParams),
+    params(Page),
     responses(
         (status = 200, description = "A page of modules", body = ModuleList),
         BadRequest,
@@ -95,19 +85,11 @@ struct ModuleList {
 )]
 async fn list_modules(
     State(inventory): State<Arc<Inventory>>,
-    params: Result<Query<ListParams>, QueryRejection>,
+    ListQuery(page, NoFilters {}): ListQuery<NoFilters>,
 ) -> Result<Json<ModuleList>, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
-    let limit = params.limit.unwrap_or(100);
-    if limit < 1 {
-        return Err(Problem::unprocessable("limit", "must be at least 1"));
-    }
-    let names = inventory
-        .module_names(params.after.as_deref(), limit)
-        .await?;
-    let full =
-        i64::try_from(names.len()).unwrap_or(i64::MAX) >= limit.min(inventory.settings.max_page);
-    let next = if full { names.last().cloned() } else { None };
+    let limit = page.limit_capped(100, inventory.settings.max_page)?;
+    let names = inventory.module_names(page.after.as_deref(), limit).await?;
+    let next = mesh_plumbing::page::next(&names, limit, String::clone);
     let mut modules = Vec::with_capacity(names.len());
     for name in names {
         if let Some(m) = inventory.module(&name).await? {
@@ -204,12 +186,7 @@ async fn put_module(
         .module(&name)
         .await?
         .ok_or_else(|| Problem::internal("module vanished after its write"))?;
-    let status = if created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    Ok(with_etag(status, view))
+    Ok(with_etag(created_status(created), view))
 }
 
 /// Delete a module (and its replicas, through reconcile).
@@ -396,51 +373,55 @@ struct DrainView {
     drain_blocked: Option<String>,
 }
 
-/// Start draining a node: its replicas move elsewhere, nothing new lands on it.
-#[utoipa::path(
-    post,
-    path = "/v1/nodes/{id}/drain",
-    tag = "inventory",
-    params(("id" = String, Path, description = "The node's id")),
-    responses(
-        (status = 200, description = "The node's administrative state", body = DrainView),
-        NotFound,
-        Conflict,
-    )
-)]
-async fn drain(
-    State(inventory): State<Arc<Inventory>>,
-    Path(id): Path<String>,
-    audit: Audit,
-) -> Result<Json<DrainView>, Problem> {
-    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
-    let (admin_state, drain_blocked) = inventory.set_drain(&id, true, &audit).await?;
-    Ok(Json(DrainView {
-        id: id.to_string(),
-        admin_state,
-        drain_blocked,
-    }))
+/// `POST /v1/nodes/{id}/drain` and `/undrain`: one route declaration, one
+/// handler ([`set_drain`]); they differ by their path, their description and
+/// whether the node drains.
+macro_rules! drain_route {
+    ($(#[doc = $doc:literal])* $handler:ident, $path:literal, $drain:literal) => {
+        $(#[doc = $doc])*
+        #[utoipa::path(
+            post,
+            path = $path,
+            tag = "inventory",
+            params(NodePath),
+            responses(
+                (status = 200, description = "The node's administrative state", body = DrainView),
+                NotFound,
+                Conflict,
+            )
+        )]
+        async fn $handler(
+            inventory: State<Arc<Inventory>>,
+            id: Path<String>,
+            audit: Audit,
+        ) -> Result<Json<DrainView>, Problem> {
+            set_drain(inventory, id, $drain, audit).await
+        }
+    };
 }
 
-/// End a node's drain: it takes replicas again.
-#[utoipa::path(
-    post,
-    path = "/v1/nodes/{id}/undrain",
-    tag = "inventory",
-    params(("id" = String, Path, description = "The node's id")),
-    responses(
-        (status = 200, description = "The node's administrative state", body = DrainView),
-        NotFound,
-        Conflict,
-    )
-)]
-async fn undrain(
+drain_route!(
+    /// Start draining a node: its replicas move elsewhere, nothing new lands on it.
+    drain,
+    "/v1/nodes/{id}/drain",
+    true
+);
+drain_route!(
+    /// End a node's drain: it takes replicas again.
+    undrain,
+    "/v1/nodes/{id}/undrain",
+    false
+);
+
+/// Start (`drain`) or end a node's drain.
+async fn set_drain(
     State(inventory): State<Arc<Inventory>>,
     Path(id): Path<String>,
+    drain: bool,
     audit: Audit,
 ) -> Result<Json<DrainView>, Problem> {
-    let id = NodeId::parse(&id).map_err(|_| Error::NodeNotFound(id.chars().take(80).collect()))?;
-    let (admin_state, drain_blocked) = inventory.set_drain(&id, false, &audit).await?;
+    let id = crate::api::known_node(&id)?;
+    let (admin_state, drain_blocked) = inventory.set_drain(&id, drain, &audit).await?;
     Ok(Json(DrainView {
         id: id.to_string(),
         admin_state,

@@ -9,12 +9,11 @@
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use mesh_plumbing::api::Problem;
+use mesh_plumbing::api::{ApiQuery, Problem};
 use mesh_plumbing::openapi::{BadRequest, Busy, Gone, Unprocessable};
 use mesh_protocol::NodeId;
 use serde::Deserialize;
@@ -83,9 +82,8 @@ struct EventsParams {
 async fn stream_events(
     State(obs): State<Arc<Observability>>,
     headers: HeaderMap,
-    params: Result<Query<EventsParams>, QueryRejection>,
+    ApiQuery(params): ApiQuery<EventsParams>,
 ) -> Result<Response, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
     if let Some(node) = &params.node {
         NodeId::parse(node).map_err(|e| Problem::unprocessable("node", e.to_string()))?;
     }

@@ -1,6 +1,5 @@
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use mesh_plumbing::HandlerError;
+use mesh_plumbing::ContextError;
 use mesh_plumbing::api::Problem;
 use thiserror::Error;
 
@@ -24,32 +23,20 @@ pub enum Error {
     Corrupt { what: String, reason: String },
 }
 
-impl From<Error> for HandlerError {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::Database(db) => HandlerError::from(db),
-            other => HandlerError::Permanent(other.to_string()),
-        }
-    }
-}
-
-impl From<Error> for Problem {
-    fn from(e: Error) -> Self {
-        match &e {
+/// Plumbing derives `From<Error>` for `Problem` and for `HandlerError` from this.
+impl ContextError for Error {
+    fn problem(self) -> Problem {
+        match &self {
             Error::Invalid { field, reason } => {
                 Problem::field(StatusCode::BAD_REQUEST, field.clone(), reason.clone())
             }
-            Error::Gone { .. } => Problem::field(StatusCode::GONE, "Last-Event-ID", e.to_string()),
-            Error::TooManyStreams(_) => {
-                Problem::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            Error::Gone { .. } => {
+                Problem::field(StatusCode::GONE, "Last-Event-ID", self.to_string())
             }
-            _ => Problem::internal(e),
+            Error::TooManyStreams(_) => {
+                Problem::new(StatusCode::SERVICE_UNAVAILABLE, self.to_string())
+            }
+            _ => Problem::internal(self),
         }
-    }
-}
-
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        Problem::from(self).into_response()
     }
 }

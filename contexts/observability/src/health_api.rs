@@ -3,12 +3,11 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
-use axum::http::StatusCode;
+use axum::extract::State;
 use chrono::{DateTime, Utc};
-use mesh_plumbing::api::Problem;
+use mesh_plumbing::api::{ApiQuery, Problem};
 use mesh_plumbing::openapi::{BadRequest, Unprocessable};
+use mesh_plumbing::page::{ListQuery, Page};
 use mesh_protocol::NodeId;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
@@ -63,9 +62,8 @@ pub struct HealthView {
 )]
 async fn health(
     State(obs): State<Arc<Observability>>,
-    params: Result<Query<HealthParams>, QueryRejection>,
+    ApiQuery(params): ApiQuery<HealthParams>,
 ) -> Result<Json<HealthView>, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
     if let Some(node) = &params.node {
         NodeId::parse(node).map_err(|e| Problem::unprocessable("node", e.to_string()))?;
     }
@@ -96,10 +94,6 @@ pub struct AlertsParams {
     pub kind: Option<String>,
     /// Only this subject, e.g. `node/db-1`, `module/web`, `controller`.
     pub subject: Option<String>,
-    /// At most this many (1 to 500, default 100).
-    pub limit: Option<i64>,
-    /// The `next` of the previous page: alerts raised before it.
-    pub after: Option<Uuid>,
 }
 
 /// One alert.
@@ -133,38 +127,40 @@ pub struct AlertList {
 
 /// Alerts, newest raised first: open ones by default (`state=resolved` or
 /// `all` for resolved ones, kept for the controller's
-/// `alert_retention_secs`), filtered by kind and subject, paginated.
+/// `alert_retention_secs`), filtered by kind and subject, a page at a time:
+/// `after` is an alert's id (alerts raised before it), `limit` 1 to 500,
+/// default 100.
 #[utoipa::path(
     get,
     path = "/v1/alerts",
     tag = "observability",
-    params(AlertsParams),
+    params(AlertsParams, Page),
     responses(
         (status = 200, description = "A page of alerts", body = AlertList),
         BadRequest,
+        Unprocessable,
     )
 )]
 async fn alerts(
     State(obs): State<Arc<Observability>>,
-    params: Result<Query<AlertsParams>, QueryRejection>,
+    ListQuery(page, params): ListQuery<AlertsParams>,
 ) -> Result<Json<AlertList>, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
-    Ok(Json(obs.alerts(&params).await?))
+    let after = page.after_id()?;
+    let limit = page.limit(100, 500)?;
+    Ok(Json(obs.alerts(&params, after, limit).await?))
 }
 
-pub(crate) async fn list(pool: &sqlx::PgPool, params: &AlertsParams) -> Result<AlertList, Error> {
+pub(crate) async fn list(
+    pool: &sqlx::PgPool,
+    params: &AlertsParams,
+    after: Option<Uuid>,
+    limit: i64,
+) -> Result<AlertList, Error> {
     let state = params.state.as_deref().unwrap_or("open");
     if !matches!(state, "open" | "resolved" | "all") {
         return Err(Error::Invalid {
             field: "state".to_owned(),
             reason: format!("`{state}`: one of open, resolved, all"),
-        });
-    }
-    let limit = params.limit.unwrap_or(100);
-    if !(1..=500).contains(&limit) {
-        return Err(Error::Invalid {
-            field: "limit".to_owned(),
-            reason: format!("{limit}: 1 to 500"),
         });
     }
     type Row = (
@@ -189,7 +185,7 @@ pub(crate) async fn list(pool: &sqlx::PgPool, params: &AlertsParams) -> Result<A
     .bind(state)
     .bind(&params.kind)
     .bind(&params.subject)
-    .bind(params.after)
+    .bind(after)
     .bind(limit + 1)
     .fetch_all(pool)
     .await?;

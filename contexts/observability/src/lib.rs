@@ -220,8 +220,14 @@ impl Observability {
     }
 
     /// A page of alerts (`GET /v1/alerts`).
-    pub async fn alerts(&self, params: &AlertsParams) -> Result<AlertList, Error> {
-        health_api::list(&self.pool, params).await
+    /// `after` is the previous page's `next`, `limit` 1 to 500.
+    pub async fn alerts(
+        &self,
+        params: &AlertsParams,
+        after: Option<uuid::Uuid>,
+        limit: i64,
+    ) -> Result<AlertList, Error> {
+        health_api::list(&self.pool, params, after, limit).await
     }
 
     pub fn settings(&self) -> &Settings {

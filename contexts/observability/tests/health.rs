@@ -258,10 +258,14 @@ async fn a_failing_probe_degrades_its_module_raises_an_alert_and_recovery_resolv
     assert!(f.open().await.is_empty());
     let resolved: AlertList = f
         .obs
-        .alerts(&AlertsParams {
-            state: Some("resolved".into()),
-            ..Default::default()
-        })
+        .alerts(
+            &AlertsParams {
+                state: Some("resolved".into()),
+                ..Default::default()
+            },
+            None,
+            100,
+        )
         .await
         .unwrap();
     assert_eq!(resolved.alerts.len(), 1);

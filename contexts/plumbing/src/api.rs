@@ -2,9 +2,10 @@
 //! and, where a field is at fault, which field.
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
+use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -145,6 +146,15 @@ impl From<mesh_protocol::DecodeError> for Problem {
     }
 }
 
+/// The field and the reason of a value that does not decode, for a context's
+/// `Invalid { field, reason }` error: the field the error names, or `body`.
+pub fn field_and_reason(e: mesh_protocol::DecodeError) -> (String, String) {
+    match e {
+        mesh_protocol::DecodeError::Invalid { field, reason } => (field, reason),
+        other => ("body".to_owned(), other.to_string()),
+    }
+}
+
 impl From<sqlx::Error> for Problem {
     fn from(e: sqlx::Error) -> Self {
         Problem::internal(e)
@@ -163,6 +173,21 @@ impl IntoResponse for Problem {
     }
 }
 
+/// The status of a write that creates or replaces: 201 when it created, else
+/// 200.
+pub fn created_status(created: bool) -> StatusCode {
+    if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    }
+}
+
+/// A write's answer: [`created_status`] with `body` as JSON.
+pub fn created<T>(created: bool, body: T) -> (StatusCode, axum::Json<T>) {
+    (created_status(created), axum::Json(body))
+}
+
 /// Like `axum::Json`, but every rejection is a [`Problem`]. The content type is
 /// not checked: `curl -d` without a header still works.
 pub struct ApiJson<T>(pub T);
@@ -176,6 +201,38 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
             .map_err(|e| Problem::new(e.status(), e.body_text()))?;
         parse(&bytes).map(ApiJson)
     }
+}
+
+/// Like `axum::extract::Query`, but every rejection is a 400 [`Problem`] that
+/// names the parameter at fault (`field`): one that does not parse, is
+/// missing, or is not one the route takes (route parameter structs deny
+/// unknown fields).
+pub struct ApiQuery<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parse_query(parts.uri.query().unwrap_or_default()).map(ApiQuery)
+    }
+}
+
+/// A query string (`a=1&b=x`, percent-encoded) read into `T`; see [`ApiQuery`].
+pub fn parse_query<T: DeserializeOwned>(query: &str) -> Result<T, Problem> {
+    let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(query.as_bytes()));
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let error = e.into_inner();
+        let field = match field_of(&path, &error.to_string()) {
+            f if f == "body" => "query".to_owned(),
+            f => f,
+        };
+        Problem::field(
+            StatusCode::BAD_REQUEST,
+            field,
+            format!("the query string: {error}"),
+        )
+    })
 }
 
 fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Problem> {

@@ -35,7 +35,15 @@ impl From<sqlx::Error> for HandlerError {
     /// wrong and will stay wrong: permanent. Everything else (connection lost,
     /// pool timed out, serialization failure) may pass: transient.
     fn from(e: sqlx::Error) -> Self {
-        if let sqlx::Error::Database(db) = &e
+        HandlerError::of_database(&e)
+    }
+}
+
+impl HandlerError {
+    /// The class of a database error (what `HandlerError::from(sqlx::Error)`
+    /// gives), for one held by reference: a context's error that wraps it.
+    pub fn of_database(e: &sqlx::Error) -> Self {
+        if let sqlx::Error::Database(db) = e
             && let Some(code) = db.code()
             && (code.starts_with("22") || code.starts_with("23"))
         {

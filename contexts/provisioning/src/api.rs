@@ -5,11 +5,10 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::extract::{Path, State};
 use mesh_plumbing::api::Problem;
 use mesh_plumbing::openapi::{BadRequest, NotFound, Unprocessable};
+use mesh_plumbing::page::{ListQuery, Page};
 use mesh_protocol::ResourceKind;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
@@ -31,7 +30,7 @@ pub(crate) fn routes() -> OpenApiRouter<Arc<Provisioning>> {
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-struct GrantParams {
+struct GrantFilters {
     /// Only grants whose consumer or provider module is this one.
     module: Option<String>,
     /// Only grants whose resource on the provider's server has this name
@@ -43,11 +42,6 @@ struct GrantParams {
     /// Only grants in this state (`requested`, `provisioning`, `ready`,
     /// `failed`, `revoked`).
     state: Option<String>,
-    /// The previous page's `next`: grants after it.
-    after: Option<String>,
-    /// At most this many (1 to 500, default 100).
-    #[param(minimum = 1, maximum = 500)]
-    limit: Option<i64>,
 }
 
 /// A page of grants.
@@ -77,14 +71,14 @@ fn cut(s: &str) -> String {
 
 /// Resource grants, by consumer, requirement and id, filtered, a page at a
 /// time: who asks, who serves, the state and what each provider node
-/// reported. Never a credential.
-#[utoipa::path(get, path = "/v1/grants", tag = "provisioning", params(GrantParams),
+/// reported. Never a credential. `after` is a grant's id (the previous
+/// page's `next`), `limit` 1 to 500, default 100.
+#[utoipa::path(get, path = "/v1/grants", tag = "provisioning", params(GrantFilters, Page),
     responses((status = 200, description = "A page of grants", body = GrantList), BadRequest, Unprocessable))]
 async fn list_grants(
     State(prov): State<Arc<Provisioning>>,
-    params: Result<Query<GrantParams>, QueryRejection>,
+    ListQuery(page, params): ListQuery<GrantFilters>,
 ) -> Result<Json<GrantList>, Problem> {
-    let Query(params) = params.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, e.body_text()))?;
     if let Some(m) = &params.module {
         mesh_protocol::validate_module_name("module", m)?;
     }
@@ -115,18 +109,8 @@ async fn list_grants(
         })?),
         None => None,
     };
-    let after = params
-        .after
-        .as_deref()
-        .map(|a| parse_id("after", a))
-        .transpose()?;
-    let limit = params.limit.unwrap_or(100);
-    if !(1..=MAX_GRANTS_PAGE).contains(&limit) {
-        return Err(Problem::unprocessable(
-            "limit",
-            format!("must be 1 to {MAX_GRANTS_PAGE}"),
-        ));
-    }
+    let after = page.after_id()?;
+    let limit = page.limit(100, MAX_GRANTS_PAGE)?;
     let filter = GrantFilter {
         module: params.module.as_deref(),
         resource: params.resource.as_deref(),
@@ -135,11 +119,7 @@ async fn list_grants(
         after,
     };
     let grants = prov.grants(&filter, limit).await?;
-    let next = if i64::try_from(grants.len()).unwrap_or(i64::MAX) >= limit {
-        grants.last().map(|g| g.id)
-    } else {
-        None
-    };
+    let next = mesh_plumbing::page::next(&grants, limit, |g| g.id);
     Ok(Json(GrantList { grants, next }))
 }
 

@@ -1,5 +1,4 @@
-use axum::response::{IntoResponse, Response};
-use mesh_plumbing::HandlerError;
+use mesh_plumbing::ContextError;
 use mesh_plumbing::api::Problem;
 use mesh_protocol::DecodeError;
 use thiserror::Error;
@@ -22,16 +21,6 @@ pub enum Error {
 }
 
 impl Error {
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Error::Database(_) => "database",
-            Error::Invalid { .. } => "invalid",
-            Error::NotFound(_) => "not_found",
-            Error::Corrupt { .. } => "corrupt",
-            Error::Section(_) => "section",
-        }
-    }
-
     pub(crate) fn corrupt(what: impl Into<String>, reason: impl std::fmt::Display) -> Error {
         Error::Corrupt {
             what: what.into(),
@@ -42,38 +31,18 @@ impl Error {
 
 impl From<DecodeError> for Error {
     fn from(e: DecodeError) -> Self {
-        match e {
-            DecodeError::Invalid { field, reason } => Error::Invalid { field, reason },
-            other => Error::Invalid {
-                field: "body".to_owned(),
-                reason: other.to_string(),
-            },
-        }
+        let (field, reason) = mesh_plumbing::api::field_and_reason(e);
+        Error::Invalid { field, reason }
     }
 }
 
-impl From<Error> for HandlerError {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::Database(db) => HandlerError::from(db),
-            Error::Section(e) => HandlerError::from(e),
-            other => HandlerError::Permanent(other.to_string()),
-        }
-    }
-}
-
-impl From<Error> for Problem {
-    fn from(e: Error) -> Self {
-        match e {
+/// Plumbing derives `From<Error>` for `Problem` and for `HandlerError` from this.
+impl ContextError for Error {
+    fn problem(self) -> Problem {
+        match self {
             Error::Invalid { field, reason } => Problem::unprocessable(field, reason),
             Error::NotFound(what) => Problem::not_found(what),
             other => Problem::internal(other),
         }
-    }
-}
-
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        Problem::from(self).into_response()
     }
 }

@@ -27,19 +27,8 @@ pub(crate) async fn modules(
         .map(|n| n.into_iter().map(str::to_owned).collect())
         .collect();
     let nodes: Vec<_> = nodes.into_iter().map(Json).collect();
-    let (mut requires, mut provides) = (Vec::new(), Vec::new());
-    for e in newest.values() {
-        match e {
-            ModuleEvent::Placed(p) => {
-                requires.push(Json(p.requires.clone()));
-                provides.push(Json(p.provides.clone()));
-            }
-            ModuleEvent::Removed(_) => {
-                requires.push(Json(Vec::new()));
-                provides.push(Json(Vec::new()));
-            }
-        }
-    }
+    let requires = ModuleEvent::column(&newest, |p| Json(p.requires.clone()));
+    let provides = ModuleEvent::column(&newest, |p| Json(p.provides.clone()));
     let changed: Vec<String> = sqlx::query_scalar(
         "INSERT INTO provisioning.modules AS m (module, version, removed, nodes, requires, provides) \
          SELECT u.module, u.version, u.removed, ARRAY(SELECT jsonb_array_elements_text(u.nodes)), \
