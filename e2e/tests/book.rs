@@ -835,6 +835,55 @@ async fn run_page(page: &str) -> anyhow::Result<()> {
     mesh.teardown().await
 }
 
+/// The reading of blocks: continued lines and quotes, comments, the exit
+/// status a comment states, placeholders, output with `…`.
+#[test]
+fn commands_are_read_as_bash_would() {
+    let block = |info: &str, text: &str| Block {
+        page: "p.md".into(),
+        line: 1,
+        info: info.into(),
+        lines: text
+            .lines()
+            .enumerate()
+            .map(|(i, l)| (i + 2, l.to_owned()))
+            .collect(),
+        mark: Mark::Run,
+    };
+    let b = block(
+        "sh",
+        "# a comment\ncurl -s -X PUT x \\\n  -d '{\n  \"a\": 1}'   # made # here\nls nothing   # gone (exit 2)\n",
+    );
+    let c = commands(&b).expect("commands");
+    assert_eq!(c.len(), 2, "{c:?}");
+    assert_eq!(c[0].line, 3);
+    assert!(c[0].code.ends_with("\"a\": 1}'"), "{:?}", c[0].code);
+    assert!(!c[0].reads() && c[1].reads());
+    assert_eq!((c[0].status(), c[1].status()), (0, 2));
+    let c = commands(&block(
+        "console",
+        "$ meshctl get nodes -w\nNAME  STATE\n…  alive",
+    ))
+    .expect("console");
+    assert_eq!(c[0].expect, ["NAME  STATE", "…  alive"]);
+    assert!(c[0].follows());
+    assert!(commands(&block("sh", "meshctl token revoke <id>")).is_err());
+    assert!(commands(&block("sh", "meshctl get nodes -w &")).is_err());
+    assert!(commands(&block("sh", "echo '<id>'")).is_ok());
+    assert!(shows(
+        "x\nweb-1   alive   3s  role=web\n",
+        "web-1 alive … role=web"
+    ));
+    assert!(!shows("web-1 unreachable", "web-1 alive"));
+    assert_eq!(
+        replace_words(
+            "web-1 mesh-web-1 /x/web-1/ web-10",
+            &[("web-1".into(), "t-web-1".into())]
+        ),
+        "t-web-1 mesh-web-1 /x/t-web-1/ web-10"
+    );
+}
+
 /// Every page of SUMMARY.md and README.md has its test below.
 #[test]
 fn every_page_has_its_test() {
