@@ -294,6 +294,10 @@ pub const GRACE: Duration = Duration::from_secs(3);
 
 pub struct Mesh {
     pub env: TestEnv,
+    /// Declared before `dir`: a failed test's agents stop, and their units
+    /// with them (`drain-local` reads the state dir), before the directory
+    /// is removed; else the units outlive the test.
+    pub agents: BTreeMap<String, AgentHandle>,
     /// Declared before `dir`: it reads the logs before the directory is
     /// removed.
     logs_on_failure: LogsOnFailure,
@@ -301,7 +305,6 @@ pub struct Mesh {
     pub api: String,
     api_port: u16,
     controller: Option<Proc>,
-    pub agents: BTreeMap<String, AgentHandle>,
     /// Agent settings (TOML) every agent started from now on reads with
     /// `--config` (flags still override them). Default: none.
     pub agent_toml: Option<String>,
