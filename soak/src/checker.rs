@@ -404,7 +404,13 @@ pub async fn convergence_problems(
             bad.push(format!("GET module {name} failed"));
             continue;
         };
-        let replicas = v["placement"]["match_labels"]["replicas"].as_u64().unwrap_or(0) as usize;
+        // One replica per node: at most as many as the role has nodes.
+        let role = v["placement"]["match_labels"]["labels"]["role"]
+            .as_str()
+            .unwrap_or_default();
+        let room = hosts.iter().filter(|h| h.role == role).count();
+        let replicas = (v["placement"]["match_labels"]["replicas"].as_u64().unwrap_or(0) as usize)
+            .min(room);
         let active: Vec<&Value> = v["assignments"]
             .as_array()
             .into_iter()

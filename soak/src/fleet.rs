@@ -122,7 +122,7 @@ impl Fleet {
                         a.iter()
                             .filter(|v| {
                                 v["state"] == "alive"
-                                    && v["node"].as_str().is_some_and(|x| nodes.iter().any(|n| n == x))
+                                    && v["id"].as_str().is_some_and(|x| nodes.iter().any(|n| n == x))
                             })
                             .count()
                     })

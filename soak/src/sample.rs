@@ -170,7 +170,7 @@ impl Sampler {
                     a.iter()
                         .map(|n| {
                             (
-                                n["node"].as_str().unwrap_or_default().to_owned(),
+                                n["id"].as_str().unwrap_or_default().to_owned(),
                                 n["state"].as_str().unwrap_or_default().to_owned(),
                             )
                         })
