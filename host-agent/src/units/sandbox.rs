@@ -231,17 +231,27 @@ pub fn ensure_user(module: &str) -> std::io::Result<ModuleUser> {
             return Ok(ModuleUser { name, uid, gid });
         }
         // The module's group without its user: a creation that stopped
-        // half-way (useradd refused after groupadd, and the groupdel undoing
-        // it lost the race for the lock to another agent of this host), or one
-        // another agent is making right now. Its gid, in the range and free
-        // as a uid, is adopted; otherwise the group is removed and both made
-        // again. Left alone, every later groupadd fails "already exists" and
-        // the module's units never start (found by the fleet soak, issue 32).
+        // half-way, or one another agent of this host is making right now.
+        // Two agents creating two modules' users at once can both take one
+        // free id; the second's useradd is refused (the uid is the first's),
+        // and the groupdel undoing its groupadd too ("cannot remove the
+        // primary group of user …": the gid is the first user's). Left
+        // alone, every later groupadd fails "already exists" and the
+        // module's units never start (found by the fleet soak, issue 32).
+        // Its gid, in the range and free as a uid, is adopted; otherwise the
+        // group is moved to a free id (groupmod), which the user then takes.
         if let Some(gid) = group_gid(&name) {
             let adopted = if (MODULE_UID_MIN..=MODULE_UID_MAX).contains(&gid) && !uid_taken(gid) {
                 useradd(module, &name, gid)
             } else {
-                run("groupdel", &[&name])
+                let taken = ids_taken();
+                match (MODULE_UID_MIN..=MODULE_UID_MAX).find(|i| !taken.contains(i)) {
+                    Some(id) => run("groupmod", &["--gid", &id.to_string(), &name])
+                        .and_then(|()| useradd(module, &name, id)),
+                    None => Err(std::io::Error::other(format!(
+                        "no free uid left in {MODULE_UID_MIN}..={MODULE_UID_MAX} for {name}"
+                    ))),
+                }
             };
             match adopted {
                 Ok(()) => continue,
@@ -492,6 +502,22 @@ mod tests {
         assert!((MODULE_UID_MIN..=MODULE_UID_MAX).contains(&user.uid), "{user:?}");
         assert_eq!(user.uid, user.gid);
         assert_eq!(group_gid(&name), None, "removed with the user");
+        // Moved: the group's gid is another module user's (two groupadds
+        // took one id; groupdel refuses such a group).
+        let first = format!("orphan-c1-{tag}");
+        let owner = ensure_user(&first).expect("the first module's user");
+        let module = format!("orphan-c2-{tag}");
+        let name = user_name(&module);
+        let dup = run(
+            "groupadd",
+            &["--system", "--non-unique", "--gid", &owner.gid.to_string(), &name],
+        );
+        let user = dup.and_then(|()| ensure_user(&module));
+        remove_user(&module);
+        remove_user(&first);
+        let user = user.expect("the module's user despite the orphan group");
+        assert_ne!(user.uid, owner.uid);
+        assert_eq!(user.uid, user.gid);
         Ok(())
     }
 
