@@ -169,7 +169,11 @@ fn candidates<'a>(ops: &[&'a OpRecord]) -> (Vec<&'a OpRecord>, Vec<&'a OpRecord>
         None => 0,
     };
     allowed.extend(ops[from..].iter().filter(|o| o.unknown()));
-    let failed = ops.iter().filter(|o| !o.ok() && !o.unknown()).copied().collect();
+    let failed = ops
+        .iter()
+        .filter(|o| !o.ok() && !o.unknown())
+        .copied()
+        .collect();
     (allowed, failed)
 }
 
@@ -183,9 +187,9 @@ fn matches_final(expect: &Value, fin: &Option<Value>) -> bool {
                     && v["selector"] == expect["selector"]
             }
         },
-        Some("layer") => fin
-            .as_ref()
-            .is_some_and(|v| v["values"] == expect["values"] && v["selector"] == expect["selector"]),
+        Some("layer") => fin.as_ref().is_some_and(|v| {
+            v["values"] == expect["values"] && v["selector"] == expect["selector"]
+        }),
         Some("module") => fin.as_ref().is_some_and(|v| {
             let m = &v["placement"]["match_labels"];
             m["replicas"] == expect["replicas"] && m["labels"]["role"] == expect["role"]
@@ -252,7 +256,10 @@ pub async fn writes_visible(s: &Sampler, ops: &[OpRecord]) -> Verdict {
                     .find(|o| matches_final(&o.expect, &fin))
                     .map(|o| format!(" (failed op {} status {:?} took effect)", o.op, o.status))
                     .unwrap_or_default();
-                bad.push(format!("{kind} {key}: no write acknowledged, yet it is {}{culprit}", short(&fin)));
+                bad.push(format!(
+                    "{kind} {key}: no write acknowledged, yet it is {}{culprit}",
+                    short(&fin)
+                ));
             }
             continue;
         }
@@ -409,7 +416,9 @@ pub async fn convergence_problems(
             .as_str()
             .unwrap_or_default();
         let room = hosts.iter().filter(|h| h.role == role).count();
-        let replicas = (v["placement"]["match_labels"]["replicas"].as_u64().unwrap_or(0) as usize)
+        let replicas = (v["placement"]["match_labels"]["replicas"]
+            .as_u64()
+            .unwrap_or(0) as usize)
             .min(room);
         let active: Vec<&Value> = v["assignments"]
             .as_array()
@@ -417,7 +426,13 @@ pub async fn convergence_problems(
             .flatten()
             .filter(|a| a["role"] == "active")
             .collect();
-        let running = active.iter().filter(|a| a["unit_state"] == "running").count();
+        if let Some(e) = v["placement_error"].as_str() {
+            bad.push(format!("{name}: placement error: {e}"));
+        }
+        let running = active
+            .iter()
+            .filter(|a| a["unit_state"] == "running")
+            .count();
         if running != replicas || active.len() != replicas {
             bad.push(format!(
                 "{name}: {running} of {} active replicas running, {replicas} declared",
@@ -431,10 +446,16 @@ pub async fn convergence_problems(
             }
         }
         for h in hosts {
-            let have = counts.get(&(h.name.clone(), name.clone())).copied().unwrap_or(0);
+            let have = counts
+                .get(&(h.name.clone(), name.clone()))
+                .copied()
+                .unwrap_or(0);
             let want = per_node.get(&h.node).copied().unwrap_or(0);
             if have != want {
-                bad.push(format!("{}: {have} processes of {name}, {want} assigned", h.name));
+                bad.push(format!(
+                    "{}: {have} processes of {name}, {want} assigned",
+                    h.name
+                ));
             }
         }
     }
@@ -538,15 +559,25 @@ pub fn no_false_unreachable(
                 if reported.insert((node.clone(), e.t_ms / 10_000)) {
                     let around: Vec<String> = windows
                         .iter()
-                        .filter(|(_, _, from, to)| *from <= e.t_ms + 1_000 && e.t_ms <= to + AFTER_HEAL_MS)
+                        .filter(|(_, _, from, to)| {
+                            *from <= e.t_ms + 1_000 && e.t_ms <= to + AFTER_HEAL_MS
+                        })
                         .map(|(k, n, from, to)| {
-                            format!("{k}{n:?} {:.1}-{:.1}s", *from as f64 / 1000.0, *to as f64 / 1000.0)
+                            format!(
+                                "{k}{n:?} {:.1}-{:.1}s",
+                                *from as f64 / 1000.0,
+                                *to as f64 / 1000.0
+                            )
                         })
                         .collect();
                     bad.push(format!(
                         "{node} unreachable at {:.1}s (faults then: {})",
                         e.t_ms as f64 / 1000.0,
-                        if around.is_empty() { "none".to_owned() } else { around.join(", ") }
+                        if around.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            around.join(", ")
+                        }
                     ));
                 }
             }
@@ -555,7 +586,10 @@ pub fn no_false_unreachable(
     Verdict::of("no-false-unreachable", bad)
 }
 
-/// (e) Nothing waits in a queue of the vhost or an outbox, within `within`.
+/// (e) Nothing waits in a queue of the vhost or an outbox: each is seen
+/// empty at least once within `within` (heartbeats and the relay keep
+/// flowing, so one poll may catch a message in passing; one that stays is
+/// stuck).
 pub async fn nothing_waiting(
     s: &Sampler,
     env: &mesh_testkit::TestEnv,
@@ -571,15 +605,19 @@ pub async fn nothing_waiting(
         "provisioning",
     ];
     let deadline = Instant::now() + within;
+    // What was never seen empty: name → last count (or error).
+    let mut waiting: Option<BTreeMap<String, String>> = None;
     loop {
-        let mut bad = Vec::new();
+        let mut now: BTreeMap<String, String> = BTreeMap::new();
         match s.queues().await {
-            Ok(q) => bad.extend(
-                q.iter()
-                    .filter(|(_, n)| *n > 0)
-                    .map(|(name, n)| format!("queue {name}: {n} messages")),
-            ),
-            Err(e) => bad.push(format!("listing queues: {e:#}")),
+            Ok(q) => {
+                for (name, n) in q.iter().filter(|(_, n)| *n > 0) {
+                    now.insert(format!("queue {name}"), format!("{n} messages"));
+                }
+            }
+            Err(e) => {
+                now.insert("queues".into(), format!("cannot list: {e:#}"));
+            }
         }
         for c in CONTEXTS {
             match mesh_e2e::sim::scalar(
@@ -590,14 +628,32 @@ pub async fn nothing_waiting(
             .await
             {
                 Ok(0) => {}
-                Ok(n) => bad.push(format!("{c}.outbox: {n} unsent")),
-                Err(e) => bad.push(format!("{c}.outbox: {e:#}")),
+                Ok(n) => {
+                    now.insert(format!("{c}.outbox"), format!("{n} unsent"));
+                }
+                Err(e) => {
+                    now.insert(format!("{c}.outbox"), format!("{e:#}"));
+                }
             }
         }
-        if bad.is_empty() || Instant::now() >= deadline {
-            return Verdict::of("nothing-waiting", bad);
+        let still: BTreeMap<String, String> = match waiting {
+            None => now,
+            Some(before) => now
+                .into_iter()
+                .filter(|(k, _)| before.contains_key(k))
+                .collect(),
+        };
+        if still.is_empty() || Instant::now() >= deadline {
+            return Verdict::of(
+                "nothing-waiting",
+                still
+                    .into_iter()
+                    .map(|(k, v)| format!("{k}: {v}, never empty in {}s", within.as_secs()))
+                    .collect(),
+            );
         }
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        waiting = Some(still);
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
@@ -652,7 +708,10 @@ pub async fn one_audit_entry(s: &Sampler, ops: &[OpRecord]) -> Verdict {
                 o.op, o.status
             ));
         } else if o.unknown() && ok_entries > 1 {
-            bad.push(format!("op {}: {ok_entries} successful audit entries", o.op));
+            bad.push(format!(
+                "op {}: {ok_entries} successful audit entries",
+                o.op
+            ));
         }
     }
     Verdict::of("one-audit-entry-per-mutation", bad)
@@ -678,7 +737,12 @@ pub async fn no_secret_leaked(
     if let Ok((_, ev)) = s.client.get("/v1/events?follow=false&limit=1000").await {
         sources.push(("GET /v1/events".into(), ev.to_string().into_bytes()));
     }
-    if let Ok(r) = s.client.http.get(format!("{}/metrics", s.client.api)).send().await
+    if let Ok(r) = s
+        .client
+        .http
+        .get(format!("{}/metrics", s.client.api))
+        .send()
+        .await
         && let Ok(t) = r.text().await
     {
         sources.push(("/metrics".into(), t.into_bytes()));
@@ -719,7 +783,10 @@ pub fn bounded_resources(entries: &[Entry], end_ms: u64) -> Verdict {
     let mut rss = Vec::new();
     let mut fds = Vec::new();
     let mut queues = Vec::new();
-    for e in entries.iter().filter(|e| e.t_ms >= from && e.t_ms <= end_ms) {
+    for e in entries
+        .iter()
+        .filter(|e| e.t_ms >= from && e.t_ms <= end_ms)
+    {
         if let Event::Resources {
             rss_kb,
             fds: f,
@@ -774,13 +841,19 @@ pub fn faults_healed(entries: &[Entry]) -> Verdict {
             Event::FaultHeal { fault, kind, error } => {
                 started.remove(fault);
                 if let Some(err) = error {
-                    bad.push(format!("fault {fault} ({kind}) healed with an error: {err}"));
+                    bad.push(format!(
+                        "fault {fault} ({kind}) healed with an error: {err}"
+                    ));
                 }
             }
             Event::Note { text } if text.contains("did not start") => bad.push(text.clone()),
             _ => {}
         }
     }
-    bad.extend(started.iter().map(|(f, k)| format!("fault {f} ({k}) never healed")));
+    bad.extend(
+        started
+            .iter()
+            .map(|(f, k)| format!("fault {f} ({k}) never healed")),
+    );
     Verdict::of("faults-healed", bad)
 }

@@ -93,7 +93,9 @@ impl Fleet {
         for (i, name) in names.iter().enumerate() {
             let role = role_of(i);
             let zone = if i % 2 == 0 { "a" } else { "b" };
-            let extra = format!("{AGENT_OFF_THE_OVERLAY}\n[labels]\nrole = \"{role}\"\nzone = \"{zone}\"\n");
+            let extra = format!(
+                "{AGENT_OFF_THE_OVERLAY}\n[labels]\nrole = \"{role}\"\nzone = \"{zone}\"\n"
+            );
             let (host, proc) = lan.spawn_agent(&mesh, i, name, &extra).await?;
             agents.push(Agent {
                 name: name.clone(),
@@ -122,7 +124,9 @@ impl Fleet {
                         a.iter()
                             .filter(|v| {
                                 v["state"] == "alive"
-                                    && v["id"].as_str().is_some_and(|x| nodes.iter().any(|n| n == x))
+                                    && v["id"]
+                                        .as_str()
+                                        .is_some_and(|x| nodes.iter().any(|n| n == x))
                             })
                             .count()
                     })

@@ -50,7 +50,9 @@ pub enum Event {
         error: Option<String>,
     },
     /// Node states as the API lists them (`/v1/nodes`).
-    NodeStates { states: Vec<(String, String)> },
+    NodeStates {
+        states: Vec<(String, String)>,
+    },
     /// Unit processes of each module on each node, from /proc.
     Units {
         counts: Vec<(String, String, usize)>,
@@ -64,7 +66,9 @@ pub enum Event {
         queues: Option<u64>,
         behind: Option<u64>,
     },
-    Note { text: String },
+    Note {
+        text: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

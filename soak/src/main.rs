@@ -35,7 +35,11 @@ use crate::schedule::{FAULT_KINDS, SHARED_SERVICE_KINDS};
 use crate::workload::Client;
 
 #[derive(Debug, Parser)]
-#[command(name = "mesh-soak", about = "The fleet soak: a whole mesh under seeded faults, checked afterwards", version)]
+#[command(
+    name = "mesh-soak",
+    about = "The fleet soak: a whole mesh under seeded faults, checked afterwards",
+    version
+)]
 struct Args {
     /// Agents, each in a network namespace of its own.
     #[arg(long, default_value_t = 30)]
@@ -127,7 +131,10 @@ async fn soak(args: Args) -> anyhow::Result<bool> {
     if let Some(why) = fleet::unavailable() {
         anyhow::bail!("this machine cannot run the soak: {why}");
     }
-    if kinds.iter().any(|k| SHARED_SERVICE_KINDS.contains(&k.as_str())) {
+    if kinds
+        .iter()
+        .any(|k| SHARED_SERVICE_KINDS.contains(&k.as_str()))
+    {
         println!("note: the faults restart or block this machine's RabbitMQ/PostgreSQL");
     }
     let limits = if kinds.iter().any(|k| k == "broker-alarm") {
@@ -283,7 +290,10 @@ async fn run(
     }
     let converged_secs = converge_start.elapsed().as_secs_f64();
     history.record(Event::Note {
-        text: format!("converged: {} after {converged_secs:.1}s", problems.is_empty()),
+        text: format!(
+            "converged: {} after {converged_secs:.1}s",
+            problems.is_empty()
+        ),
     });
     println!("convergence: {converged_secs:.1}s after the last heal");
     let _ = stop_tx.send(true);
@@ -308,9 +318,8 @@ async fn run(
         });
         verdicts.push(checker::no_replica_twice(&entries, &ops, hosts, &windows));
         verdicts.push(checker::no_false_unreachable(&entries, &windows));
-        verdicts.push(
-            checker::nothing_waiting(sampler, &f.mesh.env, Duration::from_secs(30)).await,
-        );
+        verdicts
+            .push(checker::nothing_waiting(sampler, &f.mesh.env, Duration::from_secs(30)).await);
         verdicts.push(checker::one_audit_entry(sampler, &ops).await);
         let values: Vec<String> = secrets.values().cloned().collect();
         verdicts.push(checker::no_secret_leaked(sampler, &f.mesh.env, &values, log_dir).await);

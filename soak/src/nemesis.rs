@@ -65,7 +65,11 @@ impl BrokerLimits {
     }
 
     pub fn restore(&self) -> anyhow::Result<()> {
-        run(Command::new("rabbitmqctl").args(["-q", "set_disk_free_limit", &self.disk_free_limit]))?;
+        run(Command::new("rabbitmqctl").args([
+            "-q",
+            "set_disk_free_limit",
+            &self.disk_free_limit,
+        ]))?;
         run(Command::new("rabbitmqctl")
             .args(["-q", "set_vm_memory_high_watermark"])
             .args(&self.memory_watermark))
@@ -310,7 +314,10 @@ impl Nemesis {
             self.history.now_ms() as f64 / 1000.0,
             f.id,
             f.kind,
-            error.as_deref().map(|e| format!(" (error: {e})")).unwrap_or_default()
+            error
+                .as_deref()
+                .map(|e| format!(" (error: {e})"))
+                .unwrap_or_default()
         );
         self.history.record(Event::FaultHeal {
             fault: f.id,

@@ -94,11 +94,7 @@ pub fn timeline(path: &Path, entries: &[Entry], end_ms: u64) -> anyhow::Result<(
             }
         }
     }
-    let max_cpu = series
-        .values()
-        .flatten()
-        .map(|p| p.1)
-        .fold(10.0, f64::max);
+    let max_cpu = series.values().flatten().map(|p| p.1).fold(10.0, f64::max);
     let mut chart = ChartBuilder::on(&panels[2])
         .caption("CPU, % of one core", ("sans-serif", 18))
         .margin(10)

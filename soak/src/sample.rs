@@ -194,7 +194,12 @@ impl Sampler {
             if let Some(c) = pids.controller.and_then(cpu_seconds) {
                 cpu.push(("controller".to_owned(), c));
             }
-            let agents: f64 = pids.agents.iter().flatten().filter_map(|p| cpu_seconds(*p)).sum();
+            let agents: f64 = pids
+                .agents
+                .iter()
+                .flatten()
+                .filter_map(|p| cpu_seconds(*p))
+                .sum();
             cpu.push(("agents".to_owned(), agents));
             let (mut pg, mut mq) = (0.0, 0.0);
             for pid in all_pids() {

@@ -24,7 +24,8 @@ pub const FAULT_KINDS: [&str; 7] = [
 
 /// The kinds that restart or block the machine's shared services (the
 /// broker, the database): they disturb every other test of the machine.
-pub const SHARED_SERVICE_KINDS: [&str; 3] = ["rabbitmq-restart", "postgres-restart", "broker-alarm"];
+pub const SHARED_SERVICE_KINDS: [&str; 3] =
+    ["rabbitmq-restart", "postgres-restart", "broker-alarm"];
 
 /// Files, label layers, secrets and modules the workload writes (small
 /// sets: each key is written many times, so "last write wins" is tested).
@@ -65,13 +66,23 @@ impl Fault {
 #[serde(tag = "op", rename_all = "kebab-case")]
 pub enum OpKind {
     /// PUT /v1/files/f<k> for a role (or every node: `role` None).
-    FilePut { file: usize, role: Option<String> },
+    FilePut {
+        file: usize,
+        role: Option<String>,
+    },
     /// DELETE /v1/files/f<k>.
-    FileDelete { file: usize },
+    FileDelete {
+        file: usize,
+    },
     /// PUT /v1/settings/labels/l<k> for a role.
-    SettingsPut { layer: usize, role: String },
+    SettingsPut {
+        layer: usize,
+        role: String,
+    },
     /// PUT /v1/secrets/s<k> with a new value (the secret's rotation).
-    SecretRotate { secret: usize },
+    SecretRotate {
+        secret: usize,
+    },
     /// PUT /v1/modules/m<k> with `replicas` on nodes of `role`.
     ModuleScale {
         module: usize,
@@ -79,9 +90,13 @@ pub enum OpKind {
         role: String,
     },
     /// POST /v1/nodes/<agent>/drain.
-    Drain { agent: usize },
+    Drain {
+        agent: usize,
+    },
     /// POST /v1/nodes/<agent>/undrain.
-    Undrain { agent: usize },
+    Undrain {
+        agent: usize,
+    },
     /// PUT /v1/freeze (a freeze set), DELETE /v1/freeze (lifted).
     FreezeSet,
     FreezeLift,
@@ -254,11 +269,21 @@ pub fn generate(seed: u64, agents: usize, minutes: f64, kinds: &[String]) -> Sch
             53..=64 => OpKind::SecretRotate {
                 secret: rng.random_range(0..SECRETS),
             },
-            65..=87 => OpKind::ModuleScale {
-                module: rng.random_range(0..MODULES),
-                replicas: rng.random_range(1..=3),
-                role,
-            },
+            65..=87 => {
+                let module = rng.random_range(0..MODULES);
+                // One replica per node, all or none: never more than the
+                // role has nodes (an unsatisfiable placement moves nothing).
+                let room = (0..agents)
+                    .filter(|i| ROLES[i % ROLES.len()] == role)
+                    .count()
+                    .max(1) as u32;
+                let replicas = rng.random_range(1..=3u32).min(room);
+                OpKind::ModuleScale {
+                    module,
+                    replicas,
+                    role,
+                }
+            }
             88..=95 if agents >= 3 => {
                 drained.retain(|(_, until)| *until > t);
                 let agent = rng.random_range(0..agents);
@@ -350,6 +375,19 @@ mod tests {
     }
 
     #[test]
+    fn no_module_asks_for_more_replicas_than_its_role_has_nodes() {
+        for agents in [1, 2, 4, 5, 10] {
+            let s = generate(3, agents, 10.0, &all());
+            for o in &s.ops {
+                if let OpKind::ModuleScale { replicas, role, .. } = &o.kind {
+                    let room = (0..agents).filter(|i| ROLES[i % 3] == role).count();
+                    assert!(*replicas as usize <= room.max(1), "{agents} agents: {o:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn every_drain_is_undrained_and_every_freeze_lifted() {
         let s = generate(42, 10, 3.0, &all());
         let drains = s
@@ -363,11 +401,7 @@ mod tests {
             .filter(|o| matches!(o.kind, OpKind::Undrain { .. }))
             .count();
         assert_eq!(drains, undrains);
-        let sets = s
-            .ops
-            .iter()
-            .filter(|o| o.kind == OpKind::FreezeSet)
-            .count();
+        let sets = s.ops.iter().filter(|o| o.kind == OpKind::FreezeSet).count();
         let lifts = s
             .ops
             .iter()

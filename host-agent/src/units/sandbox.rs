@@ -499,7 +499,10 @@ mod tests {
         let user = ensure_user(&module);
         remove_user(&module);
         let user = user.expect("the module's user despite the orphan group");
-        assert!((MODULE_UID_MIN..=MODULE_UID_MAX).contains(&user.uid), "{user:?}");
+        assert!(
+            (MODULE_UID_MIN..=MODULE_UID_MAX).contains(&user.uid),
+            "{user:?}"
+        );
         assert_eq!(user.uid, user.gid);
         assert_eq!(group_gid(&name), None, "removed with the user");
         // Moved: the group's gid is another module user's (two groupadds
@@ -510,7 +513,13 @@ mod tests {
         let name = user_name(&module);
         let dup = run(
             "groupadd",
-            &["--system", "--non-unique", "--gid", &owner.gid.to_string(), &name],
+            &[
+                "--system",
+                "--non-unique",
+                "--gid",
+                &owner.gid.to_string(),
+                &name,
+            ],
         );
         let user = dup.and_then(|()| ensure_user(&module));
         remove_user(&module);
