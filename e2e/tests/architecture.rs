@@ -143,7 +143,7 @@ fn no_context_depends_on_another_context() {
 
 /// Production crates: everything in the workspace but the test crates.
 fn production_crates(g: &Graph) -> Vec<String> {
-    const TEST_CRATES: &[&str] = &["mesh-testkit", "mesh-e2e", "mesh-bench"];
+    const TEST_CRATES: &[&str] = &["mesh-testkit", "mesh-e2e", "mesh-bench", "mesh-soak"];
     g.names
         .values()
         .filter(|n| n.starts_with("mesh-") && !TEST_CRATES.contains(&n.as_str()))

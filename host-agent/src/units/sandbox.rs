@@ -144,6 +144,49 @@ fn lookup(name: &str) -> Option<(u32, u32)> {
     })
 }
 
+/// The gid of the group `name` in `/etc/group`.
+fn group_gid(name: &str) -> Option<u32> {
+    let group = std::fs::read_to_string("/etc/group").ok()?;
+    group.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        if f.len() >= 3 && f[0] == name {
+            f[2].parse().ok()
+        } else {
+            None
+        }
+    })
+}
+
+/// Whether `/etc/passwd` has a user with `uid`.
+fn uid_taken(uid: u32) -> bool {
+    std::fs::read_to_string("/etc/passwd").is_ok_and(|text| {
+        text.lines()
+            .any(|l| l.split(':').nth(2).and_then(|n| n.parse::<u32>().ok()) == Some(uid))
+    })
+}
+
+fn useradd(module: &str, name: &str, id: u32) -> std::io::Result<()> {
+    let id_s = id.to_string();
+    run(
+        "useradd",
+        &[
+            "--system",
+            "--uid",
+            &id_s,
+            "--gid",
+            &id_s,
+            "--no-create-home",
+            "--home-dir",
+            "/nonexistent",
+            "--shell",
+            "/usr/sbin/nologin",
+            "--comment",
+            &format!("mesh module {module}"),
+            name,
+        ],
+    )
+}
+
 /// Every uid of `/etc/passwd` and gid of `/etc/group`.
 fn ids_taken() -> BTreeSet<u32> {
     let mut taken = BTreeSet::new();
@@ -187,6 +230,37 @@ pub fn ensure_user(module: &str) -> std::io::Result<ModuleUser> {
         if let Some((uid, gid)) = lookup(&name) {
             return Ok(ModuleUser { name, uid, gid });
         }
+        // The module's group without its user: a creation that stopped
+        // half-way, or one another agent of this host is making right now.
+        // Two agents creating two modules' users at once can both take one
+        // free id; the second's useradd is refused (the uid is the first's),
+        // and the groupdel undoing its groupadd too ("cannot remove the
+        // primary group of user …": the gid is the first user's). Left
+        // alone, every later groupadd fails "already exists" and the
+        // module's units never start (found by the fleet soak, issue 32).
+        // Its gid, in the range and free as a uid, is adopted; otherwise the
+        // group is moved to a free id (groupmod), which the user then takes.
+        if let Some(gid) = group_gid(&name) {
+            let adopted = if (MODULE_UID_MIN..=MODULE_UID_MAX).contains(&gid) && !uid_taken(gid) {
+                useradd(module, &name, gid)
+            } else {
+                let taken = ids_taken();
+                match (MODULE_UID_MIN..=MODULE_UID_MAX).find(|i| !taken.contains(i)) {
+                    Some(id) => run("groupmod", &["--gid", &id.to_string(), &name])
+                        .and_then(|()| useradd(module, &name, id)),
+                    None => Err(std::io::Error::other(format!(
+                        "no free uid left in {MODULE_UID_MIN}..={MODULE_UID_MAX} for {name}"
+                    ))),
+                }
+            };
+            match adopted {
+                Ok(()) => continue,
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            }
+        }
         let taken = ids_taken();
         let Some(id) = (MODULE_UID_MIN..=MODULE_UID_MAX).find(|i| !taken.contains(i)) else {
             return Err(std::io::Error::other(format!(
@@ -195,25 +269,7 @@ pub fn ensure_user(module: &str) -> std::io::Result<ModuleUser> {
         };
         let id_s = id.to_string();
         let created = run("groupadd", &["--system", "--gid", &id_s, &name]).and_then(|()| {
-            run(
-                "useradd",
-                &[
-                    "--system",
-                    "--uid",
-                    &id_s,
-                    "--gid",
-                    &id_s,
-                    "--no-create-home",
-                    "--home-dir",
-                    "/nonexistent",
-                    "--shell",
-                    "/usr/sbin/nologin",
-                    "--comment",
-                    &format!("mesh module {module}"),
-                    &name,
-                ],
-            )
-            .inspect_err(|_| {
+            useradd(module, &name, id).inspect_err(|_| {
                 let _ = run("groupdel", &[&name]);
             })
         });
@@ -410,6 +466,68 @@ mod tests {
         assert!(n.len() <= 32, "{n}");
         assert!(n.starts_with("mesh-aaaaaaaaaaaaaaaaaa-"));
         assert_ne!(user_name(&long), user_name(&"a".repeat(47)));
+    }
+
+    /// A group of the module's name left without its user (a creation
+    /// that stopped half-way) no longer blocks the module's user for good:
+    /// its gid is adopted when free as a uid, else it is made again (issue
+    /// 32: the soak found units that never started, `groupadd: group
+    /// 'mesh-m3' already exists` at every try).
+    #[test]
+    fn a_group_left_without_its_user_is_adopted_or_made_again() -> anyhow::Result<()> {
+        if !rustix::process::geteuid().is_root() {
+            return mesh_testkit::skip("not root: cannot create users");
+        }
+        let tag = format!("{:06x}", std::process::id() & 0xff_ffff);
+        // Adopted: the group's gid is in the range and free as a uid.
+        let module = format!("orphan-a-{tag}");
+        let name = user_name(&module);
+        let taken = ids_taken();
+        let id = (MODULE_UID_MIN..=MODULE_UID_MAX)
+            .rev()
+            .find(|i| !taken.contains(i))
+            .expect("a free id");
+        run("groupadd", &["--system", "--gid", &id.to_string(), &name]).expect("groupadd");
+        let user = ensure_user(&module);
+        remove_user(&module);
+        let user = user.expect("the module's user despite the orphan group");
+        assert_eq!((user.uid, user.gid), (id, id));
+        // Made again: the group's gid is outside the range.
+        let module = format!("orphan-b-{tag}");
+        let name = user_name(&module);
+        run("groupadd", &["--system", &name]).expect("groupadd");
+        let user = ensure_user(&module);
+        remove_user(&module);
+        let user = user.expect("the module's user despite the orphan group");
+        assert!(
+            (MODULE_UID_MIN..=MODULE_UID_MAX).contains(&user.uid),
+            "{user:?}"
+        );
+        assert_eq!(user.uid, user.gid);
+        assert_eq!(group_gid(&name), None, "removed with the user");
+        // Moved: the group's gid is another module user's (two groupadds
+        // took one id; groupdel refuses such a group).
+        let first = format!("orphan-c1-{tag}");
+        let owner = ensure_user(&first).expect("the first module's user");
+        let module = format!("orphan-c2-{tag}");
+        let name = user_name(&module);
+        let dup = run(
+            "groupadd",
+            &[
+                "--system",
+                "--non-unique",
+                "--gid",
+                &owner.gid.to_string(),
+                &name,
+            ],
+        );
+        let user = dup.and_then(|()| ensure_user(&module));
+        remove_user(&module);
+        remove_user(&first);
+        let user = user.expect("the module's user despite the orphan group");
+        assert_ne!(user.uid, owner.uid);
+        assert_eq!(user.uid, user.gid);
+        Ok(())
     }
 
     #[test]
