@@ -148,6 +148,10 @@ impl Contexts {
                 heartbeat_budget: settings.heartbeat_budget_per_sec,
                 liveness_write: settings.liveness_write(),
                 sweep_interval: settings.sweep_interval(),
+                controller_metrics: Some(
+                    crate::config::Advertised::of(settings, creds)
+                        .metrics_target(settings, ca.is_some()),
+                ),
                 endpoints,
                 label_trust: mesh_inventory::LabelTrust::new(
                     settings.trusted_stated_labels.iter().cloned(),

@@ -796,6 +796,7 @@ pub fn hello(
             applied: Default::default(),
             protocol: None,
             outage: None,
+            metrics: None,
         }),
     )
 }
