@@ -236,6 +236,19 @@ impl Contexts {
                 certificate_window: std::time::Duration::from_secs(settings.certificate_alert_secs),
                 behind_after: std::time::Duration::from_secs(settings.behind_alert_secs),
                 outage_window: std::time::Duration::from_secs(settings.outage_alert_secs),
+                alertmanager_urls: settings.alertmanager_urls.clone(),
+                alertmanager_resend: std::time::Duration::from_secs(
+                    settings.alertmanager_resend_secs,
+                ),
+                dashboard_url: Some(format!(
+                    "{}{}",
+                    advertised
+                        .api
+                        .clone()
+                        .filter(|_| ca.is_some())
+                        .unwrap_or_else(|| format!("http://{}", settings.api_listen)),
+                    crate::dashboard::PATH
+                )),
                 ..mesh_observability::Settings::default()
             },
         );
