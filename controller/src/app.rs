@@ -492,6 +492,9 @@ async fn database_stats(
             Ok(counts) => metrics.set_node_counts(&counts),
             Err(e) => tracing::warn!(error = %e, "counting nodes failed; retrying next round"),
         }
+        metrics
+            .heartbeat_detection
+            .set(contexts.inventory.heartbeat().detection_ms as f64 / 1000.0);
         for (schema, pool) in contexts.schemas() {
             match mesh_plumbing::outbox::oldest_unsent(pool, schema).await {
                 Ok(age) => {

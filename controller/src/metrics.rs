@@ -190,6 +190,9 @@ pub struct Metrics {
     pub rollouts: Family<StateLabels, Gauge>,
     /// Open alerts by kind and severity (set through [`Metrics::set_open_alerts`]).
     pub alerts: Family<AlertLabels, Gauge>,
+    /// The fleet's heartbeat detection time now (grace plus one sweep; the
+    /// budget stretches it as the fleet grows), in seconds.
+    pub heartbeat_detection: SecondsGauge,
     /// Alerts Alertmanager accepted, counted once per Alertmanager (issue 35).
     pub alertmanager_sent: Counter,
     /// Posts to an Alertmanager that failed (unreachable, not 2xx); what
@@ -265,6 +268,7 @@ impl Metrics {
             modules: Family::default(),
             rollouts: Family::default(),
             alerts: Family::default(),
+            heartbeat_detection: SecondsGauge::default(),
             alertmanager_sent: Counter::default(),
             alertmanager_failed: Counter::default(),
             alertmanager_pending: Gauge::default(),
@@ -458,6 +462,11 @@ impl Metrics {
             "mesh_controller_alerts",
             "Open alerts by kind and severity",
             m.alerts.clone(),
+        );
+        r.add(
+            "mesh_controller_heartbeat_detection_seconds",
+            "Longest time from a node's last heartbeat until it is judged unreachable (grace plus one sweep), as the heartbeat budget sets it now",
+            m.heartbeat_detection.clone(),
         );
         r.add(
             "mesh_controller_alertmanager_sent",

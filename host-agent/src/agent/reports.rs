@@ -143,6 +143,7 @@ impl Agent {
         let Some(certs) = &mut self.certs else {
             return;
         };
+        self.metrics.set_certificate_expiries(&certs.expiries());
         if let Some(report) = certs.report(chrono::Utc::now(), force) {
             for r in &report.requests {
                 info!(name = %r.name, "asking for a certificate");
