@@ -47,6 +47,8 @@ pub enum AppError {
     Serve(std::io::Error),
     #[error("the API's HTTPS listener: {0}")]
     Tls(String),
+    #[error("the Alertmanager client: {0}")]
+    Alertmanager(reqwest::Error),
 }
 
 /// How long a graceful close of a broker connection waits for the broker's
@@ -305,6 +307,16 @@ async fn run_fenced(
         .await;
         ("evaluator", Ok(()))
     });
+    let alerts_out = crate::alertmanager::HttpPoster::new(&settings.oidc_ca_file)
+        .map_err(AppError::Alertmanager)?;
+    let alerts_shutdown = shutdown.clone();
+    let alerts_contexts = contexts.clone();
+    let alerts_metrics = metrics.clone();
+    tasks.spawn(async move {
+        crate::alertmanager::run(alerts_contexts, alerts_out, alerts_metrics, alerts_shutdown)
+            .await;
+        ("alertmanager", Ok(()))
+    });
     let clock_shutdown = shutdown.clone();
     let clock_contexts = contexts.clone();
     let clock_every = std::time::Duration::from_millis(settings.rollout_tick_ms);
@@ -480,6 +492,9 @@ async fn database_stats(
             Ok(counts) => metrics.set_node_counts(&counts),
             Err(e) => tracing::warn!(error = %e, "counting nodes failed; retrying next round"),
         }
+        metrics
+            .heartbeat_detection
+            .set(contexts.inventory.heartbeat().detection_ms as f64 / 1000.0);
         for (schema, pool) in contexts.schemas() {
             match mesh_plumbing::outbox::oldest_unsent(pool, schema).await {
                 Ok(age) => {

@@ -321,6 +321,7 @@ mod tests {
                 R(Role::Operator),
             ),
             (Method::GET, "/v1/overlay", R(Role::Viewer)),
+            (Method::GET, "/v1/prometheus/targets", R(Role::Viewer)),
             (Method::GET, "/v1/certificates", R(Role::Viewer)),
             (Method::GET, "/v1/grants", R(Role::Viewer)),
             (Method::GET, "/v1/grants/{id}", R(Role::Viewer)),

@@ -231,6 +231,15 @@ pub struct Settings {
     /// How long `controller_unreachable` stays open after a node reported
     /// the broker outage it lived through, in seconds. Default 900.
     pub outage_alert_secs: u64,
+    /// Alertmanagers every alert is delivered to (issue 35, decision 0053):
+    /// base URLs, `http(s)://<host>:<port>`, each sent `POST /api/v2/alerts`
+    /// (https ones verified against the CA bundle of `oidc_ca_file`). Default
+    /// none: alerts stay in the API and the dashboard.
+    pub alertmanager_urls: Vec<String>,
+    /// How often every open alert is sent to Alertmanager again, in seconds
+    /// (it resolves one not re-sent within its `resolve_timeout`, 5 minutes
+    /// by default). Default 60; 1 to 240.
+    pub alertmanager_resend_secs: u64,
     /// How often the controller reads the gauges it serves from the broker
     /// and the database, in seconds: the depth of every queue it consumes and
     /// of the dead-letter queue (one passive declare per queue on its own
@@ -364,6 +373,8 @@ impl Default for Settings {
             certificate_alert_secs: 14 * 24 * 3600,
             behind_alert_secs: 300,
             outage_alert_secs: 900,
+            alertmanager_urls: Vec::new(),
+            alertmanager_resend_secs: 60,
             broker_stats_secs: 10,
             replica_host: None,
             replica_port: 5432,
@@ -561,6 +572,21 @@ impl Settings {
                 return Err(ConfigError::Invalid {
                     field,
                     message: "must be at least 1".into(),
+                });
+            }
+        }
+        if !(1..=240).contains(&self.alertmanager_resend_secs) {
+            return Err(ConfigError::Invalid {
+                field: "alertmanager_resend_secs",
+                message: "must be 1 to 240 (under Alertmanager's default resolve_timeout)".into(),
+            });
+        }
+        for (i, url) in self.alertmanager_urls.iter().enumerate() {
+            let scheme_ok = url.starts_with("http://") || url.starts_with("https://");
+            if !scheme_ok || url.len() > 2048 || url.chars().any(char::is_whitespace) {
+                return Err(ConfigError::Invalid {
+                    field: "alertmanager_urls",
+                    message: format!("entry {i}: must be an http:// or https:// URL"),
                 });
             }
         }
@@ -808,6 +834,22 @@ pub struct Advertised {
 }
 
 impl Advertised {
+    /// Where Prometheus scrapes the controller's own `/metrics` (issue 35):
+    /// the advertised HTTPS API when there is one (`tls`: a mesh CA, so the
+    /// HTTPS listener runs), else the plain-HTTP listener on loopback.
+    pub fn metrics_target(&self, settings: &Settings, tls: bool) -> mesh_inventory::ControllerTarget {
+        match self.api.as_deref().and_then(|u| u.strip_prefix("https://")) {
+            Some(rest) if tls => mesh_inventory::ControllerTarget {
+                address: rest.split('/').next().unwrap_or(rest).to_owned(),
+                scheme: "https".to_owned(),
+            },
+            _ => mesh_inventory::ControllerTarget {
+                address: settings.api_listen.to_string(),
+                scheme: "http".to_owned(),
+            },
+        }
+    }
+
     pub fn of(settings: &Settings, creds: &ControllerCredentials) -> Advertised {
         Advertised {
             api: settings

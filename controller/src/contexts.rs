@@ -148,6 +148,10 @@ impl Contexts {
                 heartbeat_budget: settings.heartbeat_budget_per_sec,
                 liveness_write: settings.liveness_write(),
                 sweep_interval: settings.sweep_interval(),
+                controller_metrics: Some(
+                    crate::config::Advertised::of(settings, creds)
+                        .metrics_target(settings, ca.is_some()),
+                ),
                 endpoints,
                 label_trust: mesh_inventory::LabelTrust::new(
                     settings.trusted_stated_labels.iter().cloned(),
@@ -232,6 +236,19 @@ impl Contexts {
                 certificate_window: std::time::Duration::from_secs(settings.certificate_alert_secs),
                 behind_after: std::time::Duration::from_secs(settings.behind_alert_secs),
                 outage_window: std::time::Duration::from_secs(settings.outage_alert_secs),
+                alertmanager_urls: settings.alertmanager_urls.clone(),
+                alertmanager_resend: std::time::Duration::from_secs(
+                    settings.alertmanager_resend_secs,
+                ),
+                dashboard_url: Some(format!(
+                    "{}{}",
+                    advertised
+                        .api
+                        .clone()
+                        .filter(|_| ca.is_some())
+                        .unwrap_or_else(|| format!("http://{}", settings.api_listen)),
+                    crate::dashboard::PATH
+                )),
                 ..mesh_observability::Settings::default()
             },
         );

@@ -9,6 +9,7 @@
 
 pub mod access;
 pub mod accounts;
+pub mod alertmanager;
 pub mod amqp;
 pub mod api;
 pub mod app;

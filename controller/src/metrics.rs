@@ -190,6 +190,16 @@ pub struct Metrics {
     pub rollouts: Family<StateLabels, Gauge>,
     /// Open alerts by kind and severity (set through [`Metrics::set_open_alerts`]).
     pub alerts: Family<AlertLabels, Gauge>,
+    /// The fleet's heartbeat detection time now (grace plus one sweep; the
+    /// budget stretches it as the fleet grows), in seconds.
+    pub heartbeat_detection: SecondsGauge,
+    /// Alerts Alertmanager accepted, counted once per Alertmanager (issue 35).
+    pub alertmanager_sent: Counter,
+    /// Posts to an Alertmanager that failed (unreachable, not 2xx); what
+    /// they carried stays pending and is sent again.
+    pub alertmanager_failed: Counter,
+    /// Alert changes not yet accepted by every Alertmanager.
+    pub alertmanager_pending: Gauge,
     /// Always 1, labelled with this build's version.
     pub build_info: Family<VersionLabels, Gauge>,
     /// Logs requests (`GET /v1/modules/{name}/logs`) by outcome: `answered`
@@ -258,6 +268,10 @@ impl Metrics {
             modules: Family::default(),
             rollouts: Family::default(),
             alerts: Family::default(),
+            heartbeat_detection: SecondsGauge::default(),
+            alertmanager_sent: Counter::default(),
+            alertmanager_failed: Counter::default(),
+            alertmanager_pending: Gauge::default(),
             build_info: Family::default(),
             logs_requests: Family::default(),
             logs_answers: Family::default(),
@@ -448,6 +462,26 @@ impl Metrics {
             "mesh_controller_alerts",
             "Open alerts by kind and severity",
             m.alerts.clone(),
+        );
+        r.add(
+            "mesh_controller_heartbeat_detection_seconds",
+            "Longest time from a node's last heartbeat until it is judged unreachable (grace plus one sweep), as the heartbeat budget sets it now",
+            m.heartbeat_detection.clone(),
+        );
+        r.add(
+            "mesh_controller_alertmanager_sent",
+            "Alerts Alertmanager accepted, once per Alertmanager",
+            m.alertmanager_sent.clone(),
+        );
+        r.add(
+            "mesh_controller_alertmanager_failed",
+            "Posts to an Alertmanager that failed (kept pending, sent again)",
+            m.alertmanager_failed.clone(),
+        );
+        r.add(
+            "mesh_controller_alertmanager_pending",
+            "Alert changes not yet accepted by every Alertmanager",
+            m.alertmanager_pending.clone(),
         );
         Metrics {
             families: r.names.into(),

@@ -799,6 +799,7 @@ pub fn hello(
             applied: Default::default(),
             protocol: None,
             outage: None,
+            metrics: None,
         }),
     )
 }

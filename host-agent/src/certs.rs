@@ -101,6 +101,15 @@ impl Certs {
         Ok(c)
     }
 
+    /// Every certificate held, by name (`node`, a module's), and when it
+    /// expires: `mesh_agent_certificate_expiry_timestamp_seconds`.
+    pub fn expiries(&self) -> Vec<(String, DateTime<Utc>)> {
+        self.held
+            .iter()
+            .map(|(name, h)| (name.clone(), h.info.not_after))
+            .collect()
+    }
+
     /// The names wanted now: `node` plus `modules`. True when they changed.
     pub fn set_modules<'a>(&mut self, modules: impl IntoIterator<Item = &'a str>) -> bool {
         let mut names: BTreeSet<String> = modules.into_iter().map(str::to_owned).collect();

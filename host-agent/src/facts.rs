@@ -30,6 +30,7 @@ pub fn hello(
         applied,
         protocol: Some(ProtocolRange::THIS),
         outage: None,
+        metrics: None,
     }
 }
 

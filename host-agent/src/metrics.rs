@@ -37,6 +37,7 @@ pub const FETCH_OUTCOMES: &[&str] = &[
 #[derive(Clone)]
 pub struct Metrics {
     registry: Arc<Registry>,
+    certificate_expiry: Family<NameLabels, FloatGauge>,
     reports_published: Family<Labels, Counter>,
     reports_buffered: Gauge,
     declarations_applied: Family<Labels, Counter>,
@@ -112,6 +113,13 @@ impl Metrics {
             "Unix time the broker last confirmed a report of this agent (0: none yet)",
             Unit::Seconds,
             last_confirm.clone(),
+        );
+        let certificate_expiry = Family::<NameLabels, FloatGauge>::default();
+        registry.register_with_unit(
+            "certificate_expiry_timestamp",
+            "Unix time each certificate the agent holds expires, by certificate (node, or a module's name)",
+            Unit::Seconds,
+            certificate_expiry.clone(),
         );
         let outages = Counter::default();
         registry.register(
@@ -195,6 +203,7 @@ impl Metrics {
         }
         Metrics {
             registry: Arc::new(registry),
+            certificate_expiry,
             unknown_fields,
             reports_published,
             reports_buffered,
@@ -243,6 +252,17 @@ impl Metrics {
     }
 
     /// The broker confirmed a report, now.
+    /// The certificates held now and when each expires (one no longer
+    /// held leaves the family).
+    pub fn set_certificate_expiries(&self, held: &[(String, chrono::DateTime<chrono::Utc>)]) {
+        self.certificate_expiry.clear();
+        for (name, not_after) in held {
+            self.certificate_expiry
+                .get_or_create(&vec![("certificate", name.clone())])
+                .set(not_after.timestamp() as f64);
+        }
+    }
+
     pub fn confirmed_now(&self) {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -412,6 +432,10 @@ mod tests {
         m.reconnected();
         m.set_connected(true);
         m.confirmed_now();
+        m.set_certificate_expiries(&[(
+            "node".to_owned(),
+            chrono::DateTime::from_timestamp(1_900_000_000, 0).unwrap(),
+        )]);
         m.outage_began();
         m.outage_ended(2.5);
         m.unit_restarted("web-0");
@@ -440,6 +464,7 @@ mod tests {
             "mesh_agent_reconnects_total 1",
             "mesh_agent_broker_connected 1",
             "mesh_agent_last_confirm_timestamp_seconds 1",
+            "mesh_agent_certificate_expiry_timestamp_seconds{certificate=\"node\"} 1900000000",
             "mesh_agent_broker_outages_total 1",
             "mesh_agent_broker_outage_seconds_total 2.5",
             "mesh_agent_unit_restarts_total{unit=\"web-0\"} 1",

@@ -229,6 +229,12 @@ pub struct Hello {
     /// (the first connect of a run), or an agent older than outages.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outage: Option<crate::Outage>,
+    /// The agent's metrics listener (`metrics_listen`, `ip:port`), which
+    /// inventory hands Prometheus as the node's scrape target (an
+    /// unspecified address, `0.0.0.0`, on the node's advertised address).
+    /// Absent: metrics are not served, or an agent older than discovery.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<String>,
 }
 
 impl Hello {
@@ -256,6 +262,14 @@ impl Hello {
         if let Some(key) = &self.seal_key {
             crate::sealing::SealPublicKey::from_hex(key)
                 .map_err(|e| DecodeError::invalid("body.seal_key", e.to_string()))?;
+        }
+        if let Some(metrics) = &self.metrics
+            && metrics.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(DecodeError::invalid(
+                "body.metrics",
+                "must be an ip:port (the agent's metrics listener)",
+            ));
         }
         if let Some(overlay) = &self.overlay {
             overlay.validate("body.overlay")?;

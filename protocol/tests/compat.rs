@@ -254,6 +254,7 @@ fn write_corpus() {
             applied: applied.clone(),
             protocol: None,
             outage: None,
+            metrics: None,
         }),
         Report::Heartbeat(Heartbeat {
             interval_ms: None,
@@ -467,6 +468,7 @@ fn hello_with_seal_key() -> Hello {
         applied: [(Section::Config, 4)].into(),
         protocol: Some(ProtocolRange::V1),
         outage: None,
+        metrics: None,
     }
 }
 

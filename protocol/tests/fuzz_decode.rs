@@ -96,6 +96,7 @@ fn valid_envelopes() -> Vec<Value> {
             applied: applied.clone(),
             protocol: None,
             outage: None,
+            metrics: None,
         }),
         Report::Heartbeat(Heartbeat {
             interval_ms: None,

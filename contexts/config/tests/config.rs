@@ -231,6 +231,7 @@ fn hello(node: &NodeId, config_applied: u64) -> Envelope<Report> {
             applied: [(Section::Config, config_applied)].into_iter().collect(),
             protocol: None,
             outage: None,
+            metrics: None,
         }),
     )
 }

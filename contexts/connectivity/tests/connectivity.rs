@@ -113,6 +113,7 @@ impl Fixture {
                 applied: Default::default(),
                 protocol: None,
                 outage: None,
+                metrics: None,
             }),
         );
         self.handle(&[hello]).await;
@@ -413,6 +414,7 @@ async fn concurrent_hellos_never_share_an_address() {
                 applied: Default::default(),
                 protocol: None,
                 outage: None,
+                metrics: None,
             }),
         );
         let (pool, conn) = (f.pool.clone(), f.conn.clone());
@@ -467,6 +469,7 @@ async fn a_full_overlay_network_leaves_nodes_without_an_address_and_says_so() {
                 applied: Default::default(),
                 protocol: None,
                 outage: None,
+                metrics: None,
             }),
         );
         let mut tx = pool.begin().await.unwrap();
@@ -968,6 +971,7 @@ async fn hub_and_spoke_follows_the_hub_label() {
                 applied: Default::default(),
                 protocol: None,
                 outage: None,
+                metrics: None,
             }),
         );
         conn.handle_reports(&mut tx, &[hello]).await.unwrap();

@@ -41,6 +41,7 @@ mod protocol;
 mod query;
 mod reports;
 mod revocations;
+mod scrape;
 mod state;
 mod sweep;
 mod targets;
@@ -64,6 +65,7 @@ pub use query::{
     AppliedView, AssignmentView, LabelsView, ModuleView, NODE_STATES, NodeSummary, NodeView,
     ProtocolView,
 };
+pub use scrape::{ControllerTarget, TargetGroup};
 pub use state::ReconcileReport;
 pub use sweep::SweepReport;
 
@@ -131,6 +133,10 @@ pub struct InventorySettings {
     /// default none, only operator labels (set through the API or bound to
     /// the node's join token) do.
     pub label_trust: LabelTrust,
+    /// Where the controller serves its own metrics, as Prometheus reaches
+    /// it: the first target group of `GET /v1/prometheus/targets`. Default
+    /// none (the controller's own is not listed).
+    pub controller_metrics: Option<ControllerTarget>,
 }
 
 impl Default for InventorySettings {
@@ -147,6 +153,7 @@ impl Default for InventorySettings {
             sweep_interval: Duration::from_secs(2),
             endpoints: None,
             label_trust: LabelTrust::default(),
+            controller_metrics: None,
         }
     }
 }
@@ -257,10 +264,14 @@ impl Inventory {
     /// The API routes this context serves: `GET /v1/nodes`,
     /// `GET|PUT /v1/nodes/{id}/labels`, `POST /v1/nodes/{id}/drain|undrain`,
     /// `GET /v1/modules`, `GET|PUT|DELETE /v1/modules/{name}`,
-    /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`.
+    /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`,
+    /// `GET /v1/prometheus/targets`.
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes().merge(modules_api::routes()).with_state(self)
+        api::routes()
+            .merge(modules_api::routes())
+            .merge(scrape::routes())
+            .with_state(self)
     }
 }
 

@@ -78,6 +78,26 @@ pub struct ModuleSpec {
     /// kind): where consumers reach it and how its node's agent administers it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub provides: Vec<Provides>,
+    /// Where each replica serves Prometheus metrics, on its node's address:
+    /// `GET /v1/prometheus/targets` lists one target per placed replica.
+    /// Absent: the module serves none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<ModuleMetrics>,
+}
+
+/// A module's metrics endpoint (`metrics` of its spec).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ModuleMetrics {
+    /// The port each replica serves metrics on (1 to 65535).
+    pub port: u16,
+    /// The path, starting with `/`. Default `/metrics`.
+    #[serde(default = "default_metrics_path")]
+    pub path: String,
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".to_owned()
 }
 
 /// The largest replica count any layer may ask for.
@@ -127,6 +147,23 @@ impl ModuleSpec {
         }
         validate_settings_files("settings_files", &self.settings_files)?;
         validate_ports("ports", &self.ports)?;
+        if let Some(m) = &self.metrics {
+            if m.port == 0 {
+                return Err(Error::Invalid {
+                    field: "metrics.port".to_owned(),
+                    reason: "must be 1 to 65535".to_owned(),
+                });
+            }
+            if !m.path.starts_with('/')
+                || m.path.len() > 256
+                || m.path.chars().any(|c| c.is_control() || c.is_whitespace())
+            {
+                return Err(Error::Invalid {
+                    field: "metrics.path".to_owned(),
+                    reason: "must start with `/`, at most 256 characters, no spaces".to_owned(),
+                });
+            }
+        }
         mesh_protocol::validate_resources(&self.requires, &self.provides)?;
         if let Placement::MatchLabels { labels, replicas } = &self.placement {
             mesh_protocol::validate_labels("placement.match_labels.labels", labels)?;

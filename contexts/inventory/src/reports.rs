@@ -54,6 +54,8 @@ pub(crate) async fn handle(
     let trust = &settings.label_trust;
     let joined =
         crate::join::new_nodes(tx, &crate::join::candidates(&hellos), heard_at, trust).await?;
+    // Where Prometheus scrapes each node, from its newest hello only.
+    crate::scrape::record(tx, &hellos).await?;
     for (env, h) in hellos {
         if joined.contains(env.node.as_str()) {
             continue;

@@ -64,6 +64,10 @@ async fn setup() -> Fixture {
         grace: Duration::from_secs(5),
         controller_node: NodeId::parse(&format!("{}-a", env.id())).ok(),
         label_trust: mesh_inventory::LabelTrust::new(["role".to_owned(), "zone".to_owned()]),
+        controller_metrics: Some(mesh_inventory::ControllerTarget {
+            address: "127.0.0.1:7700".into(),
+            scheme: "http".into(),
+        }),
         ..InventorySettings::default()
     };
     let inventory = Arc::new(Inventory::new(
@@ -114,6 +118,7 @@ impl Fixture {
                 applied: Default::default(),
                 protocol: None,
                 outage: None,
+                metrics: None,
             }),
         );
         self.handle(&[env]).await;
@@ -1650,4 +1655,91 @@ async fn a_module_as_root_needs_an_admin_and_its_replicas_show_their_box() {
     assert_eq!(replica["oom_kills"], 2);
     assert_eq!(replica["data_bytes"], 4096);
     f.env.teardown().await.unwrap();
+}
+
+/// Issue 35: `GET /v1/prometheus/targets` in Prometheus' HTTP SD format: the
+/// controller's endpoint, each agent that serves metrics at its scrape
+/// address with inventory's labels, one target per placed replica of a
+/// module with `metrics`; paged by node like every list.
+#[tokio::test]
+async fn prometheus_discovers_the_controller_agents_and_module_replicas() {
+    let f = setup().await;
+    f.observed();
+    let a = f.node("a");
+    let hello = |suffix: &str, metrics: Option<&str>| {
+        let id = f.node(suffix);
+        Envelope::new(
+            NodeId::parse(&id).unwrap(),
+            1,
+            Report::Hello(Hello {
+                hostname: format!("{id}.example"),
+                arch: "x86_64".into(),
+                cpus: 2,
+                memory_bytes: 4 << 30,
+                labels: [("role".to_owned(), "web".to_owned())].into(),
+                agent_version: "test".into(),
+                public_key: None,
+                seal_key: None,
+                overlay: None,
+                applied: Default::default(),
+                protocol: None,
+                outage: None,
+                metrics: metrics.map(str::to_owned),
+            }),
+        )
+    };
+    // a serves metrics on loopback; b serves none and has no advertised address.
+    f.handle(&[hello("a", Some("127.0.0.1:9464")), hello("b", None)])
+        .await;
+    let (status, _, _) = f
+        .request(
+            "PUT",
+            &format!("/v1/nodes/{a}/labels"),
+            &[("if-match", "*")],
+            Some(json!({"labels": {"team-name": "ops"}})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let mut spec = web(1);
+    spec["placement"] = json!({"exact_node": {"node": a}});
+    spec["metrics"] = json!({"port": 9100, "path": "/stats"});
+    let (status, _, view) = f.request("PUT", "/v1/modules/web", &[], Some(spec)).await;
+    assert_eq!(status, StatusCode::CREATED, "{view}");
+    f.inventory.reconcile().await.unwrap();
+
+    let (status, _, groups) = f.request("GET", "/v1/prometheus/targets", &[], None).await;
+    assert_eq!(status, StatusCode::OK, "{groups}");
+    assert_eq!(
+        groups,
+        json!([
+            {"targets": ["127.0.0.1:7700"], "labels": {"job": "mesh-controller"}},
+            {"targets": ["127.0.0.1:9464"], "labels": {
+                "job": "mesh-agent", "node": a, "hostname": format!("{a}.example"),
+                "state": "alive", "label_team_name": "ops"}},
+            {"targets": ["127.0.0.1:9100"], "labels": {
+                "job": "mesh-module", "node": a, "hostname": format!("{a}.example"),
+                "state": "alive", "label_team_name": "ops", "module": "web",
+                "replica": "0", "__metrics_path__": "/stats"}},
+        ])
+    );
+
+    // Paged by node: after a, only b, which has nothing to scrape.
+    let (status, _, page) = f
+        .request("GET", &format!("/v1/prometheus/targets?after={a}&limit=1"), &[], None)
+        .await;
+    assert_eq!((status, page), (StatusCode::OK, json!([])));
+    let (status, _, problem) = f
+        .request("GET", "/v1/prometheus/targets?limit=0", &[], None)
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{problem}");
+    let (status, _, problem) = f
+        .request("GET", "/v1/prometheus/targets?job=x", &[], None)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{problem}");
+    // A bad metrics spec names its field.
+    let mut spec = web(1);
+    spec["metrics"] = json!({"port": 0});
+    let (status, _, problem) = f.request("PUT", "/v1/modules/bad", &[], Some(spec)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{problem}");
+    assert!(problem.to_string().contains("metrics.port"), "{problem}");
 }

@@ -104,6 +104,7 @@ fn hello(node: &NodeId, seq: u64, l: Labels, applied: &[(Section, u64)]) -> Enve
             applied: applied.iter().copied().collect(),
             protocol: None,
             outage: None,
+            metrics: None,
         }),
     )
 }
@@ -429,7 +430,8 @@ async fn the_section_table_migration_keeps_every_row_and_the_node_link() {
             "V14__trusted_labels",
             "V15__node_label",
             "V16__revoked_nodes",
-            "V17__unit_sandbox"
+            "V17__unit_sandbox",
+            "V18__scrape_targets"
         ],
         "{applied:?}"
     );
@@ -498,7 +500,8 @@ async fn the_conditions_migration_drops_the_alerts_and_starts_with_nothing_told(
             "V14__trusted_labels",
             "V15__node_label",
             "V16__revoked_nodes",
-            "V17__unit_sandbox"
+            "V17__unit_sandbox",
+            "V18__scrape_targets"
         ]
     );
     let alerts: Option<String> = sqlx::query_scalar("SELECT to_regclass('inventory.alerts')::text")
@@ -1429,7 +1432,8 @@ async fn the_trusted_labels_migration_keeps_what_selected_each_node() {
             "V14__trusted_labels",
             "V15__node_label",
             "V16__revoked_nodes",
-            "V17__unit_sandbox"
+            "V17__unit_sandbox",
+            "V18__scrape_targets"
         ]
     );
     let after: Vec<(String, sqlx::types::Json<Labels>, i64)> = sqlx::query_as(

@@ -89,6 +89,7 @@ impl Fixture {
                 applied: Default::default(),
                 protocol: None,
                 outage: None,
+                metrics: None,
             }),
         );
         let mut tx = self.pool.begin().await.unwrap();

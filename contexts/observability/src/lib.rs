@@ -30,6 +30,7 @@
 //! controller: each client has a bounded buffer and is dropped, with a
 //! reason, when it reads too slowly; the number of streams is bounded.
 
+mod alertmanager;
 mod alerts;
 mod api;
 mod error;
@@ -48,6 +49,7 @@ use mesh_protocol::{Envelope, RecordEvent, Report};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Notify, Semaphore, watch};
 
+pub use alertmanager::{AlertPoster, Delivered, PostableAlert};
 pub use alerts::{ALERT_KINDS, Behind, Observations, QueueDepth, humanize};
 pub use error::Error;
 pub use evaluate::Summary;
@@ -133,6 +135,16 @@ pub struct Settings {
     /// How long the controller-unreachable alert stays open after a node
     /// reported an outage (it is about the past). Default 15 minutes.
     pub outage_window: Duration,
+    /// Alertmanagers every alert is delivered to (base URLs, e.g.
+    /// `http://127.0.0.1:9093`; `POST /api/v2/alerts` of each), as
+    /// Prometheus sends to all of its. Default none: alerts stay in the API.
+    pub alertmanager_urls: Vec<String>,
+    /// How often every open alert is sent again (Alertmanager resolves one
+    /// not re-sent within its `resolve_timeout`, 5 minutes by default).
+    /// Default 60 s.
+    pub alertmanager_resend: Duration,
+    /// The dashboard's URL, linked from each delivered alert. Default none.
+    pub dashboard_url: Option<String>,
 }
 
 /// Default retention window.
@@ -155,6 +167,9 @@ impl Default for Settings {
             certificate_window: Duration::from_secs(14 * 24 * 3600),
             behind_after: Duration::from_secs(300),
             outage_window: Duration::from_secs(900),
+            alertmanager_urls: Vec::new(),
+            alertmanager_resend: Duration::from_secs(60),
+            dashboard_url: None,
         }
     }
 }
@@ -173,6 +188,9 @@ pub struct Observability {
     changed: Arc<Notify>,
     /// Wakes the relay after an evaluation wrote record events.
     signal: OutboxSignal,
+    /// Raised after an evaluation raised or resolved alerts: a delivery to
+    /// Alertmanager is due.
+    alerts_changed: Arc<Notify>,
 }
 
 impl Observability {
@@ -186,6 +204,7 @@ impl Observability {
             settings,
             appended: watch::Sender::new(0),
             changed: Arc::new(Notify::new()),
+            alerts_changed: Arc::new(Notify::new()),
             signal,
         }
     }
@@ -202,6 +221,9 @@ impl Observability {
         if summary.raised + summary.resolved + summary.health_changed > 0 {
             self.signal.notify();
         }
+        if summary.raised + summary.resolved > 0 {
+            self.alerts_changed.notify_one();
+        }
         Ok(summary)
     }
 
@@ -209,6 +231,12 @@ impl Observability {
     /// evaluation is due), or never; the caller bounds it with its interval.
     pub async fn changed(&self) {
         self.changed.notified().await;
+    }
+
+    /// Resolves when an evaluation raised or resolved alerts since the last
+    /// call (a delivery to Alertmanager is due), or never.
+    pub async fn alerts_changed(&self) {
+        self.alerts_changed.notified().await;
     }
 
     /// Every module's and node's health, derived now.

@@ -191,6 +191,7 @@ fn hello(outage: Option<Outage>) -> Report {
         applied: Default::default(),
         protocol: None,
         outage,
+        metrics: None,
     })
 }
 

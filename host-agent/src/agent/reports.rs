@@ -67,6 +67,7 @@ impl Agent {
             self.applier.seal_public_key().map(|k| k.to_hex()),
             self.connectivity.as_ref().and_then(|c| c.facts()),
         );
+        hello.metrics = self.config.metrics_listen.map(|a| a.to_string());
         hello.outage = self.outage.map(|o| Outage {
             since: o.since,
             seconds: o.at.elapsed().as_secs(),
@@ -142,6 +143,7 @@ impl Agent {
         let Some(certs) = &mut self.certs else {
             return;
         };
+        self.metrics.set_certificate_expiries(&certs.expiries());
         if let Some(report) = certs.report(chrono::Utc::now(), force) {
             for r in &report.requests {
                 info!(name = %r.name, "asking for a certificate");
