@@ -144,7 +144,12 @@ async fn soak(args: Args) -> anyhow::Result<bool> {
     };
 
     let raise = Instant::now();
-    let fleet = Fleet::raise(args.agents).await?;
+    // Interrupted while raising: what is made so far is dropped (the
+    // namespaces, the processes), not left behind.
+    let fleet = tokio::select! {
+        f = Fleet::raise(args.agents) => f?,
+        _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted while raising the fleet"),
+    };
     println!(
         "{} agents alive in {:.1}s",
         args.agents,
