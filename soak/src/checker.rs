@@ -316,7 +316,12 @@ pub async fn convergence_problems(
     for h in hosts {
         match s.client.get(&format!("/v1/nodes/{}", h.node)).await {
             Ok((200, view)) => {
-                if view["state"] != "alive" {
+                // Drained stays drained when its undrain got no answer
+                // ((a) judges the drain); any other state is a failure.
+                if !matches!(
+                    view["state"].as_str(),
+                    Some("alive" | "draining" | "drained")
+                ) {
                     bad.push(format!("{} is {}", h.name, view["state"]));
                 }
                 for (name, sec) in view["sections"].as_object().into_iter().flatten() {
@@ -509,15 +514,21 @@ pub fn no_replica_twice(
         }
         for (module, n) in per_module {
             let mine: Vec<&&OpRecord> = module_ops.iter().filter(|o| o.key() == module).collect();
-            // Declared before the window, and every change within it.
+            // What may be declared at t: the last acknowledged change before
+            // the window, every change sent after it that got no answer (it
+            // may or may not have taken effect), and every change within it.
             let before = mine
                 .iter()
                 .rev()
-                .find(|o| o.invoked_ms + MOVE_MS <= t)
+                .find(|o| o.ok() && o.invoked_ms + MOVE_MS <= t)
                 .or_else(|| mine.first());
+            let since = before.map(|b| b.invoked_ms).unwrap_or(0);
             let within: Vec<&&&OpRecord> = mine
                 .iter()
-                .filter(|o| o.invoked_ms + MOVE_MS > t && o.invoked_ms <= t)
+                .filter(|o| {
+                    o.invoked_ms <= t
+                        && ((o.invoked_ms + MOVE_MS > t) || (o.unknown() && o.invoked_ms > since))
+                })
                 .collect();
             let mut max = before
                 .map(|o| o.expect["replicas"].as_u64().unwrap_or(0))
@@ -611,7 +622,16 @@ pub async fn nothing_waiting(
         let mut now: BTreeMap<String, String> = BTreeMap::new();
         match s.queues().await {
             Ok(q) => {
-                for (name, n) in q.iter().filter(|(_, n)| *n > 0) {
+                // Heartbeats never stop: one per agent may be ready at any
+                // instant without anything waiting.
+                let allowed = |name: &str| {
+                    if name == "reports.heartbeat" {
+                        s.client.nodes.len() as u64
+                    } else {
+                        0
+                    }
+                };
+                for (name, n) in q.iter().filter(|(name, n)| *n > allowed(name)) {
                     now.insert(format!("queue {name}"), format!("{n} messages"));
                 }
             }

@@ -144,7 +144,12 @@ async fn soak(args: Args) -> anyhow::Result<bool> {
     };
 
     let raise = Instant::now();
-    let fleet = Fleet::raise(args.agents).await?;
+    // Interrupted while raising: what is made so far is dropped (the
+    // namespaces, the processes), not left behind.
+    let fleet = tokio::select! {
+        f = Fleet::raise(args.agents) => f?,
+        _ = interrupt() => anyhow::bail!("interrupted while raising the fleet"),
+    };
     println!(
         "{} agents alive in {:.1}s",
         args.agents,
@@ -220,6 +225,23 @@ async fn soak(args: Args) -> anyhow::Result<bool> {
     result
 }
 
+/// SIGINT or SIGTERM (a CI's timeout): the run heals what it broke (a
+/// broker alarm left set would block every publisher of the machine).
+async fn interrupt() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn run(
     args: &Args,
@@ -253,10 +275,9 @@ async fn run(
     let interrupted = {
         let tx = stop_tx.clone();
         tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                eprintln!("interrupted: healing every fault, then stopping");
-                let _ = tx.send(true);
-            }
+            interrupt().await;
+            eprintln!("interrupted: healing every fault, then stopping");
+            let _ = tx.send(true);
         })
     };
     let (_, set) = tokio::join!(
@@ -264,6 +285,8 @@ async fn run(
         workload::run(client, history, &schedule.ops, seed, start, stop_rx.clone()),
     );
     secrets.extend(set);
+    // Stopped before the schedule's end: judged, but never a pass.
+    let cut_short = *stop_rx.borrow();
     let healed_ms = history.now_ms();
     history.record(Event::Note {
         text: "every fault healed; the workload is done".into(),
@@ -327,7 +350,10 @@ async fn run(
         verdicts
     };
     let verdicts = env;
-    let mut ok = true;
+    let mut ok = !cut_short;
+    if cut_short {
+        println!("FAIL interrupted: the schedule did not run to its end");
+    }
     for v in &verdicts {
         println!("{}", v.line());
         ok &= v.pass;

@@ -114,14 +114,14 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// The broker's queue count in the vhost, and the messages waiting in
-    /// them: (queues, Vec<(name, messages)>).
+    /// The queues of the vhost and the messages ready in each (not those
+    /// delivered and not yet acknowledged: in flight, not waiting).
     pub async fn queues(&self) -> anyhow::Result<Vec<(String, u64)>> {
         let list: Vec<serde_json::Value> = self
             .client
             .http
             .get(format!(
-                "{}/api/queues/{}?columns=name,messages",
+                "{}/api/queues/{}?columns=name,messages_ready",
                 self.rabbitmq_api,
                 urlencoding::encode(&self.vhost)
             ))
@@ -136,7 +136,7 @@ impl Sampler {
             .map(|q| {
                 (
                     q["name"].as_str().unwrap_or_default().to_owned(),
-                    q["messages"].as_u64().unwrap_or(0),
+                    q["messages_ready"].as_u64().unwrap_or(0),
                 )
             })
             .collect())
