@@ -51,6 +51,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use mesh_plumbing::openapi::tagged;
 use mesh_plumbing::reads::Reads;
 use mesh_plumbing::section::{Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
@@ -260,7 +261,7 @@ impl Inventory {
     /// `GET|PUT|DELETE /v1/modules/{name}/intent/{layer}`.
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes().merge(modules_api::routes()).with_state(self)
+        tagged(api::routes().merge(modules_api::routes()), SCHEMA).with_state(self)
     }
 }
 
