@@ -421,6 +421,19 @@ async fn set_drain(
     }))
 }
 
+/// Take the fleet lock, then the module `name`'s row: its revision, or
+/// `None` when there is no such module. The fleet lock first, as every fleet
+/// writer takes it: no lock cycles with the sweeper.
+async fn lock_module(tx: &mut sqlx::PgConnection, name: &str) -> Result<Option<i64>, Error> {
+    crate::state::lock(&mut *tx).await?;
+    let revision =
+        sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
+            .bind(name)
+            .fetch_optional(&mut *tx)
+            .await?;
+    Ok(revision)
+}
+
 impl Inventory {
     /// Create or replace a module under the preconditions given, then reconcile,
     /// with the request's audit entry. True if it was created.
@@ -433,14 +446,7 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<bool, Error> {
         let mut tx = self.pool.begin().await?;
-        // The fleet lock first, as every fleet writer takes it: no lock cycles
-        // with the sweeper.
-        crate::state::lock(&mut tx).await?;
-        let current: Option<i64> =
-            sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
-                .bind(name)
-                .fetch_optional(&mut *tx)
-                .await?;
+        let current = lock_module(&mut tx, name).await?;
         check_write(
             current,
             if_match,
@@ -480,12 +486,7 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
-        crate::state::lock(&mut tx).await?;
-        let current: Option<i64> =
-            sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
-                .bind(name)
-                .fetch_optional(&mut *tx)
-                .await?;
+        let current = lock_module(&mut tx, name).await?;
         let Some(rev) = current else {
             return Err(Error::NotFound(format!("no module `{name}`")));
         };
@@ -523,13 +524,7 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<i64, Error> {
         let mut tx = self.pool.begin().await?;
-        crate::state::lock(&mut tx).await?;
-        let exists: Option<String> =
-            sqlx::query_scalar("SELECT name FROM inventory.modules WHERE name = $1 FOR UPDATE")
-                .bind(name)
-                .fetch_optional(&mut *tx)
-                .await?;
-        if exists.is_none() {
+        if lock_module(&mut tx, name).await?.is_none() {
             return Err(Error::NotFound(format!("no module `{name}`")));
         }
         let revision: i64 = sqlx::query_scalar(
