@@ -86,7 +86,6 @@ struct FileList {
 #[utoipa::path(
     get,
     path = "/v1/files",
-    tag = "config",
     responses((status = 200, description = "Every file", body = FileList))
 )]
 async fn list_files(State(config): State<Arc<Config>>) -> Result<Json<FileList>, Problem> {
@@ -104,7 +103,6 @@ pub(crate) const IF_MATCH: &str =
 #[utoipa::path(
     get,
     path = "/v1/files/{name}",
-    tag = "config",
     params(
         ("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -"),
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "The ETag you hold: 304 while it is current"),
@@ -136,7 +134,6 @@ async fn get_file(
 #[utoipa::path(
     put,
     path = "/v1/files/{name}",
-    tag = "config",
     params(
         ("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -"),
         ("If-Match" = Option<String>, Header, nullable = false, description = IF_MATCH),
@@ -173,7 +170,6 @@ async fn put_file(
 #[utoipa::path(
     delete,
     path = "/v1/files/{name}",
-    tag = "config",
     params(
         ("name" = String, Path, description = "The file's name: 1 to 63 of a-z 0-9 . _ -"),
         ("If-Match" = Option<String>, Header, nullable = false, description = "Delete only at one of these quoted revisions"),

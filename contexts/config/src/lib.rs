@@ -38,6 +38,7 @@ mod settings_api;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mesh_plumbing::openapi::tagged;
 use mesh_plumbing::section::{self, Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
@@ -166,10 +167,10 @@ impl Config {
     /// (`/v1/secrets…`) and grants (`/v1/modules/{name}/grants…`).
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes()
+        let routes = api::routes()
             .merge(settings_api::routes())
-            .merge(secrets_api::routes())
-            .with_state(self)
+            .merge(secrets_api::routes());
+        tagged(routes, SCHEMA).with_state(self)
     }
 
     /// Reconcile every known node in one transaction and wake the relay if

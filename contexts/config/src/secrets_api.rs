@@ -61,7 +61,7 @@ struct GrantList {
 }
 
 /// Every secret's metadata (never a value).
-#[utoipa::path(get, path = "/v1/secrets", tag = "config",
+#[utoipa::path(get, path = "/v1/secrets",
     responses((status = 200, description = "Every secret", body = SecretList)))]
 async fn list_secrets(State(config): State<Arc<Config>>) -> Result<Json<SecretList>, Problem> {
     Ok(Json(SecretList {
@@ -70,7 +70,7 @@ async fn list_secrets(State(config): State<Arc<Config>>) -> Result<Json<SecretLi
 }
 
 /// A secret's metadata: its versions, who wrote them, its grants. Never its value.
-#[utoipa::path(get, path = "/v1/secrets/{name}", tag = "config",
+#[utoipa::path(get, path = "/v1/secrets/{name}",
     params(
         ("name" = String, Path, description = "The secret's name: 1 to 63 of a-z 0-9 . _ -"),
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "The ETag you hold: 304 while it is current"),
@@ -95,7 +95,7 @@ async fn get_secret(
 /// Write a new version of a secret (creating it): encrypted at rest, then
 /// sealed to and declared on exactly the nodes that run a module granted it.
 /// Replacing needs `If-Match` with the version read.
-#[utoipa::path(put, path = "/v1/secrets/{name}", tag = "config",
+#[utoipa::path(put, path = "/v1/secrets/{name}",
     params(
         ("name" = String, Path, description = "The secret's name: 1 to 63 of a-z 0-9 . _ -"),
         ("If-Match" = Option<String>, Header, nullable = false, description = IF_MATCH),
@@ -123,7 +123,7 @@ async fn put_secret(
 }
 
 /// Delete a secret, its versions and its grants: its files leave every node.
-#[utoipa::path(delete, path = "/v1/secrets/{name}", tag = "config",
+#[utoipa::path(delete, path = "/v1/secrets/{name}",
     params(
         ("name" = String, Path, description = "The secret's name"),
         ("If-Match" = Option<String>, Header, nullable = false, description = "Delete only at one of these quoted versions"),
@@ -143,7 +143,7 @@ async fn delete_secret(
 /// Rotate the secrets master key (admin): a new key becomes current, every
 /// data key is re-wrapped under it, the old key leaves the keyring file.
 /// Values and what nodes hold do not change; the controller keeps serving.
-#[utoipa::path(post, path = "/v1/secrets/master-key/rotate", tag = "config",
+#[utoipa::path(post, path = "/v1/secrets/master-key/rotate",
     responses((status = 200, description = "Rotated", body = RotationReport), Unavailable))]
 async fn rotate(
     State(config): State<Arc<Config>>,
@@ -153,7 +153,7 @@ async fn rotate(
 }
 
 /// The secrets granted to a module.
-#[utoipa::path(get, path = "/v1/modules/{name}/grants", tag = "config",
+#[utoipa::path(get, path = "/v1/modules/{name}/grants",
     params(("name" = String, Path, description = "The module's name")),
     responses((status = 200, description = "The module's grants", body = GrantList)))]
 async fn list_grants(
@@ -175,7 +175,7 @@ fn no_grant(module: &str, secret: &str) -> Problem {
 }
 
 /// One grant.
-#[utoipa::path(get, path = "/v1/modules/{name}/grants/{secret}", tag = "config",
+#[utoipa::path(get, path = "/v1/modules/{name}/grants/{secret}",
     params(
         ("name" = String, Path, description = "The module's name"),
         ("secret" = String, Path, description = "The secret's name"),
@@ -201,7 +201,7 @@ async fn get_grant(
 
 /// Grant a secret to a module: every node that runs it receives the value,
 /// sealed to the node, as `/modules/<module>/secrets/<file>` (mode 0600).
-#[utoipa::path(put, path = "/v1/modules/{name}/grants/{secret}", tag = "config",
+#[utoipa::path(put, path = "/v1/modules/{name}/grants/{secret}",
     params(
         ("name" = String, Path, description = "The module's name"),
         ("secret" = String, Path, description = "The secret's name"),
@@ -232,7 +232,7 @@ async fn put_grant(
 }
 
 /// Revoke a grant: the secret's file leaves the module's nodes.
-#[utoipa::path(delete, path = "/v1/modules/{name}/grants/{secret}", tag = "config",
+#[utoipa::path(delete, path = "/v1/modules/{name}/grants/{secret}",
     params(
         ("name" = String, Path, description = "The module's name"),
         ("secret" = String, Path, description = "The secret's name"),

@@ -109,7 +109,7 @@ async fn delete(
 }
 
 /// Every settings layer, global first, then label, node and module layers.
-#[utoipa::path(get, path = "/v1/settings", tag = "config",
+#[utoipa::path(get, path = "/v1/settings",
     responses((status = 200, description = "Every layer", body = LayerList)))]
 async fn list_layers(State(config): State<Arc<Config>>) -> Result<Json<LayerList>, Problem> {
     Ok(Json(LayerList {
@@ -118,7 +118,7 @@ async fn list_layers(State(config): State<Arc<Config>>) -> Result<Json<LayerList
 }
 
 /// The global layer (the weakest).
-#[utoipa::path(get, path = "/v1/settings/global", tag = "config",
+#[utoipa::path(get, path = "/v1/settings/global",
     params(("If-None-Match" = Option<String>, Header, nullable = false, description = "The ETag you hold: 304 while it is current")),
     responses((status = 200, description = "The layer", body = LayerView, headers(("ETag" = String, description = "`\"<revision>\"`"))),
         NotModified, NotFound))]
@@ -130,7 +130,7 @@ async fn get_global(
 }
 
 /// Create or replace the global layer whole.
-#[utoipa::path(put, path = "/v1/settings/global", tag = "config",
+#[utoipa::path(put, path = "/v1/settings/global",
     params(
         ("If-Match" = Option<String>, Header, nullable = false, description = IF_MATCH),
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "`*`: only create"),
@@ -150,7 +150,7 @@ async fn put_global(
 }
 
 /// Delete the global layer.
-#[utoipa::path(delete, path = "/v1/settings/global", tag = "config",
+#[utoipa::path(delete, path = "/v1/settings/global",
     params(("If-Match" = Option<String>, Header, nullable = false, description = "Delete only at one of these quoted revisions")),
     responses((status = 204, description = "Deleted"), BadRequest, NotFound, PreconditionFailed))]
 async fn delete_global(
@@ -162,7 +162,7 @@ async fn delete_global(
 }
 
 /// A label, node or module layer.
-#[utoipa::path(get, path = "/v1/settings/{scope}/{name}", tag = "config",
+#[utoipa::path(get, path = "/v1/settings/{scope}/{name}",
     params(
         ("scope" = String, Path, description = "`labels`, `nodes` or `modules`"),
         ("name" = String, Path, description = "The label layer's name (a-z 0-9 . _ -), the node id or the module name"),
@@ -180,7 +180,7 @@ async fn get_layer(
 
 /// Create or replace a label, node or module layer whole. A label layer has
 /// a `selector`; the others have none.
-#[utoipa::path(put, path = "/v1/settings/{scope}/{name}", tag = "config",
+#[utoipa::path(put, path = "/v1/settings/{scope}/{name}",
     params(
         ("scope" = String, Path, description = "`labels`, `nodes` or `modules`"),
         ("name" = String, Path, description = "The label layer's name (a-z 0-9 . _ -), the node id or the module name"),
@@ -203,7 +203,7 @@ async fn put_layer(
 }
 
 /// Delete a label, node or module layer.
-#[utoipa::path(delete, path = "/v1/settings/{scope}/{name}", tag = "config",
+#[utoipa::path(delete, path = "/v1/settings/{scope}/{name}",
     params(
         ("scope" = String, Path, description = "`labels`, `nodes` or `modules`"),
         ("name" = String, Path, description = "The label layer's name, the node id or the module name"),
@@ -231,7 +231,7 @@ struct EffectiveParams {
 /// A module's effective settings on each node that runs it: every value with
 /// the layer it came from, the layers it shadows, and any tie between equally
 /// specific label layers.
-#[utoipa::path(get, path = "/v1/modules/{name}/settings/effective", tag = "config",
+#[utoipa::path(get, path = "/v1/modules/{name}/settings/effective",
     params(("name" = String, Path, description = "The module's name"), EffectiveParams),
     responses((status = 200, description = "The effective settings", body = EffectiveView), BadRequest, Unprocessable))]
 async fn effective(

@@ -29,7 +29,6 @@ pub(crate) fn routes() -> OpenApiRouter<Arc<Connectivity>> {
 #[utoipa::path(
     get,
     path = "/v1/overlay",
-    tag = "connectivity",
     responses((status = 200, description = "The overlay", body = OverlayView))
 )]
 async fn get_overlay(State(conn): State<Arc<Connectivity>>) -> Result<Json<OverlayView>, Problem> {
@@ -51,7 +50,6 @@ struct CertificatesParams {
 #[utoipa::path(
     get,
     path = "/v1/certificates",
-    tag = "connectivity",
     params(CertificatesParams),
     responses(
         (status = 200, description = "Certificates and unsigned requests", body = CertificatesView),

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mesh_credentials::pki::MeshCa;
+use mesh_plumbing::openapi::tagged;
 use mesh_plumbing::section::{self, Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report, Section};
@@ -148,7 +149,7 @@ impl Connectivity {
     /// The API routes this context serves: `GET /v1/overlay` and
     /// `GET /v1/certificates`, each with its OpenAPI description.
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes().with_state(self)
+        tagged(api::routes(), SCHEMA).with_state(self)
     }
 
     /// Recompute every node's section and declare what differs (the

@@ -68,7 +68,6 @@ struct ArtifactList {
 #[utoipa::path(
     post,
     path = "/v1/artifacts",
-    tag = "delivery",
     request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "The artifact's bytes"),
     responses(
         (status = 201, description = "Stored and signed", body = ArtifactView),
@@ -93,7 +92,7 @@ async fn push_artifact(
 }
 
 /// Every artifact pushed through the API.
-#[utoipa::path(get, path = "/v1/artifacts", tag = "delivery",
+#[utoipa::path(get, path = "/v1/artifacts",
     responses((status = 200, description = "Artifacts", body = ArtifactList)))]
 async fn list_artifacts(
     State(delivery): State<Arc<Delivery>>,
@@ -111,7 +110,6 @@ async fn list_artifacts(
 #[utoipa::path(
     post,
     path = "/v1/artifacts/{digest}/signatures",
-    tag = "delivery",
     params(("digest" = String, Path, description = "The artifact's digest (sha256:…)")),
     request_body = NewSignature,
     responses(
@@ -151,7 +149,6 @@ struct SigningKeyList {
 #[utoipa::path(
     post,
     path = "/v1/signing-keys",
-    tag = "delivery",
     request_body = NewSigningKey,
     responses(
         (status = 201, description = "Added", body = SigningKeyView),
@@ -170,7 +167,7 @@ async fn add_signing_key(
 }
 
 /// The keys whose artifact signatures nodes trust (admin).
-#[utoipa::path(get, path = "/v1/signing-keys", tag = "delivery",
+#[utoipa::path(get, path = "/v1/signing-keys",
     responses((status = 200, description = "Signing keys", body = SigningKeyList)))]
 async fn list_signing_keys(
     State(delivery): State<Arc<Delivery>>,
@@ -184,7 +181,7 @@ async fn list_signing_keys(
 /// Remove a signing key (admin): nodes refuse artifacts signed only by it
 /// from their next delivery section on (what they cached already keeps
 /// running).
-#[utoipa::path(delete, path = "/v1/signing-keys/{name}", tag = "delivery",
+#[utoipa::path(delete, path = "/v1/signing-keys/{name}",
     params(("name" = String, Path, description = "The key's name")),
     responses((status = 200, description = "Removed", body = SigningKeyView), NotFound, Unprocessable))]
 async fn remove_signing_key(
@@ -206,7 +203,6 @@ struct RevisionList {
 #[utoipa::path(
     post,
     path = "/v1/modules/{name}/revisions",
-    tag = "delivery",
     params(ModulePath),
     request_body = NewRevision,
     responses(
@@ -226,7 +222,7 @@ async fn create_revision(
 }
 
 /// A module's revisions, oldest first.
-#[utoipa::path(get, path = "/v1/modules/{name}/revisions", tag = "delivery",
+#[utoipa::path(get, path = "/v1/modules/{name}/revisions",
     params(ModulePath),
     responses((status = 200, description = "Revisions", body = RevisionList), Unprocessable))]
 async fn list_revisions(
@@ -239,7 +235,7 @@ async fn list_revisions(
 }
 
 /// One revision.
-#[utoipa::path(get, path = "/v1/revisions/{id}", tag = "delivery",
+#[utoipa::path(get, path = "/v1/revisions/{id}",
     params(("id" = String, Path, description = "The revision's id (UUID)")),
     responses((status = 200, description = "The revision", body = RevisionView), NotFound, Unprocessable))]
 async fn get_revision(
@@ -250,7 +246,7 @@ async fn get_revision(
 }
 
 /// Whether a module's rollouts wait for approval.
-#[utoipa::path(get, path = "/v1/modules/{name}/delivery", tag = "delivery",
+#[utoipa::path(get, path = "/v1/modules/{name}/delivery",
     params(ModulePath),
     responses((status = 200, description = "The policy", body = DeliveryPolicy), Unprocessable))]
 async fn get_policy(
@@ -261,7 +257,7 @@ async fn get_policy(
 }
 
 /// Set whether a module's rollouts wait for approval.
-#[utoipa::path(put, path = "/v1/modules/{name}/delivery", tag = "delivery",
+#[utoipa::path(put, path = "/v1/modules/{name}/delivery",
     params(ModulePath),
     request_body = DeliveryPolicy,
     responses((status = 200, description = "The policy", body = DeliveryPolicy), BodyErrors))]
@@ -295,7 +291,6 @@ struct RolloutParams {
 #[utoipa::path(
     post,
     path = "/v1/rollouts",
-    tag = "delivery",
     request_body = RolloutRequest,
     responses(
         (status = 201, description = "Started (or awaiting approval)", body = RolloutView),
@@ -316,7 +311,7 @@ async fn start_rollout(
 }
 
 /// The newest rollouts (at most 100), filtered.
-#[utoipa::path(get, path = "/v1/rollouts", tag = "delivery", params(RolloutParams),
+#[utoipa::path(get, path = "/v1/rollouts", params(RolloutParams),
     responses((status = 200, description = "Rollouts", body = RolloutList), BadRequest, Unprocessable))]
 async fn list_rollouts(
     State(delivery): State<Arc<Delivery>>,
@@ -354,7 +349,7 @@ async fn list_rollouts(
 }
 
 /// A rollout: its state, step, nodes done and every run with its latest receipt.
-#[utoipa::path(get, path = "/v1/rollouts/{id}", tag = "delivery",
+#[utoipa::path(get, path = "/v1/rollouts/{id}",
     params(("id" = String, Path, description = "The rollout's id (UUID)")),
     responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Unprocessable))]
 async fn get_rollout(
@@ -365,7 +360,7 @@ async fn get_rollout(
 }
 
 /// Continue a paused rollout (after its canary, or a lifted freeze).
-#[utoipa::path(post, path = "/v1/rollouts/{id}/continue", tag = "delivery",
+#[utoipa::path(post, path = "/v1/rollouts/{id}/continue",
     params(("id" = String, Path, description = "The rollout's id (UUID)")),
     responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Conflict, Unprocessable))]
 async fn continue_rollout(
@@ -377,7 +372,7 @@ async fn continue_rollout(
 }
 
 /// Cancel a rollout: runs not yet deployed are canceled.
-#[utoipa::path(post, path = "/v1/rollouts/{id}/cancel", tag = "delivery",
+#[utoipa::path(post, path = "/v1/rollouts/{id}/cancel",
     params(("id" = String, Path, description = "The rollout's id (UUID)")),
     responses((status = 200, description = "The rollout", body = RolloutView), NotFound, Conflict, Unprocessable))]
 async fn cancel_rollout(
@@ -428,7 +423,7 @@ const RUN_STATES: [&str; 9] = [
 /// Runs (one node's part of a rollout), newest first, filtered, a page at a
 /// time, each with its latest receipt: `after` is a run's id (runs created
 /// before it), `limit` 1 to 500, default 100.
-#[utoipa::path(get, path = "/v1/runs", tag = "delivery", params(RunFilters, Page),
+#[utoipa::path(get, path = "/v1/runs", params(RunFilters, Page),
     responses((status = 200, description = "A page of runs", body = RunList), BadRequest, Unprocessable))]
 async fn list_runs(
     State(delivery): State<Arc<Delivery>>,
@@ -472,7 +467,7 @@ async fn list_runs(
 }
 
 /// One run.
-#[utoipa::path(get, path = "/v1/runs/{id}", tag = "delivery",
+#[utoipa::path(get, path = "/v1/runs/{id}",
     params(("id" = String, Path, description = "The run's id (UUID)")),
     responses((status = 200, description = "The run", body = RunView), NotFound, Unprocessable))]
 async fn get_run(
@@ -493,7 +488,7 @@ struct Decision {
 
 /// Approve the rollout of a run awaiting approval; `decided_by` is the
 /// operator's token, never the body.
-#[utoipa::path(post, path = "/v1/runs/{id}/approve", tag = "delivery",
+#[utoipa::path(post, path = "/v1/runs/{id}/approve",
     params(("id" = String, Path, description = "The run's id (UUID)")),
     request_body = Decision,
     responses((status = 200, description = "The run", body = RunView), BodyErrors, NotFound, Conflict))]
@@ -520,7 +515,7 @@ async fn decide(
 
 /// Deny the rollout of a run awaiting approval, with a reason: its runs end
 /// canceled, the reason in their receipts.
-#[utoipa::path(post, path = "/v1/runs/{id}/deny", tag = "delivery",
+#[utoipa::path(post, path = "/v1/runs/{id}/deny",
     params(("id" = String, Path, description = "The run's id (UUID)")),
     request_body = Decision,
     responses((status = 200, description = "The run", body = RunView), BodyErrors, NotFound, Conflict))]
@@ -540,7 +535,7 @@ struct ReceiptList {
 }
 
 /// A run's receipt log, in order (append-only; validated as it is read).
-#[utoipa::path(get, path = "/v1/runs/{id}/receipts", tag = "delivery",
+#[utoipa::path(get, path = "/v1/runs/{id}/receipts",
     params(("id" = String, Path, description = "The run's id (UUID)")),
     responses((status = 200, description = "The receipts", body = ReceiptList), NotFound, Unprocessable))]
 async fn get_receipts(
@@ -554,7 +549,7 @@ async fn get_receipts(
 }
 
 /// The freeze, if one is set.
-#[utoipa::path(get, path = "/v1/freeze", tag = "delivery",
+#[utoipa::path(get, path = "/v1/freeze",
     responses((status = 200, description = "The freeze", body = FreezeView)))]
 async fn get_freeze(State(delivery): State<Arc<Delivery>>) -> Result<Json<FreezeView>, Problem> {
     Ok(Json(delivery.freeze().await?))
@@ -563,7 +558,7 @@ async fn get_freeze(State(delivery): State<Arc<Delivery>>) -> Result<Json<Freeze
 /// Freeze deliveries: every new rollout is refused with 409 and the reason;
 /// rollouts in progress pause at their next step unless `pause_in_flight`
 /// is false.
-#[utoipa::path(put, path = "/v1/freeze", tag = "delivery", request_body = FreezeRequest,
+#[utoipa::path(put, path = "/v1/freeze", request_body = FreezeRequest,
     responses((status = 200, description = "The freeze", body = FreezeView), BodyErrors))]
 async fn put_freeze(
     State(delivery): State<Arc<Delivery>>,
@@ -574,7 +569,7 @@ async fn put_freeze(
 }
 
 /// Lift the freeze; rollouts it paused go on.
-#[utoipa::path(delete, path = "/v1/freeze", tag = "delivery",
+#[utoipa::path(delete, path = "/v1/freeze",
     responses((status = 204, description = "Lifted (or there was none)")))]
 async fn delete_freeze(
     State(delivery): State<Arc<Delivery>>,

@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use chrono::Utc;
 use mesh_plumbing::audit::{self, Audit};
+use mesh_plumbing::openapi::tagged;
 use mesh_plumbing::section::{self, Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{
@@ -129,7 +130,7 @@ impl Delivery {
     /// receipts and the freeze, each with its OpenAPI description.
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
         let limit = self.settings.artifact_max_bytes;
-        api::routes(limit).with_state(self)
+        tagged(api::routes(limit), SCHEMA).with_state(self)
     }
 
     /// Resolves when something happened that may move a rollout (a commit of

@@ -86,7 +86,6 @@ struct JoinTokenBody {
 #[utoipa::path(
     post,
     path = "/v1/nodes/{id}/join-tokens",
-    tag = "identity",
     params(NodePath),
     request_body(content = Option<JoinTokenBody>, description = "Optional: the token's validity and the labels bound to it"),
     responses(
@@ -129,7 +128,6 @@ async fn create_join_token(
 #[utoipa::path(
     post,
     path = "/v1/join",
-    tag = "identity",
     request_body = JoinRequest,
     responses(
         (status = 201, description = "Enrolled", body = JoinAnswer),
@@ -161,7 +159,6 @@ async fn join(
 #[utoipa::path(
     delete,
     path = "/v1/nodes/{id}",
-    tag = "identity",
     params(NodePath),
     responses(
         (status = 200, description = "Revoked", body = crate::Revoked),
@@ -184,7 +181,6 @@ async fn revoke_node(
 #[utoipa::path(
     post,
     path = "/v1/nodes/{id}/readmit",
-    tag = "identity",
     params(NodePath),
     responses(
         (status = 200, description = "Re-admitted", body = crate::Readmitted),
@@ -235,7 +231,6 @@ struct CreatedToken {
 #[utoipa::path(
     post,
     path = "/v1/tokens",
-    tag = "identity",
     request_body = TokenBody,
     responses(
         (status = 201, description = "The token; its secret is shown once", body = CreatedToken),
@@ -277,7 +272,6 @@ struct TokenList {
 #[utoipa::path(
     get,
     path = "/v1/tokens",
-    tag = "identity",
     params(Page),
     responses(
         (status = 200, description = "A page of tokens", body = TokenList),
@@ -301,7 +295,6 @@ async fn list_tokens(
 #[utoipa::path(
     post,
     path = "/v1/tokens/{id}/rotate",
-    tag = "identity",
     params(("id" = String, Path, description = "The token's id (a UUID)")),
     request_body(content = Option<RotateBody>, description = "Optional: the new token's lifetime"),
     responses(
@@ -339,7 +332,6 @@ async fn rotate_token(
 #[utoipa::path(
     delete,
     path = "/v1/tokens/{id}",
-    tag = "identity",
     params(("id" = String, Path, description = "The token's id (a UUID)")),
     responses(
         (status = 200, description = "Revoked", body = TokenView),
@@ -361,7 +353,6 @@ async fn revoke_token(
 #[utoipa::path(
     get,
     path = "/v1/audit",
-    tag = "identity",
     params(AuditFilter, Page),
     responses(
         (status = 200, description = "A page of the audit log", body = AuditPage),

@@ -27,6 +27,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mesh_plumbing::openapi::tagged;
 use mesh_plumbing::reads::Reads;
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, NodeId, RecordEvent, RecordKind, Report};
@@ -205,7 +206,7 @@ impl Identity {
     /// extensions); `POST /v1/join` is authenticated by its join token.
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes().merge(trust_api::routes()).with_state(self)
+        tagged(api::routes().merge(trust_api::routes()), SCHEMA).with_state(self)
     }
 }
 

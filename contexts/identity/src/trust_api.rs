@@ -56,7 +56,6 @@ struct TrustList {
 #[utoipa::path(
     get,
     path = "/v1/trust",
-    tag = "identity",
     responses((status = 200, description = "Every trust", body = TrustList))
 )]
 async fn list_trusts(State(identity): State<Arc<Identity>>) -> Result<Json<TrustList>, Problem> {
@@ -69,7 +68,6 @@ async fn list_trusts(State(identity): State<Arc<Identity>>) -> Result<Json<Trust
 #[utoipa::path(
     get,
     path = "/v1/trust/{name}",
-    tag = "identity",
     params(("name" = String, Path, description = "The trust's name")),
     responses((status = 200, description = "The trust", body = TrustView), NotFound)
 )]
@@ -86,7 +84,6 @@ async fn get_trust(
 #[utoipa::path(
     put,
     path = "/v1/trust/{name}",
-    tag = "identity",
     params(("name" = String, Path, description = "The trust's name")),
     request_body = TrustBody,
     responses(
@@ -116,7 +113,6 @@ async fn put_trust(
 #[utoipa::path(
     delete,
     path = "/v1/trust/{name}",
-    tag = "identity",
     params(("name" = String, Path, description = "The trust's name")),
     responses((status = 200, description = "Deleted", body = TrustView), NotFound)
 )]
@@ -152,7 +148,6 @@ struct ExchangedToken {
 #[utoipa::path(
     post,
     path = "/v1/tokens/exchange",
-    tag = "identity",
     request_body = ExchangeBody,
     responses(
         (status = 201, description = "The token; its secret is shown once", body = ExchangedToken),

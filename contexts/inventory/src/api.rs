@@ -67,7 +67,6 @@ struct NodeList {
 #[utoipa::path(
     get,
     path = "/v1/nodes",
-    tag = "inventory",
     params(NodeFilters, Page),
     responses(
         (status = 200, description = "A page of nodes", body = NodeList),
@@ -138,7 +137,6 @@ fn labels_body(id: &NodeId, labels: NodeLabels) -> LabelsResponse {
 #[utoipa::path(
     get,
     path = "/v1/nodes/{id}/labels",
-    tag = "inventory",
     params(
         NodePath,
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "The quoted revisions you hold: 304 if one is current"),
@@ -172,7 +170,6 @@ async fn get_labels(
 #[utoipa::path(
     put,
     path = "/v1/nodes/{id}/labels",
-    tag = "inventory",
     params(
         NodePath,
         ("If-Match" = String, Header, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "`*` or the quoted revisions of the operator labels this write replaces"),

@@ -52,6 +52,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use mesh_plumbing::openapi::tagged;
 use mesh_plumbing::reads::Reads;
 use mesh_plumbing::section::{Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
@@ -268,10 +269,13 @@ impl Inventory {
     /// `GET /v1/prometheus/targets`.
     /// Each route carries its OpenAPI description (decision 0019).
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes()
-            .merge(modules_api::routes())
-            .merge(scrape::routes())
-            .with_state(self)
+        tagged(
+            api::routes()
+                .merge(modules_api::routes())
+                .merge(scrape::routes()),
+            SCHEMA,
+        )
+        .with_state(self)
     }
 }
 

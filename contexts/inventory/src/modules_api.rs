@@ -75,7 +75,6 @@ struct ModuleList {
 #[utoipa::path(
     get,
     path = "/v1/modules",
-    tag = "inventory",
     params(Page),
     responses(
         (status = 200, description = "A page of modules", body = ModuleList),
@@ -104,7 +103,6 @@ async fn list_modules(
 #[utoipa::path(
     get,
     path = "/v1/modules/{name}",
-    tag = "inventory",
     params(
         ("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"),
         ("If-None-Match" = Option<String>, Header, nullable = false, description = "The quoted revisions you hold: 304 if one is current"),
@@ -136,7 +134,6 @@ async fn get_module(
 #[utoipa::path(
     put,
     path = "/v1/modules/{name}",
-    tag = "inventory",
     params(
         ("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"),
         ("If-Match" = Option<String>, Header, nullable = false, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "`*` or the quoted revisions this write replaces"),
@@ -193,7 +190,6 @@ async fn put_module(
 #[utoipa::path(
     delete,
     path = "/v1/modules/{name}",
-    tag = "inventory",
     params(
         ("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"),
         ("If-Match" = Option<String>, Header, nullable = false, pattern = r#"^(\*|(W/)?\"[0-9]+\"( *, *(W/)?\"[0-9]+\")*)$"#, description = "Delete only if the module is at one of these quoted revisions"),
@@ -255,7 +251,6 @@ impl Layer {
 #[utoipa::path(
     get,
     path = "/v1/modules/{name}/intent/{layer}",
-    tag = "inventory",
     params(("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"), ("layer" = String, Path, description = "`policy` or `autoscaler` (the `user` layer is the module's own replica count)")),
     responses(
         (status = 200, description = "The layer's value", body = IntentValue, headers(("ETag" = String, description = "`\"<revision>\"`: give it as `If-Match` to replace or delete this revision"))),
@@ -287,7 +282,6 @@ async fn get_intent(
 #[utoipa::path(
     put,
     path = "/v1/modules/{name}/intent/{layer}",
-    tag = "inventory",
     params(("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"), ("layer" = String, Path, description = "`policy` or `autoscaler` (the `user` layer is the module's own replica count)")),
     request_body = IntentValue,
     responses(
@@ -344,7 +338,6 @@ async fn put_intent(
 #[utoipa::path(
     delete,
     path = "/v1/modules/{name}/intent/{layer}",
-    tag = "inventory",
     params(("name" = String, Path, description = "The module's name: 1 to 48 of a-z 0-9 -, not ending in -<digits>"), ("layer" = String, Path, description = "`policy` or `autoscaler` (the `user` layer is the module's own replica count)")),
     responses(
         (status = 204, description = "Removed"),
@@ -382,7 +375,6 @@ macro_rules! drain_route {
         #[utoipa::path(
             post,
             path = $path,
-            tag = "inventory",
             params(NodePath),
             responses(
                 (status = 200, description = "The node's administrative state", body = DrainView),
@@ -429,6 +421,19 @@ async fn set_drain(
     }))
 }
 
+/// Take the fleet lock, then the module `name`'s row: its revision, or
+/// `None` when there is no such module. The fleet lock first, as every fleet
+/// writer takes it: no lock cycles with the sweeper.
+async fn lock_module(tx: &mut sqlx::PgConnection, name: &str) -> Result<Option<i64>, Error> {
+    crate::state::lock(&mut *tx).await?;
+    let revision =
+        sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
+            .bind(name)
+            .fetch_optional(&mut *tx)
+            .await?;
+    Ok(revision)
+}
+
 impl Inventory {
     /// Create or replace a module under the preconditions given, then reconcile,
     /// with the request's audit entry. True if it was created.
@@ -441,14 +446,7 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<bool, Error> {
         let mut tx = self.pool.begin().await?;
-        // The fleet lock first, as every fleet writer takes it: no lock cycles
-        // with the sweeper.
-        crate::state::lock(&mut tx).await?;
-        let current: Option<i64> =
-            sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
-                .bind(name)
-                .fetch_optional(&mut *tx)
-                .await?;
+        let current = lock_module(&mut tx, name).await?;
         check_write(
             current,
             if_match,
@@ -488,12 +486,7 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
-        crate::state::lock(&mut tx).await?;
-        let current: Option<i64> =
-            sqlx::query_scalar("SELECT revision FROM inventory.modules WHERE name = $1 FOR UPDATE")
-                .bind(name)
-                .fetch_optional(&mut *tx)
-                .await?;
+        let current = lock_module(&mut tx, name).await?;
         let Some(rev) = current else {
             return Err(Error::NotFound(format!("no module `{name}`")));
         };
@@ -531,13 +524,7 @@ impl Inventory {
         audit: &Audit,
     ) -> Result<i64, Error> {
         let mut tx = self.pool.begin().await?;
-        crate::state::lock(&mut tx).await?;
-        let exists: Option<String> =
-            sqlx::query_scalar("SELECT name FROM inventory.modules WHERE name = $1 FOR UPDATE")
-                .bind(name)
-                .fetch_optional(&mut *tx)
-                .await?;
-        if exists.is_none() {
+        if lock_module(&mut tx, name).await?.is_none() {
             return Err(Error::NotFound(format!("no module `{name}`")));
         }
         let revision: i64 = sqlx::query_scalar(

@@ -260,7 +260,6 @@ pub(crate) fn routes() -> OpenApiRouter<Arc<Inventory>> {
 #[utoipa::path(
     get,
     path = "/v1/prometheus/targets",
-    tag = "inventory",
     params(Page),
     responses(
         (status = 200, description = "The target groups of a page of nodes", body = Vec<TargetGroup>),

@@ -5,13 +5,40 @@
 //! `application/problem+json` content type.
 //!
 //! Each context describes its own routes with `#[utoipa::path]` and returns them
-//! as a `utoipa_axum::router::OpenApiRouter`; the controller merges them into the
+//! as a `utoipa_axum::router::OpenApiRouter`, every operation tagged with the
+//! context's name by [`tagged`] (so no route repeats it); the controller merges them into the
 //! one document it serves at `/v1/openapi.json` and adds what its auth layer
 //! decides (the role each route needs, 401, 403).
 
 use std::collections::BTreeMap;
 
 use utoipa::openapi::{ContentBuilder, Ref, RefOr, Response, ResponseBuilder};
+use utoipa_axum::router::OpenApiRouter;
+
+/// `router` with every operation tagged `tag`, the name of the context that
+/// serves it: a context says its tag once, where it returns its routes,
+/// rather than in each route's `#[utoipa::path]`.
+pub fn tagged<S: Clone + Send + Sync + 'static>(
+    mut router: OpenApiRouter<S>,
+    tag: &str,
+) -> OpenApiRouter<S> {
+    for item in router.get_openapi_mut().paths.paths.values_mut() {
+        let operations = [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.options,
+            &mut item.head,
+            &mut item.patch,
+            &mut item.trace,
+        ];
+        for operation in operations.into_iter().flatten() {
+            operation.tags = Some(vec![tag.to_owned()]);
+        }
+    }
+    router
+}
 
 /// The content type of every error answer.
 pub const PROBLEM_JSON: &str = "application/problem+json";

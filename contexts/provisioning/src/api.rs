@@ -73,7 +73,7 @@ fn cut(s: &str) -> String {
 /// time: who asks, who serves, the state and what each provider node
 /// reported. Never a credential. `after` is a grant's id (the previous
 /// page's `next`), `limit` 1 to 500, default 100.
-#[utoipa::path(get, path = "/v1/grants", tag = "provisioning", params(GrantFilters, Page),
+#[utoipa::path(get, path = "/v1/grants", params(GrantFilters, Page),
     responses((status = 200, description = "A page of grants", body = GrantList), BadRequest, Unprocessable))]
 async fn list_grants(
     State(prov): State<Arc<Provisioning>>,
@@ -124,7 +124,7 @@ async fn list_grants(
 }
 
 /// One grant.
-#[utoipa::path(get, path = "/v1/grants/{id}", tag = "provisioning",
+#[utoipa::path(get, path = "/v1/grants/{id}",
     params(("id" = String, Path, description = "The grant's id (UUID)")),
     responses((status = 200, description = "The grant", body = GrantView), NotFound, Unprocessable))]
 async fn get_grant(

@@ -30,6 +30,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mesh_plumbing::openapi::tagged;
 use mesh_plumbing::section::{self, Items, SectionOwner, Sections};
 use mesh_plumbing::{Context, HandlerError, MigrateError, OutboxSignal};
 use mesh_protocol::{Envelope, ModuleEvent, NodeId, RecordEvent, Report, Section};
@@ -118,7 +119,7 @@ impl Provisioning {
     /// The API routes: `GET /v1/grants` and `GET /v1/grants/{id}`, each
     /// with its OpenAPI description.
     pub fn routes(self: Arc<Self>) -> utoipa_axum::router::OpenApiRouter {
-        api::routes().with_state(self)
+        tagged(api::routes(), SCHEMA).with_state(self)
     }
 
     /// The pass and every provider node's section (the controller's timer):
