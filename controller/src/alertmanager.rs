@@ -87,11 +87,7 @@ pub async fn run(
     let mut last_resend: Option<Instant> = None;
     loop {
         let resend = last_resend.is_none_or(|t| t.elapsed() >= resend_every);
-        let waiting = match contexts
-            .observability
-            .deliver_alerts(&poster, resend)
-            .await
-        {
+        let waiting = match contexts.observability.deliver_alerts(&poster, resend).await {
             Ok(d) => {
                 metrics.alertmanager_sent.inc_by(d.sent);
                 metrics.alertmanager_failed.inc_by(d.failed);

@@ -81,7 +81,9 @@ async fn receiver() -> anyhow::Result<(SocketAddr, Received)> {
                         return;
                     }
                     if let Ok(v) = serde_json::from_slice::<Value>(&body) {
-                        keep.lock().unwrap_or_else(|e| e.into_inner()).push((Instant::now(), v));
+                        keep.lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push((Instant::now(), v));
                     }
                     let ok = "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
                     if write.write_all(ok.as_bytes()).await.is_err() {
@@ -96,7 +98,12 @@ async fn receiver() -> anyhow::Result<(SocketAddr, Received)> {
 
 /// The first notification alert received after `since` with `status` whose
 /// labels hold every pair of `labels`: (when it arrived, the alert).
-fn find(got: &Received, since: Instant, status: &str, labels: &[(&str, &str)]) -> Option<(Instant, Value)> {
+fn find(
+    got: &Received,
+    since: Instant,
+    status: &str,
+    labels: &[(&str, &str)],
+) -> Option<(Instant, Value)> {
     let got = got.lock().unwrap_or_else(|e| e.into_inner());
     got.iter()
         .filter(|(at, _)| *at >= since)
@@ -108,9 +115,7 @@ fn find(got: &Received, since: Instant, status: &str, labels: &[(&str, &str)]) -
                 .into_iter()
                 .map(move |a| (*at, a))
         })
-        .find(|(_, a)| {
-            a["status"] == status && labels.iter().all(|(k, v)| a["labels"][*k] == *v)
-        })
+        .find(|(_, a)| a["status"] == status && labels.iter().all(|(k, v)| a["labels"][*k] == *v))
 }
 
 /// Prometheus' answer to an instant query: its result vector.
@@ -185,7 +190,10 @@ async fn prometheus_discovers_the_mesh_and_alerts_reach_a_person_even_with_the_c
     let _alertmanager = spawn(
         Command::new(ALERTMANAGER)
             .arg(format!("--config.file={}", am_config.display()))
-            .arg(format!("--storage.path={}", dir.path().join("am-data").display()))
+            .arg(format!(
+                "--storage.path={}",
+                dir.path().join("am-data").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{am_port}"))
             .arg("--cluster.listen-address="),
         &dir.path().join("alertmanager.log"),
@@ -209,7 +217,10 @@ async fn prometheus_discovers_the_mesh_and_alerts_reach_a_person_even_with_the_c
     let _prometheus = spawn(
         Command::new(PROMETHEUS)
             .arg(format!("--config.file={}", prom_config.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.path().join("prom-data").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("prom-data").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{prom_port}")),
         &dir.path().join("prometheus.log"),
     )?;
@@ -249,7 +260,12 @@ async fn prometheus_discovers_the_mesh_and_alerts_reach_a_person_even_with_the_c
     let up = scraped?;
     println!("Prometheus scrapes {} mesh targets, each up", up.len());
     // A metric of each: the agent's own gauge is there under its node.
-    let confirms = query(&http, &prometheus, "mesh_agent_last_confirm_timestamp_seconds > 0").await?;
+    let confirms = query(
+        &http,
+        &prometheus,
+        "mesh_agent_last_confirm_timestamp_seconds > 0",
+    )
+    .await?;
     ensure!(confirms.len() == 2, "{confirms:?}");
 
     // A stopped agent: node_unreachable reaches the receiver, named.
@@ -260,7 +276,12 @@ async fn prometheus_discovers_the_mesh_and_alerts_reach_a_person_even_with_the_c
         "node_unreachable of the stopped node at the webhook receiver",
         Duration::from_secs(60),
         || async {
-            Ok(find(&got, fault, "firing", &[("alertname", "node_unreachable"), ("node", b.as_str())]))
+            Ok(find(
+                &got,
+                fault,
+                "firing",
+                &[("alertname", "node_unreachable"), ("node", b.as_str())],
+            ))
         },
     )
     .await;
@@ -296,7 +317,12 @@ async fn prometheus_discovers_the_mesh_and_alerts_reach_a_person_even_with_the_c
         "the resolved node_unreachable at the webhook receiver",
         Duration::from_secs(60),
         || async {
-            Ok(find(&got, back, "resolved", &[("alertname", "node_unreachable"), ("node", b.as_str())]))
+            Ok(find(
+                &got,
+                back,
+                "resolved",
+                &[("alertname", "node_unreachable"), ("node", b.as_str())],
+            ))
         },
     )
     .await?;
@@ -313,7 +339,15 @@ async fn prometheus_discovers_the_mesh_and_alerts_reach_a_person_even_with_the_c
         "MeshControllerDown at the webhook receiver",
         Duration::from_secs(150),
         || async {
-            Ok(find(&got, fault, "firing", &[("alertname", "MeshControllerDown"), ("job", "mesh-controller")]))
+            Ok(find(
+                &got,
+                fault,
+                "firing",
+                &[
+                    ("alertname", "MeshControllerDown"),
+                    ("job", "mesh-controller"),
+                ],
+            ))
         },
     )
     .await;
