@@ -71,7 +71,8 @@ impl AlertPoster for HttpPoster {
     }
 }
 
-/// Deliver until `shutdown` (returns at once without `alertmanager_urls`).
+/// Deliver until `shutdown` (without `alertmanager_urls`, only wait for it:
+/// a task of the controller that ends stops the controller).
 pub async fn run(
     contexts: Arc<Contexts>,
     poster: HttpPoster,
@@ -80,6 +81,7 @@ pub async fn run(
 ) {
     let settings = contexts.observability.settings().clone();
     if settings.alertmanager_urls.is_empty() {
+        shutdown.cancelled().await;
         return;
     }
     tracing::info!(urls = ?settings.alertmanager_urls, "delivering alerts to Alertmanager");
