@@ -71,7 +71,8 @@ impl AlertPoster for HttpPoster {
     }
 }
 
-/// Deliver until `shutdown` (returns at once without `alertmanager_urls`).
+/// Deliver until `shutdown` (without `alertmanager_urls`, only wait for it:
+/// a task of the controller that ends stops the controller).
 pub async fn run(
     contexts: Arc<Contexts>,
     poster: HttpPoster,
@@ -80,6 +81,7 @@ pub async fn run(
 ) {
     let settings = contexts.observability.settings().clone();
     if settings.alertmanager_urls.is_empty() {
+        shutdown.cancelled().await;
         return;
     }
     tracing::info!(urls = ?settings.alertmanager_urls, "delivering alerts to Alertmanager");
@@ -87,11 +89,7 @@ pub async fn run(
     let mut last_resend: Option<Instant> = None;
     loop {
         let resend = last_resend.is_none_or(|t| t.elapsed() >= resend_every);
-        let waiting = match contexts
-            .observability
-            .deliver_alerts(&poster, resend)
-            .await
-        {
+        let waiting = match contexts.observability.deliver_alerts(&poster, resend).await {
             Ok(d) => {
                 metrics.alertmanager_sent.inc_by(d.sent);
                 metrics.alertmanager_failed.inc_by(d.failed);

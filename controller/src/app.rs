@@ -227,6 +227,17 @@ async fn run_fenced(
         logs: logs.clone(),
     });
 
+    // The mesh CA's end, for Prometheus' certificate rules (issue 35).
+    if let Ok(Some(ca)) = creds.mesh_ca()
+        && let Ok(info) = mesh_credentials::pki::CertInfo::parse(ca.certificate_pem())
+    {
+        metrics
+            .certificate_expiry
+            .get_or_create(&crate::metrics::CertificateLabels {
+                certificate: "mesh_ca".to_owned(),
+            })
+            .set(info.not_after.timestamp() as f64);
+    }
     if let Some((tls, certificate)) = https_listener(&settings, &creds, shutdown.clone()).await? {
         let tls_app = app.clone();
         let api_shutdown = shutdown.clone();
@@ -237,8 +248,14 @@ async fn run_fenced(
             ("api-https", served.map_err(|e| e.to_string()))
         });
         let renew_shutdown = shutdown.clone();
+        let expiry = metrics
+            .certificate_expiry
+            .get_or_create(&crate::metrics::CertificateLabels {
+                certificate: "api".to_owned(),
+            })
+            .clone();
         tasks.spawn(async move {
-            certificate.renew(renew_shutdown).await;
+            certificate.renew(renew_shutdown, expiry).await;
             ("api-certificate", Ok(()))
         });
     }

@@ -837,7 +837,11 @@ impl Advertised {
     /// Where Prometheus scrapes the controller's own `/metrics` (issue 35):
     /// the advertised HTTPS API when there is one (`tls`: a mesh CA, so the
     /// HTTPS listener runs), else the plain-HTTP listener on loopback.
-    pub fn metrics_target(&self, settings: &Settings, tls: bool) -> mesh_inventory::ControllerTarget {
+    pub fn metrics_target(
+        &self,
+        settings: &Settings,
+        tls: bool,
+    ) -> mesh_inventory::ControllerTarget {
         match self.api.as_deref().and_then(|u| u.strip_prefix("https://")) {
             Some(rest) if tls => mesh_inventory::ControllerTarget {
                 address: rest.split('/').next().unwrap_or(rest).to_owned(),

@@ -97,6 +97,12 @@ pub struct HealthLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CertificateLabels {
+    /// `api` (the HTTPS API's), `mesh_ca`.
+    pub certificate: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AlertLabels {
     pub kind: String,
     pub severity: String,
@@ -190,6 +196,9 @@ pub struct Metrics {
     pub rollouts: Family<StateLabels, Gauge>,
     /// Open alerts by kind and severity (set through [`Metrics::set_open_alerts`]).
     pub alerts: Family<AlertLabels, Gauge>,
+    /// When each certificate the controller holds expires (Unix seconds):
+    /// `api` (its HTTPS listener's, renewed at two thirds) and `mesh_ca`.
+    pub certificate_expiry: Family<CertificateLabels, SecondsGauge>,
     /// The fleet's heartbeat detection time now (grace plus one sweep; the
     /// budget stretches it as the fleet grows), in seconds.
     pub heartbeat_detection: SecondsGauge,
@@ -268,6 +277,7 @@ impl Metrics {
             modules: Family::default(),
             rollouts: Family::default(),
             alerts: Family::default(),
+            certificate_expiry: Family::default(),
             heartbeat_detection: SecondsGauge::default(),
             alertmanager_sent: Counter::default(),
             alertmanager_failed: Counter::default(),
@@ -462,6 +472,11 @@ impl Metrics {
             "mesh_controller_alerts",
             "Open alerts by kind and severity",
             m.alerts.clone(),
+        );
+        r.add(
+            "mesh_controller_certificate_expiry_timestamp_seconds",
+            "When each certificate the controller holds expires, by certificate (api, mesh_ca)",
+            m.certificate_expiry.clone(),
         );
         r.add(
             "mesh_controller_heartbeat_detection_seconds",

@@ -148,7 +148,13 @@ impl ApiCertificate {
     /// Issues the certificate again at two thirds of its lifetime, until
     /// `shutdown`. A failure is logged and retried a minute later; the old
     /// certificate stays in place meanwhile.
-    pub async fn renew(mut self, shutdown: CancellationToken) {
+    /// `expiry` is set to each certificate's `not_after` (Unix seconds).
+    pub async fn renew(
+        mut self,
+        shutdown: CancellationToken,
+        expiry: crate::metrics::SecondsGauge,
+    ) {
+        expiry.set(self.not_after.timestamp() as f64);
         loop {
             let wait = (self.renew_at - Utc::now())
                 .to_std()
@@ -164,6 +170,7 @@ impl ApiCertificate {
                     }
                     self.renew_at = renew_at;
                     self.not_after = info.not_after;
+                    expiry.set(info.not_after.timestamp() as f64);
                     tracing::info!(serial = %info.serial, not_after = %info.not_after, "API certificate renewed");
                 }
                 Err(e) => {

@@ -76,7 +76,9 @@ async fn https_with_a_certificate_from_the_mesh_ca_renewed_in_place() -> anyhow:
             .with_graceful_shutdown(shutdown.clone().cancelled_owned())
             .into_future(),
     );
-    tokio::spawn(cert.renew(shutdown.clone()));
+    let expiry = mesh_controller::metrics::SecondsGauge::default();
+    let first_end = cert.not_after().timestamp() as f64;
+    tokio::spawn(cert.renew(shutdown.clone(), expiry.clone()));
 
     // HTTP over it, verified against the CA alone.
     let http = reqwest::Client::builder()
@@ -109,6 +111,13 @@ async fn https_with_a_certificate_from_the_mesh_ca_renewed_in_place() -> anyhow:
         }
     };
     tokio::time::timeout(Duration::from_secs(10), renewed).await??;
+    // The expiry gauge follows the certificate: the renewed one ends later.
+    let later = async {
+        while expiry.get() <= first_end {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), later).await?;
 
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(5), served).await???;

@@ -234,7 +234,7 @@ pub struct Hello {
     /// unspecified address, `0.0.0.0`, on the node's advertised address).
     /// Absent: metrics are not served, or an agent older than discovery.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub metrics: Option<String>,
+    pub metrics: Option<Box<str>>,
 }
 
 impl Hello {

@@ -1684,7 +1684,7 @@ async fn prometheus_discovers_the_controller_agents_and_module_replicas() {
                 applied: Default::default(),
                 protocol: None,
                 outage: None,
-                metrics: metrics.map(str::to_owned),
+                metrics: metrics.map(Into::into),
             }),
         )
     };
@@ -1725,7 +1725,12 @@ async fn prometheus_discovers_the_controller_agents_and_module_replicas() {
 
     // Paged by node: after a, only b, which has nothing to scrape.
     let (status, _, page) = f
-        .request("GET", &format!("/v1/prometheus/targets?after={a}&limit=1"), &[], None)
+        .request(
+            "GET",
+            &format!("/v1/prometheus/targets?after={a}&limit=1"),
+            &[],
+            None,
+        )
         .await;
     assert_eq!((status, page), (StatusCode::OK, json!([])));
     let (status, _, problem) = f

@@ -199,10 +199,9 @@ impl Observability {
                 .await?;
             }
         }
-        out.pending =
-            sqlx::query_scalar("SELECT count(*) FROM observability.alertmanager_pending")
-                .fetch_one(&self.pool)
-                .await?;
+        out.pending = sqlx::query_scalar("SELECT count(*) FROM observability.alertmanager_pending")
+            .fetch_one(&self.pool)
+            .await?;
         Ok(out)
     }
 }
@@ -228,7 +227,10 @@ mod tests {
 
     #[test]
     fn labels_name_the_subject_and_a_resolved_alert_ends() {
-        let a = postable(&row("unit/n1/web-2", true), Some("https://c:7443/dashboard"));
+        let a = postable(
+            &row("unit/n1/web-2", true),
+            Some("https://c:7443/dashboard"),
+        );
         let v = serde_json::to_value(&a).unwrap();
         assert_eq!(v["labels"]["alertname"], "unit_crash_looping");
         assert_eq!(v["labels"]["node"], "n1");

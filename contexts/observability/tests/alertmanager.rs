@@ -133,7 +133,10 @@ async fn alerts_reach_every_alertmanager_and_a_down_one_loses_nothing() {
         ],
     )
     .await;
-    assert_eq!(obs.evaluate(&Observations::default()).await.unwrap().raised, 1);
+    assert_eq!(
+        obs.evaluate(&Observations::default()).await.unwrap().raised,
+        1
+    );
 
     // Both accept: the open alert with its labels and annotations.
     let d = obs.deliver_alerts(&poster, false).await.unwrap();

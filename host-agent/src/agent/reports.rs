@@ -67,7 +67,7 @@ impl Agent {
             self.applier.seal_public_key().map(|k| k.to_hex()),
             self.connectivity.as_ref().and_then(|c| c.facts()),
         );
-        hello.metrics = self.config.metrics_listen.map(|a| a.to_string());
+        hello.metrics = self.config.metrics_listen.map(|a| a.to_string().into());
         hello.outage = self.outage.map(|o| Outage {
             since: o.since,
             seconds: o.at.elapsed().as_secs(),
