@@ -755,6 +755,25 @@ impl Session {
                 Ok(upgrade::wait_drained(&upgrade_conn, &upgrading, upgrade_end).await?)
             });
         }
+        // Whether a report can reach the broker at all (a resource alarm
+        // blocks every publisher while this session stays up): the probe
+        // stops observation while it cannot. Never ends the session.
+        let probe_end = session_end.clone();
+        let probe_url = self.broker_url.clone();
+        let probe_endpoint = target.cloned();
+        let probe_heartbeat = Duration::from_secs(self.settings.amqp_heartbeat_secs);
+        let probe_inventory = self.contexts.inventory.clone();
+        let probe_metrics = self.metrics.clone();
+        tasks.spawn(async move {
+            let target = crate::probe::Target {
+                url: &probe_url,
+                endpoint: probe_endpoint.as_ref(),
+                heartbeat: probe_heartbeat,
+                connect_timeout: deadline,
+            };
+            crate::probe::run(target, probe_inventory, probe_metrics, probe_end).await;
+            Ok(())
+        });
         // Reports flow from now on: liveness may be judged after one full grace.
         self.contexts.inventory.observe_from(chrono::Utc::now());
 

@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod oidc;
 pub mod openapi;
 pub mod pipeline;
+pub mod probe;
 pub mod relay;
 pub mod replica;
 pub mod rollout_clock;

@@ -164,6 +164,9 @@ pub struct Metrics {
     pub broker_connects: Counter,
     /// 1 while the broker session is up, else 0.
     pub broker_connected: Gauge,
+    /// 1 while the broker does not confirm the controller's probe publish (a
+    /// resource alarm blocks publishers: no node is judged), else 0.
+    pub broker_publishing_blocked: Gauge,
     /// Messages in each queue the controller consumes (and the dead-letter
     /// queue), as of the last broker reading (`broker_stats_secs`).
     pub queue_messages: Family<QueueLabels, Gauge>,
@@ -264,6 +267,7 @@ impl Metrics {
             outbox_oldest_unsent: Family::default(),
             broker_connects: Counter::default(),
             broker_connected: Gauge::default(),
+            broker_publishing_blocked: Gauge::default(),
             queue_messages: Family::default(),
             unknown_fields: Family::default(),
             unauthenticated: Counter::default(),
@@ -407,6 +411,11 @@ impl Metrics {
             "mesh_controller_broker_connected",
             "1 while the broker session is up, else 0",
             m.broker_connected.clone(),
+        );
+        r.add(
+            "mesh_controller_broker_publishing_blocked",
+            "1 while the broker does not confirm the controller's probe publish (no node is judged), else 0",
+            m.broker_publishing_blocked.clone(),
         );
         r.add(
             "mesh_controller_queue_messages",

@@ -422,6 +422,87 @@ pub fn metric_sum(text: &str, name: &str, filter: &str) -> f64 {
         .sum()
 }
 
+/// The broker's resource limits, read before a resource alarm is raised on
+/// purpose (the disruptive tests, the soak's nemesis) and restored after it.
+#[derive(Debug, Clone)]
+pub struct BrokerLimits {
+    pub disk_free_limit: String,
+    /// `0.4`, or `absolute <bytes>`.
+    pub memory_watermark: Vec<String>,
+}
+
+impl BrokerLimits {
+    pub fn read() -> anyhow::Result<BrokerLimits> {
+        let disk = capture(std::process::Command::new("rabbitmqctl").args([
+            "-q",
+            "eval",
+            "rabbit_disk_monitor:get_disk_free_limit().",
+        ]))?;
+        let mem = capture(std::process::Command::new("rabbitmqctl").args([
+            "-q",
+            "eval",
+            "vm_memory_monitor:get_vm_memory_high_watermark().",
+        ]))?;
+        ensure!(
+            disk.chars().all(|c| c.is_ascii_digit()) && !disk.is_empty(),
+            "the broker's disk free limit is {disk:?}"
+        );
+        let memory_watermark = if let Some(rest) = mem.strip_prefix("{absolute,") {
+            vec![
+                "absolute".to_owned(),
+                rest.trim_end_matches('}').trim().to_owned(),
+            ]
+        } else {
+            ensure!(
+                mem.parse::<f64>().is_ok(),
+                "the broker's memory watermark is {mem:?}"
+            );
+            vec![mem]
+        };
+        Ok(BrokerLimits {
+            disk_free_limit: disk,
+            memory_watermark,
+        })
+    }
+
+    pub fn restore(&self) -> anyhow::Result<()> {
+        run(std::process::Command::new("rabbitmqctl").args([
+            "-q",
+            "set_disk_free_limit",
+            &self.disk_free_limit,
+        ]))?;
+        run(std::process::Command::new("rabbitmqctl")
+            .args(["-q", "set_vm_memory_high_watermark"])
+            .args(&self.memory_watermark))
+    }
+}
+
+impl BrokerLimits {
+    /// Raise a memory alarm: the watermark near zero, so the broker blocks
+    /// every publishing connection until [`BrokerLimits::restore`].
+    pub fn alarm_memory() -> anyhow::Result<()> {
+        run(std::process::Command::new("rabbitmqctl").args([
+            "-q",
+            "set_vm_memory_high_watermark",
+            "0.0000001",
+        ]))
+    }
+}
+
+/// A command's stdout, trimmed.
+fn capture(cmd: &mut std::process::Command) -> anyhow::Result<String> {
+    let out = cmd
+        .current_dir("/tmp")
+        .output()
+        .with_context(|| format!("running {cmd:?}"))?;
+    ensure!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
 fn run(cmd: &mut std::process::Command) -> anyhow::Result<()> {
     let out = cmd
         .current_dir("/tmp")

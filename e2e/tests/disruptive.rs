@@ -430,25 +430,7 @@ async fn a_broker_restart_under_a_fleet_marks_no_node_unreachable_and_moves_no_r
         .request(reqwest::Method::PUT, "/v1/modules/steady", &[], Some(&spec))
         .await?;
     anyhow::ensure!(status == 201, "PUT module: {status} {body}");
-    let placed = || async {
-        let (status, view) = mesh.get("/v1/modules/steady").await?;
-        anyhow::ensure!(status == 200, "GET module: {status} {view}");
-        let mut running: Vec<(u64, String)> = view["assignments"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-            .iter()
-            .filter(|a| a["role"] == "active" && a["unit_state"] == "running")
-            .map(|a| {
-                (
-                    a["replica"].as_u64().unwrap_or(0),
-                    a["node"].as_str().unwrap_or_default().to_owned(),
-                )
-            })
-            .collect();
-        running.sort();
-        Ok(running)
-    };
+    let placed = || running_replicas(&mesh, "steady");
     let before = wait_for("3 running replicas", Duration::from_secs(60), || async {
         let running = placed().await?;
         Ok((running.len() == 3).then_some(running))
@@ -501,6 +483,116 @@ async fn a_broker_restart_under_a_fleet_marks_no_node_unreachable_and_moves_no_r
     )
     .await?;
     assert_eq!(placed().await?, before, "a replica moved");
+    mesh.teardown().await
+}
+
+/// A resource alarm (memory above the watermark, a full disk) makes the
+/// broker block every publishing connection while every session stays up:
+/// no agent's heartbeat reaches it, and the controller, still consuming,
+/// hears nobody. Found by the fleet soak (issue 32, seed 42): every node
+/// not otherwise faulted was judged unreachable three seconds into a disk
+/// alarm. The controller's probe publish (`controller/src/probe.rs`) is not
+/// confirmed either, so observation stops: through an alarm four graces
+/// long no node is ever unreachable (sampled throughout, and no
+/// `inventory.node.unreachable` on the record), no replica moves, and after
+/// it every node is heard again.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "raises a broker resource alarm: run alone (bundle/test does)"]
+async fn a_broker_resource_alarm_marks_no_node_unreachable_and_moves_no_replica()
+-> anyhow::Result<()> {
+    use mesh_e2e::sim::BrokerLimits;
+    const GRACE: Duration = Duration::from_secs(3);
+    let mut mesh = Mesh::start().await?;
+    for i in 0..3 {
+        mesh.add_agent(&format!("alarm{i}"), &[("role", "web")])
+            .await?;
+    }
+    let spec = json!({
+        "unit": {"command": "sleep", "args": ["1000"]},
+        "placement": {"match_labels": {"labels": {"role": "web"}, "replicas": 2}}
+    });
+    let (status, _, body) = mesh
+        .request(
+            reqwest::Method::PUT,
+            "/v1/modules/alarmed",
+            &[],
+            Some(&spec),
+        )
+        .await?;
+    anyhow::ensure!(status == 201, "PUT module: {status} {body}");
+    let placed = || running_replicas(&mesh, "alarmed");
+    let before = wait_for("2 running replicas", Duration::from_secs(60), || async {
+        let running = placed().await?;
+        Ok((running.len() == 2).then_some(running))
+    })
+    .await?;
+    let unreachable_now = || {
+        scalar(
+            &mesh.env,
+            "inventory",
+            "SELECT count(*) FROM inventory.nodes WHERE state <> 'alive'",
+        )
+    };
+
+    let limits = BrokerLimits::read()?;
+    BrokerLimits::alarm_memory()?;
+    let alarmed = async {
+        let mut worst = 0;
+        let until = tokio::time::Instant::now() + GRACE * 4;
+        while tokio::time::Instant::now() < until {
+            worst = worst.max(unreachable_now().await?);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::Ok(worst)
+    }
+    .await;
+    let blocked = metric_sum(
+        &metrics(&mesh).await?,
+        "mesh_controller_broker_publishing_blocked",
+        "",
+    );
+    // The broker's limits come back whatever the test saw.
+    limits.restore()?;
+    let mut worst = alarmed?;
+    let lifted = tokio::time::Instant::now();
+    while lifted.elapsed() < GRACE * 2 {
+        worst = worst.max(unreachable_now().await?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(worst, 0, "a node was judged unreachable during the alarm");
+    assert_eq!(
+        blocked, 1.0,
+        "the controller did not notice the blocked broker"
+    );
+    let events = scalar(
+        &mesh.env,
+        "inventory",
+        "SELECT count(*) FROM inventory.outbox WHERE routing_key = 'inventory.node.unreachable'",
+    )
+    .await?;
+    assert_eq!(events, 0, "an unreachable event was recorded");
+    wait_scalar(
+        &mesh.env,
+        "every node heard after the alarm",
+        "inventory",
+        "SELECT count(*) FROM inventory.nodes WHERE heard_at < now() - interval '2 seconds'",
+        0,
+        Duration::from_secs(30),
+    )
+    .await?;
+    assert_eq!(placed().await?, before, "a replica moved");
+    wait_for(
+        "the probe confirmed again",
+        Duration::from_secs(30),
+        || async {
+            let text = metrics(&mesh).await?;
+            Ok(
+                (metric_sum(&text, "mesh_controller_broker_publishing_blocked", "") == 0.0)
+                    .then_some(()),
+            )
+        },
+    )
+    .await?;
     mesh.teardown().await
 }
 
@@ -566,4 +658,25 @@ async fn a_broker_outage_is_alerted_as_the_controller_unreachable_from_each_node
         assert!(secs >= 4, "{n}'s outage: {part}");
     }
     mesh.teardown().await
+}
+
+/// `module`'s active replicas that run, as (replica, node), sorted.
+async fn running_replicas(mesh: &Mesh, module: &str) -> anyhow::Result<Vec<(u64, String)>> {
+    let (status, view) = mesh.get(&format!("/v1/modules/{module}")).await?;
+    anyhow::ensure!(status == 200, "GET module: {status} {view}");
+    let mut running: Vec<(u64, String)> = view["assignments"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter(|a| a["role"] == "active" && a["unit_state"] == "running")
+        .map(|a| {
+            (
+                a["replica"].as_u64().unwrap_or(0),
+                a["node"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    running.sort();
+    Ok(running)
 }

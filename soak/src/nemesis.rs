@@ -22,59 +22,7 @@ use crate::fleet::{Fleet, capture, run};
 use crate::history::{Event, History};
 use crate::schedule::Fault;
 
-/// The broker's resource limits before the run, restored after an alarm.
-#[derive(Debug, Clone)]
-pub struct BrokerLimits {
-    pub disk_free_limit: String,
-    /// `0.4`, or `absolute <bytes>`.
-    pub memory_watermark: Vec<String>,
-}
-
-impl BrokerLimits {
-    pub fn read() -> anyhow::Result<BrokerLimits> {
-        let disk = capture(Command::new("rabbitmqctl").args([
-            "-q",
-            "eval",
-            "rabbit_disk_monitor:get_disk_free_limit().",
-        ]))?;
-        let mem = capture(Command::new("rabbitmqctl").args([
-            "-q",
-            "eval",
-            "vm_memory_monitor:get_vm_memory_high_watermark().",
-        ]))?;
-        anyhow::ensure!(
-            disk.chars().all(|c| c.is_ascii_digit()) && !disk.is_empty(),
-            "the broker's disk free limit is {disk:?}"
-        );
-        let memory_watermark = if let Some(rest) = mem.strip_prefix("{absolute,") {
-            vec![
-                "absolute".to_owned(),
-                rest.trim_end_matches('}').trim().to_owned(),
-            ]
-        } else {
-            anyhow::ensure!(
-                mem.parse::<f64>().is_ok(),
-                "the broker's memory watermark is {mem:?}"
-            );
-            vec![mem]
-        };
-        Ok(BrokerLimits {
-            disk_free_limit: disk,
-            memory_watermark,
-        })
-    }
-
-    pub fn restore(&self) -> anyhow::Result<()> {
-        run(Command::new("rabbitmqctl").args([
-            "-q",
-            "set_disk_free_limit",
-            &self.disk_free_limit,
-        ]))?;
-        run(Command::new("rabbitmqctl")
-            .args(["-q", "set_vm_memory_high_watermark"])
-            .args(&self.memory_watermark))
-    }
-}
+pub use mesh_e2e::sim::BrokerLimits;
 
 /// The machine's PostgreSQL cluster version (`pg_lsclusters`).
 fn postgres_version() -> anyhow::Result<String> {
