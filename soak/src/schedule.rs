@@ -65,35 +65,35 @@ impl Fault {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(tag = "op", rename_all = "kebab-case")]
 pub enum OpKind {
-    /// PUT /v1/files/f<k> for a role (or every node: `role` None).
+    /// `PUT /v1/files/f<k>` for a role (or every node: `role` None).
     FilePut {
         file: usize,
         role: Option<String>,
     },
-    /// DELETE /v1/files/f<k>.
+    /// `DELETE /v1/files/f<k>`.
     FileDelete {
         file: usize,
     },
-    /// PUT /v1/settings/labels/l<k> for a role.
+    /// `PUT /v1/settings/labels/l<k>` for a role.
     SettingsPut {
         layer: usize,
         role: String,
     },
-    /// PUT /v1/secrets/s<k> with a new value (the secret's rotation).
+    /// `PUT /v1/secrets/s<k>` with a new value (the secret's rotation).
     SecretRotate {
         secret: usize,
     },
-    /// PUT /v1/modules/m<k> with `replicas` on nodes of `role`.
+    /// `PUT /v1/modules/m<k>` with `replicas` on nodes of `role`.
     ModuleScale {
         module: usize,
         replicas: u32,
         role: String,
     },
-    /// POST /v1/nodes/<agent>/drain.
+    /// `POST /v1/nodes/<agent>/drain`.
     Drain {
         agent: usize,
     },
-    /// POST /v1/nodes/<agent>/undrain.
+    /// `POST /v1/nodes/<agent>/undrain`.
     Undrain {
         agent: usize,
     },

@@ -128,8 +128,8 @@ pub fn postable(row: &AlertRow, dashboard: Option<&str>) -> PostableAlert {
 
 impl Observability {
     /// One delivery round to the settings' `alertmanager_urls`: the pending
-    /// alert changes, and with `resend` every open alert too. See the
-    /// [module](self).
+    /// alert changes, and with `resend` every open alert too (decision 0053:
+    /// a pending mark per change, cleared once every Alertmanager took it).
     pub async fn deliver_alerts(
         &self,
         poster: &dyn AlertPoster,
