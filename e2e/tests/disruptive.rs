@@ -465,24 +465,8 @@ async fn a_broker_restart_under_a_fleet_marks_no_node_unreachable_and_moves_no_r
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(worst, 0, "a node was judged unreachable across the restart");
-    let events = scalar(
-        &mesh.env,
-        "inventory",
-        "SELECT count(*) FROM inventory.outbox WHERE routing_key = 'inventory.node.unreachable'",
-    )
-    .await?;
-    assert_eq!(events, 0, "an unreachable event was recorded");
     // Every node was heard after the broker came back.
-    wait_scalar(
-        &mesh.env,
-        "every node heard after the restart",
-        "inventory",
-        "SELECT count(*) FROM inventory.nodes WHERE heard_at < now() - interval '3 seconds'",
-        0,
-        Duration::from_secs(30),
-    )
-    .await?;
-    assert_eq!(placed().await?, before, "a replica moved");
+    nobody_judged_and_nothing_moved(&mesh, "steady", &before, 3).await?;
     mesh.teardown().await
 }
 
@@ -564,23 +548,7 @@ async fn a_broker_resource_alarm_marks_no_node_unreachable_and_moves_no_replica(
         blocked, 1.0,
         "the controller did not notice the blocked broker"
     );
-    let events = scalar(
-        &mesh.env,
-        "inventory",
-        "SELECT count(*) FROM inventory.outbox WHERE routing_key = 'inventory.node.unreachable'",
-    )
-    .await?;
-    assert_eq!(events, 0, "an unreachable event was recorded");
-    wait_scalar(
-        &mesh.env,
-        "every node heard after the alarm",
-        "inventory",
-        "SELECT count(*) FROM inventory.nodes WHERE heard_at < now() - interval '2 seconds'",
-        0,
-        Duration::from_secs(30),
-    )
-    .await?;
-    assert_eq!(placed().await?, before, "a replica moved");
+    nobody_judged_and_nothing_moved(&mesh, "alarmed", &before, 2).await?;
     wait_for(
         "the probe confirmed again",
         Duration::from_secs(30),
@@ -679,4 +647,39 @@ async fn running_replicas(mesh: &Mesh, module: &str) -> anyhow::Result<Vec<(u64,
         .collect();
     running.sort();
     Ok(running)
+}
+
+/// After a broker fault under a fleet: no `inventory.node.unreachable` on the
+/// record, every node heard again (within `heard_secs` of now), and
+/// `module`'s running replicas where they were (`before`).
+async fn nobody_judged_and_nothing_moved(
+    mesh: &Mesh,
+    module: &str,
+    before: &[(u64, String)],
+    heard_secs: u32,
+) -> anyhow::Result<()> {
+    let events = scalar(
+        &mesh.env,
+        "inventory",
+        "SELECT count(*) FROM inventory.outbox WHERE routing_key = 'inventory.node.unreachable'",
+    )
+    .await?;
+    assert_eq!(events, 0, "an unreachable event was recorded");
+    wait_scalar(
+        &mesh.env,
+        "every node heard after the fault",
+        "inventory",
+        &format!(
+            "SELECT count(*) FROM inventory.nodes WHERE heard_at < now() - interval '{heard_secs} seconds'"
+        ),
+        0,
+        Duration::from_secs(30),
+    )
+    .await?;
+    assert_eq!(
+        running_replicas(mesh, module).await?,
+        before,
+        "a replica moved"
+    );
+    Ok(())
 }
